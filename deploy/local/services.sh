@@ -1,0 +1,270 @@
+#!/usr/bin/env bash
+# Local PostgreSQL and single-node KRaft Kafka on loopback, for development, tests and benchmarks.
+#
+#   deploy/local/services.sh start|stop|status|restart-kafka|restart-postgres
+#
+# Idempotent: `start` returns at once when both services already run. Everything the script
+# creates (data, logs, pid files) lives under $HARVESTER_LOCAL_DIR (default: <repo>/.local);
+# Kafka's jars are resolved with Maven into $HARVESTER_CACHE_DIR (default: ~/.cache/outbox-harvester),
+# which survives between runs and clones. `stop` ends only processes whose pid files it wrote.
+#
+# Environment:
+#   PGPORT                    PostgreSQL port on 127.0.0.1 (default 5432)
+#   KAFKA_PORT                Kafka broker port on 127.0.0.1 (default 9092)
+#   KAFKA_CONTROLLER_PORT     KRaft controller port (default KAFKA_PORT+1)
+#   KAFKA_AUTO_CREATE_TOPICS  broker's auto.create.topics.enable (default false)
+#   KAFKA_VERSION             pinned Kafka version (default 4.1.1)
+#   KAFKA_HEAP                broker JVM heap (default 1g)
+#   HARVESTER_LOCAL_DIR       where data, logs and pid files go (default <repo>/.local); a second
+#                             directory plus other ports gives a second, private broker
+#
+# Commands: start | stop | status | start-kafka | stop-kafka | restart-kafka | restart-postgres
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+STATE=${HARVESTER_LOCAL_DIR:-$ROOT/.local}
+CACHE=${HARVESTER_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/outbox-harvester}
+PGPORT=${PGPORT:-5432}
+KAFKA_PORT=${KAFKA_PORT:-9092}
+KAFKA_CONTROLLER_PORT=${KAFKA_CONTROLLER_PORT:-$((KAFKA_PORT + 1))}
+KAFKA_AUTO_CREATE_TOPICS=${KAFKA_AUTO_CREATE_TOPICS:-false}
+KAFKA_VERSION=${KAFKA_VERSION:-4.1.1}
+KAFKA_HEAP=${KAFKA_HEAP:-1g}
+LOG4J_VERSION=2.24.3
+SLF4J_VERSION=2.0.17
+
+PG_DIR=$STATE/postgres
+PG_DATA=$PG_DIR/data
+PG_LOG=$PG_DIR/postgres.log
+KAFKA_DIR=$STATE/kafka
+KAFKA_LIBS=$CACHE/kafka-$KAFKA_VERSION/libs
+KAFKA_LOG=$KAFKA_DIR/kafka.log
+KAFKA_PID=$KAFKA_DIR/kafka.pid
+
+PG_USER=harvester
+PG_PASSWORD=harvester
+PG_DB=harvester
+
+say() { printf '%s\n' "$*"; }
+die() { printf 'services.sh: %s\n' "$*" >&2; exit 1; }
+
+port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+
+# ---------------------------------------------------------------- PostgreSQL
+
+pg_bindir() {
+  local d
+  d=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1 || true)
+  [ -n "$d" ] && [ -x "$d/initdb" ] && { printf '%s' "$d"; return 0; }
+  return 1
+}
+
+pg_install() {
+  pg_bindir >/dev/null && return 0
+  [ "$(id -u)" = 0 ] || die "PostgreSQL server binaries not found; install Debian's 'postgresql' package (needs root)"
+  say "installing PostgreSQL from Debian's packages ..."
+  # Debian's package would create and start a system cluster on 5432; this project runs its own.
+  mkdir -p /etc/postgresql-common
+  grep -qs '^create_main_cluster' /etc/postgresql-common/createcluster.conf ||
+    echo 'create_main_cluster = false' >> /etc/postgresql-common/createcluster.conf
+  DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null
+  pg_bindir >/dev/null || die "PostgreSQL installation did not provide initdb"
+}
+
+# Run a PostgreSQL server tool as the data directory's owner: initdb and postgres refuse root.
+as_pg() {
+  if [ "$(id -u)" = 0 ]; then runuser -u postgres -- "$@"; else "$@"; fi
+}
+
+pg_running() { [ -f "$PG_DATA/postmaster.pid" ] && as_pg "$(pg_bindir)/pg_ctl" -D "$PG_DATA" status >/dev/null 2>&1; }
+
+pg_start() {
+  pg_install
+  local bin; bin=$(pg_bindir)
+  if pg_running; then say "postgres: already running on 127.0.0.1:$PGPORT"; return 0; fi
+  if port_open "$PGPORT"; then
+    die "port $PGPORT is taken by a process this script did not start; set PGPORT to a free port, or point the tests at that server (see README, 'Development')"
+  fi
+  mkdir -p "$PG_DIR"
+  if [ "$(id -u)" = 0 ]; then chown postgres "$PG_DIR"; fi
+  if [ ! -f "$PG_DATA/PG_VERSION" ]; then
+    as_pg "$bin/initdb" -D "$PG_DATA" -U postgres --auth=trust -E UTF8 --locale=C.UTF-8 >"$PG_DIR/initdb.log" 2>&1 ||
+      { tail -n 20 "$PG_DIR/initdb.log" >&2; die "initdb failed"; }
+    cat >>"$PG_DATA/postgresql.conf" <<CONF
+listen_addresses = '127.0.0.1'
+unix_socket_directories = '$PG_DIR'
+max_connections = 200
+shared_buffers = 256MB
+fsync = on
+synchronous_commit = on
+CONF
+    # Loopback only, trust: this cluster exists for local development and tests.
+    printf 'local all all trust\nhost all all 127.0.0.1/32 trust\n' >"$PG_DATA/pg_hba.conf"
+  fi
+  as_pg "$bin/pg_ctl" -D "$PG_DATA" -l "$PG_LOG" -o "-p $PGPORT" -w -t 60 start >/dev/null ||
+    { tail -n 20 "$PG_LOG" >&2; die "PostgreSQL did not start (log: $PG_LOG)"; }
+  local psql=(as_pg "$bin/psql" -h 127.0.0.1 -p "$PGPORT" -U postgres -d postgres -qtAX -v ON_ERROR_STOP=1)
+  "${psql[@]}" -c "DO \$\$BEGIN IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname='$PG_USER') THEN CREATE ROLE $PG_USER LOGIN SUPERUSER PASSWORD '$PG_PASSWORD'; END IF; END\$\$" >/dev/null
+  if [ -z "$("${psql[@]}" -c "SELECT 1 FROM pg_database WHERE datname='$PG_DB'")" ]; then
+    "${psql[@]}" -c "CREATE DATABASE $PG_DB OWNER $PG_USER" >/dev/null
+  fi
+  say "postgres: started on 127.0.0.1:$PGPORT"
+}
+
+pg_stop() {
+  if pg_running; then
+    as_pg "$(pg_bindir)/pg_ctl" -D "$PG_DATA" -m fast -w -t 60 stop >/dev/null
+    say "postgres: stopped"
+  else
+    say "postgres: not running"
+  fi
+}
+
+pg_status() {
+  if pg_running; then
+    say "postgres: running on 127.0.0.1:$PGPORT  dsn=postgresql://$PG_USER:$PG_PASSWORD@127.0.0.1:$PGPORT/$PG_DB  log=$PG_LOG"
+  else
+    say "postgres: stopped"; return 1
+  fi
+}
+
+# ---------------------------------------------------------------- Kafka
+
+kafka_resolve() {
+  [ -f "$KAFKA_LIBS/.complete" ] && return 0
+  command -v mvn >/dev/null || die "Maven (mvn) is needed to resolve Kafka's jars from Maven Central"
+  command -v java >/dev/null || die "Java 17+ is needed to run Kafka"
+  say "resolving Kafka $KAFKA_VERSION jars from Maven Central into $KAFKA_LIBS ..."
+  local work; work=$(mktemp -d)
+  cat >"$work/pom.xml" <<POM
+<project xmlns="http://maven.apache.org/POM/4.0.0">
+  <modelVersion>4.0.0</modelVersion>
+  <groupId>outbox-harvester.local</groupId><artifactId>kafka-runtime</artifactId><version>1</version>
+  <packaging>pom</packaging>
+  <dependencies>
+    <dependency><groupId>org.apache.kafka</groupId><artifactId>kafka_2.13</artifactId><version>$KAFKA_VERSION</version></dependency>
+    <dependency><groupId>org.apache.kafka</groupId><artifactId>kafka-tools</artifactId><version>$KAFKA_VERSION</version></dependency>
+    <dependency><groupId>org.slf4j</groupId><artifactId>slf4j-api</artifactId><version>$SLF4J_VERSION</version></dependency>
+    <dependency><groupId>org.apache.logging.log4j</groupId><artifactId>log4j-slf4j2-impl</artifactId><version>$LOG4J_VERSION</version></dependency>
+    <dependency><groupId>org.apache.logging.log4j</groupId><artifactId>log4j-core</artifactId><version>$LOG4J_VERSION</version></dependency>
+  </dependencies>
+</project>
+POM
+  rm -rf "$KAFKA_LIBS"; mkdir -p "$KAFKA_LIBS"
+  (cd "$work" && mvn -q -B dependency:copy-dependencies -DincludeScope=runtime -DoutputDirectory="$KAFKA_LIBS") >"$work/mvn.log" 2>&1 ||
+    { tail -n 30 "$work/mvn.log" >&2; die "Maven could not resolve Kafka $KAFKA_VERSION"; }
+  touch "$KAFKA_LIBS/.complete"
+  rm -rf "$work"
+}
+
+kafka_running() { [ -f "$KAFKA_PID" ] && kill -0 "$(cat "$KAFKA_PID")" 2>/dev/null; }
+
+kafka_config() {
+  mkdir -p "$KAFKA_DIR"
+  cat >"$KAFKA_DIR/server.properties" <<PROPS
+process.roles=broker,controller
+node.id=1
+controller.quorum.voters=1@127.0.0.1:$KAFKA_CONTROLLER_PORT
+listeners=PLAINTEXT://127.0.0.1:$KAFKA_PORT,CONTROLLER://127.0.0.1:$KAFKA_CONTROLLER_PORT
+advertised.listeners=PLAINTEXT://127.0.0.1:$KAFKA_PORT
+controller.listener.names=CONTROLLER
+listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT
+inter.broker.listener.name=PLAINTEXT
+log.dirs=$KAFKA_DIR/data
+num.partitions=1
+auto.create.topics.enable=$KAFKA_AUTO_CREATE_TOPICS
+offsets.topic.replication.factor=1
+offsets.topic.num.partitions=4
+transaction.state.log.replication.factor=1
+transaction.state.log.min.isr=1
+transaction.state.log.num.partitions=4
+share.coordinator.state.topic.replication.factor=1
+share.coordinator.state.topic.min.isr=1
+group.initial.rebalance.delay.ms=0
+group.min.session.timeout.ms=1000
+transaction.max.timeout.ms=900000
+PROPS
+  cat >"$KAFKA_DIR/log4j2.properties" <<'LOG'
+status = warn
+appender.console.type = Console
+appender.console.name = STDOUT
+appender.console.layout.type = PatternLayout
+appender.console.layout.pattern = [%d] %p %m (%c)%n
+rootLogger.level = info
+rootLogger.appenderRef.stdout.ref = STDOUT
+logger.kafka.name = kafka
+logger.kafka.level = info
+logger.request.name = kafka.request.logger
+logger.request.level = warn
+logger.state.name = state.change.logger
+logger.state.level = warn
+LOG
+}
+
+kafka_java() { java -Xms256m -Xmx"$KAFKA_HEAP" -XX:+UseG1GC -Dlog4j2.configurationFile="$KAFKA_DIR/log4j2.properties" -cp "$KAFKA_LIBS/*" "$@"; }
+
+kafka_ready() {
+  kafka_java org.apache.kafka.tools.TopicCommand --bootstrap-server "127.0.0.1:$KAFKA_PORT" --list >/dev/null 2>&1
+}
+
+kafka_start() {
+  kafka_resolve
+  if kafka_running; then say "kafka: already running on 127.0.0.1:$KAFKA_PORT"; return 0; fi
+  if port_open "$KAFKA_PORT"; then
+    die "port $KAFKA_PORT is taken by a process this script did not start; set KAFKA_PORT to a free port, or point the tests at that broker (see README, 'Development')"
+  fi
+  kafka_config
+  if [ ! -f "$KAFKA_DIR/data/meta.properties" ]; then
+    local cluster_id; cluster_id=$(kafka_java kafka.tools.StorageTool random-uuid 2>/dev/null | tail -n 1)
+    kafka_java kafka.tools.StorageTool format -t "$cluster_id" -c "$KAFKA_DIR/server.properties" >"$KAFKA_DIR/format.log" 2>&1 ||
+      { tail -n 20 "$KAFKA_DIR/format.log" >&2; die "formatting Kafka storage failed"; }
+  fi
+  nohup java -Xms256m -Xmx"$KAFKA_HEAP" -XX:+UseG1GC -Dlog4j2.configurationFile="$KAFKA_DIR/log4j2.properties" \
+    -cp "$KAFKA_LIBS/*" kafka.Kafka "$KAFKA_DIR/server.properties" >>"$KAFKA_LOG" 2>&1 </dev/null &
+  echo $! >"$KAFKA_PID"
+  local deadline=$((SECONDS + 90))
+  until port_open "$KAFKA_PORT" && kafka_ready; do
+    if ! kafka_running; then
+      tail -n 30 "$KAFKA_LOG" >&2; rm -f "$KAFKA_PID"; die "Kafka exited during start-up (log: $KAFKA_LOG)"
+    fi
+    if [ $SECONDS -ge $deadline ]; then
+      tail -n 30 "$KAFKA_LOG" >&2; die "Kafka did not answer a metadata request within 90 s (log: $KAFKA_LOG)"
+    fi
+    sleep 0.5
+  done
+  say "kafka: started on 127.0.0.1:$KAFKA_PORT (KRaft, Kafka $KAFKA_VERSION, auto.create.topics.enable=$KAFKA_AUTO_CREATE_TOPICS)"
+}
+
+kafka_stop() {
+  if kafka_running; then
+    local pid; pid=$(cat "$KAFKA_PID")
+    kill -TERM "$pid"
+    for _ in $(seq 1 120); do kill -0 "$pid" 2>/dev/null || break; sleep 0.25; done
+    if kill -0 "$pid" 2>/dev/null; then kill -KILL "$pid"; fi
+    rm -f "$KAFKA_PID"
+    say "kafka: stopped"
+  else
+    rm -f "$KAFKA_PID"
+    say "kafka: not running"
+  fi
+}
+
+kafka_status() {
+  if kafka_running; then
+    say "kafka: running on 127.0.0.1:$KAFKA_PORT  bootstrap.servers=127.0.0.1:$KAFKA_PORT  log=$KAFKA_LOG"
+  else
+    say "kafka: stopped"; return 1
+  fi
+}
+
+case "${1:-}" in
+  start) pg_start; kafka_start ;;
+  stop) kafka_stop; pg_stop ;;
+  status) rc=0; pg_status || rc=1; kafka_status || rc=1; exit $rc ;;
+  start-kafka) kafka_start ;;
+  stop-kafka) kafka_stop ;;
+  restart-kafka) kafka_stop; kafka_start ;;
+  restart-postgres) pg_stop; pg_start ;;
+  *) die "usage: $0 start|stop|status|start-kafka|stop-kafka|restart-kafka|restart-postgres" ;;
+esac

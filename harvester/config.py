@@ -1,0 +1,146 @@
+"""Configuration of a harvester: the outbox, Kafka, leader election and the MP/R limits.
+
+Field names are snake_case; every field also accepts goharvest's camelCase spelling, so a goharvest
+``harvest:`` block validates unchanged. Durations accept Go-style strings (``100ms``, ``5s``).
+Defaults match goharvest's documented defaults.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+from typing import Annotated, Any
+
+from pydantic import AliasChoices, BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+
+from harvester.durations import parse_duration
+from harvester.identifiers import TableName
+
+Duration = Annotated[timedelta, BeforeValidator(parse_duration)]
+
+
+
+class Limits(BaseModel):
+    """Tuning of the MP/R loop and of leader election."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    io_error_backoff: Duration = Field(
+        default=timedelta(milliseconds=500), validation_alias=AliasChoices("io_error_backoff", "ioErrorBackoff")
+    )
+    poll_duration: Duration = Field(
+        default=timedelta(milliseconds=1), validation_alias=AliasChoices("poll_duration", "pollDuration")
+    )
+    min_poll_interval: Duration = Field(
+        default=timedelta(milliseconds=100),
+        validation_alias=AliasChoices("min_poll_interval", "minPollInterval"),
+    )
+    max_poll_interval: Duration = Field(
+        default=timedelta(minutes=5), validation_alias=AliasChoices("max_poll_interval", "maxPollInterval")
+    )
+    heartbeat_timeout: Duration = Field(
+        default=timedelta(seconds=5), validation_alias=AliasChoices("heartbeat_timeout", "heartbeatTimeout")
+    )
+    drain_interval: Duration = Field(
+        default=timedelta(minutes=1), validation_alias=AliasChoices("drain_interval", "drainInterval")
+    )
+    queue_timeout: Duration = Field(
+        default=timedelta(milliseconds=10), validation_alias=AliasChoices("queue_timeout", "queueTimeout")
+    )
+    mark_backoff: Duration = Field(
+        default=timedelta(milliseconds=10), validation_alias=AliasChoices("mark_backoff", "markBackoff")
+    )
+    max_mark_backoff: Duration = Field(
+        default=timedelta(milliseconds=500),
+        validation_alias=AliasChoices("max_mark_backoff", "maxMarkBackoff"),
+        description="Ceiling of the adaptive back-off while the outbox stays empty.",
+    )
+    max_in_flight_records: int = Field(
+        default=1000, ge=1, validation_alias=AliasChoices("max_in_flight_records", "maxInFlightRecords")
+    )
+    max_queued_records: int = Field(
+        default=10000,
+        ge=1,
+        validation_alias=AliasChoices("max_queued_records", "maxQueuedRecords"),
+        description="Bound on marked records waiting behind a busy key (memory bound of the key FIFOs).",
+    )
+    min_metrics_interval: Duration = Field(
+        default=timedelta(seconds=5),
+        validation_alias=AliasChoices("min_metrics_interval", "minMetricsInterval"),
+    )
+    send_concurrency: int = Field(
+        default_factory=lambda: os.cpu_count() or 1,
+        ge=1,
+        validation_alias=AliasChoices("send_concurrency", "sendConcurrency"),
+        description="Accepted for goharvest compatibility; one librdkafka producer already sends concurrently.",
+    )
+    send_buffer: int = Field(
+        default=10, ge=0, validation_alias=AliasChoices("send_buffer", "sendBuffer")
+    )
+    mark_query_records: int = Field(
+        default=100, ge=1, validation_alias=AliasChoices("mark_query_records", "markQueryRecords")
+    )
+
+
+class HarvesterConfig(BaseModel):
+    """Everything a :class:`harvester.Harvester` needs."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    data_source: str = Field(
+        default="host=127.0.0.1 port=5432 user=harvester password=harvester dbname=harvester",
+        validation_alias=AliasChoices("data_source", "dataSource"),
+        description="libpq connection string (key=value or URL).",
+    )
+    outbox_table: str = Field(default="outbox", validation_alias=AliasChoices("outbox_table", "outboxTable"))
+    base_kafka_config: dict[str, Any] = Field(
+        default_factory=lambda: {"bootstrap.servers": "127.0.0.1:9092"},
+        validation_alias=AliasChoices("base_kafka_config", "baseKafkaConfig"),
+    )
+    producer_kafka_config: dict[str, Any] = Field(
+        default_factory=dict, validation_alias=AliasChoices("producer_kafka_config", "producerKafkaConfig")
+    )
+    leader_group_id: str | None = Field(
+        default=None,
+        validation_alias=AliasChoices("leader_group_id", "leaderGroupID", "leaderGroupId"),
+        description="Consumer group of the competing harvesters; default: 'outbox-harvester.<table>'.",
+    )
+    leader_topic: str | None = Field(
+        default=None,
+        validation_alias=AliasChoices("leader_topic", "leaderTopic"),
+        description="Topic whose partition 0 decides leadership; default: '<leader_group_id>.neli'.",
+    )
+    name: str = Field(
+        default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}",
+        description="Instance name carried by every log line.",
+    )
+    listen_notify: bool = Field(
+        default=True,
+        validation_alias=AliasChoices("listen_notify", "listenNotify"),
+        description="Wake up on NOTIFY from the outbox trigger (installed by migration) when idle.",
+    )
+    limits: Limits = Field(default_factory=Limits)
+
+    @field_validator("outbox_table")
+    @classmethod
+    def _table(cls, value: str) -> str:
+        TableName.parse(value)
+        return value
+
+    @property
+    def table(self) -> TableName:
+        """The validated outbox table name."""
+        return TableName.parse(self.outbox_table)
+
+    @property
+    def group_id(self) -> str:
+        """The leader group id, defaulted from the table name."""
+        return self.leader_group_id or f"outbox-harvester.{self.table.qualified}"
+
+    @property
+    def topic(self) -> str:
+        """The leader topic, defaulted from the group id."""
+        return self.leader_topic or f"{self.group_id}.neli"
+
+

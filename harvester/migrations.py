@@ -1,0 +1,97 @@
+"""Applies the ``sql/`` migrations to one outbox table, idempotently.
+
+Each file is a template over the outbox table's name; applied versions are recorded per table in
+``harvester_migrations`` (in the outbox's schema), under an advisory lock so concurrent runs are
+safe. Existing data is never touched: migrations only create what is absent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from importlib import resources
+from string import Template
+
+import psycopg
+from psycopg import sql
+
+from harvester.identifiers import TableName
+
+_LOCK_KEY = 0x6F7574626F78  # "outbox": serialises concurrent migrations of any table
+
+
+class _SqlTemplate(Template):
+    # Only ${name} is a placeholder, so PL/pgSQL's $tag$ quoting passes through untouched.
+    pattern = r"\$(?:(?P<escaped>(?!))|(?P<named>(?!))|\{(?P<braced>[a-z_]+)\}|(?P<invalid>(?!)))"  # type: ignore[assignment]
+
+
+@dataclass(frozen=True, slots=True)
+class Migration:
+    """One numbered SQL file."""
+
+    version: str
+    text: str
+
+
+def notify_channel(table: TableName) -> str:
+    """The LISTEN/NOTIFY channel the outbox trigger notifies."""
+    return f"{table.qualified.replace('.', '__')}_harvest"[:63]
+
+
+def available() -> list[Migration]:
+    """The migrations shipped with the package, in order."""
+    root = resources.files("harvester") / "sql"
+    files = sorted((p for p in root.iterdir() if p.name.endswith(".sql")), key=lambda p: p.name)
+    return [Migration(p.name.removesuffix(".sql"), p.read_text("utf-8")) for p in files]
+
+
+def render(migration: Migration, table: TableName, conn: psycopg.Connection[tuple[object, ...]]) -> str:
+    """Substitute the table's quoted names into a migration's text."""
+
+    def q(c: sql.Composable) -> str:
+        return c.as_string(conn)
+
+    channel = notify_channel(table)
+    return _SqlTemplate(migration.text).substitute(
+        table=q(table.ident),
+        table_literal=q(sql.Literal(table.qualified)),
+        notify_fn=q(table.derived("harvest_notify").ident),
+        notify_trigger=q(sql.Identifier(f"{table.name}_harvest_notify"[:63])),
+        channel=channel,
+        channel_literal=q(sql.Literal(channel)),
+    )
+
+
+def _ledger(table: TableName) -> sql.Composable:
+    if table.schema:
+        return sql.Identifier(table.schema, "harvester_migrations")
+    return sql.Identifier("harvester_migrations")
+
+
+def migrate(conn: psycopg.Connection[tuple[object, ...]], table: TableName) -> list[str]:
+    """Apply every migration not yet recorded for ``table``; return the versions applied now."""
+    applied_now: list[str] = []
+    with conn.transaction():
+        conn.execute("SELECT pg_advisory_xact_lock(%s)", (_LOCK_KEY,))
+        if table.schema:
+            conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(table.schema)))
+        conn.execute(
+            sql.SQL(
+                "CREATE TABLE IF NOT EXISTS {} (table_name TEXT NOT NULL, version TEXT NOT NULL,"
+                " applied_at TIMESTAMPTZ NOT NULL DEFAULT now(), PRIMARY KEY (table_name, version))"
+            ).format(_ledger(table))
+        )
+        rows = conn.execute(
+            sql.SQL("SELECT version FROM {} WHERE table_name = %s").format(_ledger(table)),
+            (table.qualified,),
+        ).fetchall()
+        done = {str(r[0]) for r in rows}
+        for m in available():
+            if m.version in done:
+                continue
+            conn.execute(render(m, table, conn).encode("utf-8"))
+            conn.execute(
+                sql.SQL("INSERT INTO {} (table_name, version) VALUES (%s, %s)").format(_ledger(table)),
+                (table.qualified, m.version),
+            )
+            applied_now.append(m.version)
+    return applied_now

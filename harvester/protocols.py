@@ -1,0 +1,67 @@
+"""What the MP/R engine needs from its collaborators.
+
+The engine depends only on these protocols; PostgreSQL (``store``), Kafka (``publisher``) and NELI
+(``leader``) live behind them, so the algorithm is testable on its own and each adapter is
+replaceable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol
+from uuid import UUID
+
+from harvester.record import MarkedRecord
+from leader.events import LeaderEvent, LeaderStatus
+
+
+class Store(Protocol):
+    """The outbox table."""
+
+    def mark(self, leader_id: UUID, limit: int) -> list[MarkedRecord]:
+        """Mark up to ``limit`` records not marked by ``leader_id``; return them sorted by id."""
+        ...
+
+    def purge(self, ids: Sequence[int]) -> None:
+        """Delete delivered records (one statement for all ids)."""
+        ...
+
+    def reset(self, ids: Sequence[int]) -> None:
+        """Clear the leader id of records whose delivery failed, so they are marked again."""
+        ...
+
+    def close(self) -> None:
+        """Release connections."""
+        ...
+
+
+DeliveryCallback = Callable[[MarkedRecord, Exception | None], None]
+
+
+class Publisher(Protocol):
+    """Asynchronous publishing with one delivery report per record."""
+
+    def publish(self, record: MarkedRecord) -> None:
+        """Enqueue ``record``; its delivery report reaches the callback given at construction."""
+        ...
+
+    def close(self, timeout: float) -> None:
+        """Flush outstanding records (bounded by ``timeout``) and release the client."""
+        ...
+
+
+class Elector(Protocol):
+    """Decides whether this process leads."""
+
+    def start(self, on_event: Callable[[LeaderEvent], None]) -> None:
+        """Begin competing for leadership; events reach ``on_event`` on the elector's thread."""
+        ...
+
+    def close(self) -> None:
+        """Leave the group (emitting ``LeaderRevoked`` first when leader) so a standby takes over."""
+        ...
+
+    @property
+    def status(self) -> LeaderStatus:
+        """The current view of leadership."""
+        ...

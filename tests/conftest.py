@@ -1,0 +1,57 @@
+"""Fixtures: real PostgreSQL and Kafka (started on demand), an isolated outbox and topics per test."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from harvester.identifiers import TableName
+from harvester.migrations import migrate
+from tests.support import Services, create_topics, delete_topics, ensure_services, unique
+
+
+@pytest.fixture(scope="session")
+def services() -> Services:
+    return ensure_services()
+
+
+@pytest.fixture
+def pg(services: Services) -> Iterator[psycopg.Connection[tuple[object, ...]]]:
+    """An autocommit connection to the test database."""
+    with psycopg.connect(services.pg_dsn, autocommit=True) as conn:
+        yield conn
+
+
+@pytest.fixture
+def schema(pg: psycopg.Connection[tuple[object, ...]]) -> Iterator[str]:
+    """A schema of this test's own, dropped afterwards."""
+    name = unique("t")
+    pg.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(name)))
+    yield name
+    pg.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(name)))
+
+
+@pytest.fixture
+def outbox(pg: psycopg.Connection[tuple[object, ...]], schema: str) -> TableName:
+    """A migrated goharvest-layout outbox table in this test's schema."""
+    table = TableName(schema, "outbox")
+    migrate(pg, table)
+    return table
+
+
+@pytest.fixture
+def topics(services: Services) -> Iterator[Callable[..., str]]:
+    """Factory of unique topics (created now, deleted after the test)."""
+    made: list[str] = []
+
+    def make(partitions: int = 1, **config: str) -> str:
+        name = unique("topic")
+        create_topics(services.bootstrap, [name], partitions, **config)
+        made.append(name)
+        return name
+
+    yield make
+    delete_topics(services.bootstrap, made)

@@ -1,0 +1,138 @@
+"""Helpers shared by the test suite: service discovery, unique names, reading topics back."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from confluent_kafka import Consumer, KafkaError, Message, TopicPartition
+from confluent_kafka.admin import AdminClient, NewTopic
+
+ROOT = Path(__file__).resolve().parent.parent
+SERVICES = ROOT / "deploy" / "local" / "services.sh"
+
+
+@dataclass(frozen=True)
+class Services:
+    """Where the test services listen."""
+
+    pg_dsn: str
+    bootstrap: str
+
+    def kafka(self, **extra: Any) -> dict[str, Any]:
+        return {"bootstrap.servers": self.bootstrap, **extra}
+
+
+def ensure_services() -> Services:
+    """Start (or find) PostgreSQL and Kafka.
+
+    - ``HARVESTER_TEST_PG_DSN`` and ``HARVESTER_TEST_KAFKA``: use those existing services.
+    - ``HARVESTER_TEST_TESTCONTAINERS=1``: start both with testcontainers (needs a Docker engine).
+    - otherwise: ``deploy/local/services.sh start`` (idempotent).
+    """
+    dsn, bootstrap = os.environ.get("HARVESTER_TEST_PG_DSN"), os.environ.get("HARVESTER_TEST_KAFKA")
+    if dsn and bootstrap:
+        return Services(dsn, bootstrap)
+    if os.environ.get("HARVESTER_TEST_TESTCONTAINERS") == "1":
+        return _testcontainers()
+    subprocess.run(["bash", str(SERVICES), "start"], check=True, stdout=subprocess.DEVNULL)
+    pgport = os.environ.get("PGPORT", "5432")
+    kport = os.environ.get("KAFKA_PORT", "9092")
+    return Services(
+        f"host=127.0.0.1 port={pgport} user=harvester password=harvester dbname=harvester",
+        f"127.0.0.1:{kport}",
+    )
+
+
+def _testcontainers() -> Services:
+    from testcontainers.kafka import KafkaContainer
+    from testcontainers.postgres import PostgresContainer
+
+    pg = PostgresContainer("postgres:16", username="harvester", password="harvester", dbname="harvester")
+    kafka = KafkaContainer("confluentinc/cp-kafka:7.6.0").with_kraft()
+    pg.start()
+    kafka.start()
+    host, port = pg.get_container_host_ip(), pg.get_exposed_port(5432)
+    return Services(
+        f"host={host} port={port} user=harvester password=harvester dbname=harvester",
+        kafka.get_bootstrap_server(),
+    )
+
+
+def unique(prefix: str) -> str:
+    """A name no other test uses: ``<prefix>_<12 hex>``."""
+    return f"{prefix}_{uuid.uuid4().hex[:12]}"
+
+
+def create_topics(bootstrap: str, names: list[str], partitions: int = 1, **config: str) -> None:
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    futures = admin.create_topics(
+        [NewTopic(n, num_partitions=partitions, replication_factor=1, config=config) for n in names]
+    )
+    for f in futures.values():
+        f.result(30)
+
+
+def delete_topics(bootstrap: str, names: list[str]) -> None:
+    if not names:
+        return
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    for f in admin.delete_topics(names, operation_timeout=30).values():
+        with suppress(Exception):  # already gone is fine
+            f.result(30)
+
+
+@contextmanager
+def reader(bootstrap: str, topics: list[str], **extra: Any) -> Iterator[Consumer]:
+    """A consumer reading ``topics`` from the beginning, in its own throwaway group."""
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": unique("reader"),
+            "auto.offset.reset": "earliest",
+            "enable.auto.commit": False,
+            **extra,
+        }
+    )
+    consumer.subscribe(topics)
+    try:
+        yield consumer
+    finally:
+        consumer.close()
+
+
+def read_messages(
+    bootstrap: str, topics: list[str], count: int, timeout: float = 60.0, **extra: Any
+) -> list[Message]:
+    """Read until ``count`` messages arrived (or ``timeout`` passed) and then 1 s more, to catch extras."""
+    out: list[Message] = []
+    deadline = time.monotonic() + timeout
+    settle: float | None = None
+    with reader(bootstrap, topics, **extra) as consumer:
+        while time.monotonic() < deadline:
+            if settle is not None and time.monotonic() > settle:
+                break
+            for msg in consumer.consume(1000, 0.2):
+                err = msg.error()
+                if err is None:
+                    out.append(msg)
+                elif err.code() != KafkaError._PARTITION_EOF:
+                    raise RuntimeError(str(err))
+            if len(out) >= count and settle is None:
+                settle = time.monotonic() + 1.0
+    return out
+
+
+def end_offsets(bootstrap: str, topic: str, partitions: int = 1) -> int:
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": unique("offsets")})
+    try:
+        return sum(c.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1] for p in range(partitions))
+    finally:
+        c.close()
