@@ -10,7 +10,7 @@ from psycopg import sql
 
 from harvester.identifiers import TableName
 from harvester.migrations import migrate
-from tests.support import Services, create_topics, delete_topics, ensure_services, unique
+from tests.support import PrivateKafka, Services, create_topics, delete_topics, ensure_services, unique
 
 
 @pytest.fixture(scope="session")
@@ -55,3 +55,12 @@ def topics(services: Services) -> Iterator[Callable[..., str]]:
 
     yield make
     delete_topics(services.bootstrap, made)
+
+
+@pytest.fixture(scope="session")
+def private_kafka() -> Iterator[PrivateKafka]:
+    """A second broker (port 19092) for tests that restart Kafka; stopped at the end of the session."""
+    broker = PrivateKafka("restart", 19092)
+    broker.start()
+    yield broker
+    broker.stop()

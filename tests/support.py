@@ -136,3 +136,31 @@ def end_offsets(bootstrap: str, topic: str, partitions: int = 1) -> int:
         return sum(c.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1] for p in range(partitions))
     finally:
         c.close()
+
+
+class PrivateKafka:
+    """A broker of its own (own port, own data directory) for tests that restart or stop Kafka,
+    so that they never disturb the shared broker other tests use."""
+
+    def __init__(self, name: str, port: int) -> None:
+        self.port = port
+        self.bootstrap = f"127.0.0.1:{port}"
+        self._env = {
+            **os.environ,
+            "HARVESTER_LOCAL_DIR": str(ROOT / ".local" / f"private-{name}"),
+            "KAFKA_PORT": str(port),
+            "KAFKA_CONTROLLER_PORT": str(port + 1),
+            "KAFKA_HEAP": "512m",
+        }
+
+    def _run(self, command: str) -> None:
+        subprocess.run(["bash", str(SERVICES), command], check=True, env=self._env, stdout=subprocess.DEVNULL)
+
+    def start(self) -> None:
+        self._run("start-kafka")
+
+    def stop(self) -> None:
+        self._run("stop-kafka")
+
+    def restart(self) -> None:
+        self._run("restart-kafka")
