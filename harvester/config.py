@@ -10,9 +10,9 @@ from __future__ import annotations
 import os
 import socket
 from datetime import timedelta
-from typing import Annotated, Any
+from typing import Annotated, Any, cast
 
-from pydantic import AliasChoices, BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+from pydantic import AliasChoices, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from harvester.durations import parse_duration
 from harvester.identifiers import TableName
@@ -37,16 +37,20 @@ class Limits(BaseModel):
         validation_alias=AliasChoices("min_poll_interval", "minPollInterval"),
     )
     max_poll_interval: Duration = Field(
-        default=timedelta(minutes=5), validation_alias=AliasChoices("max_poll_interval", "maxPollInterval")
+        default=timedelta(milliseconds=2500),
+        validation_alias=AliasChoices("max_poll_interval", "maxPollInterval"),
+        description="Default: half of heartbeat_timeout (goharvest).",
     )
     heartbeat_timeout: Duration = Field(
         default=timedelta(seconds=5), validation_alias=AliasChoices("heartbeat_timeout", "heartbeatTimeout")
     )
     drain_interval: Duration = Field(
-        default=timedelta(minutes=1), validation_alias=AliasChoices("drain_interval", "drainInterval")
+        default=timedelta(milliseconds=2500),
+        validation_alias=AliasChoices("drain_interval", "drainInterval"),
+        description="Default: the lesser of max_poll_interval and queue_timeout (goharvest).",
     )
     queue_timeout: Duration = Field(
-        default=timedelta(milliseconds=10), validation_alias=AliasChoices("queue_timeout", "queueTimeout")
+        default=timedelta(seconds=30), validation_alias=AliasChoices("queue_timeout", "queueTimeout")
     )
     mark_backoff: Duration = Field(
         default=timedelta(milliseconds=10), validation_alias=AliasChoices("mark_backoff", "markBackoff")
@@ -70,7 +74,7 @@ class Limits(BaseModel):
         validation_alias=AliasChoices("min_metrics_interval", "minMetricsInterval"),
     )
     send_concurrency: int = Field(
-        default_factory=lambda: os.cpu_count() or 1,
+        default=8,
         ge=1,
         validation_alias=AliasChoices("send_concurrency", "sendConcurrency"),
         description="Accepted for goharvest compatibility; one librdkafka producer already sends concurrently.",
@@ -81,6 +85,39 @@ class Limits(BaseModel):
     mark_query_records: int = Field(
         default=100, ge=1, validation_alias=AliasChoices("mark_query_records", "markQueryRecords")
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _derived_defaults(cls, data: Any) -> Any:
+        # goharvest derives two defaults from other limits: max_poll_interval = heartbeat_timeout / 2
+        # and drain_interval = min(max_poll_interval, queue_timeout). Invalid inputs are left for
+        # the field validators to report against their own names.
+        if not isinstance(data, dict):
+            return data
+
+        def given(name: str) -> str | None:
+            field = cls.model_fields[name]
+            choices = field.validation_alias.choices if isinstance(field.validation_alias, AliasChoices) else []
+            return next((c for c in (name, *map(str, choices)) if c in data), None)
+
+        def value(name: str) -> timedelta | None:
+            key = given(name)
+            if key is None:
+                return cast(timedelta, cls.model_fields[name].default)
+            try:
+                return parse_duration(data[key])
+            except ValueError:
+                return None
+
+        out = dict(data)
+        max_poll = value("max_poll_interval")
+        heartbeat = value("heartbeat_timeout")
+        if given("max_poll_interval") is None and heartbeat is not None:
+            max_poll = out["max_poll_interval"] = heartbeat / 2
+        queue = value("queue_timeout")
+        if given("drain_interval") is None and max_poll is not None and queue is not None:
+            out["drain_interval"] = min(max_poll, queue)
+        return out
 
 
 class HarvesterConfig(BaseModel):

@@ -44,6 +44,11 @@ class TableName:
         return f"{self.schema}.{self.name}" if self.schema else self.name
 
     @property
+    def quoted(self) -> str:
+        """The double-quoted name as SQL text (safe: each part matched the identifier pattern)."""
+        return ".".join(f'"{p}"' for p in (self.schema, self.name) if p)
+
+    @property
     def ident(self) -> sql.Composable:
         """The quoted identifier for use in a composed statement."""
         if self.schema:

@@ -30,6 +30,10 @@ class Store(Protocol):
         """Clear the leader id of records whose delivery failed, so they are marked again."""
         ...
 
+    def wait_for_insert(self, timeout: float) -> bool:
+        """Block until new records may be available (True) or ``timeout`` passes (False)."""
+        ...
+
     def close(self) -> None:
         """Release connections."""
         ...

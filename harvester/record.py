@@ -127,4 +127,4 @@ class MarkedRecord:
     topic: str
     key: str
     value: bytes | None
-    headers: list[tuple[str, bytes]]
+    headers: list[tuple[str, str | bytes | None]]

@@ -164,3 +164,46 @@ class PrivateKafka:
 
     def restart(self) -> None:
         self._run("restart-kafka")
+
+
+class ManualElector:
+    """An elector the test drives by hand (leadership is not what these tests are about; the NELI
+    elector has tests of its own, and the end-to-end tests use it)."""
+
+    def __init__(self, leader: bool = True) -> None:
+        from leader.events import LeaderStatus
+
+        self._status_type = LeaderStatus
+        self._leader = leader
+        self._leader_id: uuid.UUID | None = None
+        self._on_event: Any = None
+
+    def start(self, on_event: Any) -> None:
+        self._on_event = on_event
+        if self._leader:
+            self.acquire()
+
+    def acquire(self) -> uuid.UUID:
+        from leader.events import LeaderAcquired
+
+        self._leader_id = uuid.uuid4()
+        self._on_event(LeaderAcquired(self._leader_id))
+        return self._leader_id
+
+    def fence(self) -> None:
+        from leader.events import LeaderFenced
+
+        assert self._leader_id is not None
+        leader_id, self._leader_id = self._leader_id, None
+        self._on_event(LeaderFenced(leader_id))
+
+    def close(self) -> None:
+        from leader.events import LeaderRevoked
+
+        if self._leader_id is not None:
+            leader_id, self._leader_id = self._leader_id, None
+            self._on_event(LeaderRevoked(leader_id))
+
+    @property
+    def status(self) -> Any:
+        return self._status_type(self._leader_id is not None, self._leader_id, None)

@@ -1,0 +1,335 @@
+"""The mark-purge/reset (MP/R) engine.
+
+Two threads do the work:
+
+* the **mark thread** marks a batch of records under the current leader id and dispatches them;
+* the **completion thread** takes delivery reports in batches, purges the delivered records and
+  resets the failed ones (one statement each), then lowers their keys' barriers.
+
+Per-key order: at most one record of a key is in flight. A record whose key is busy waits in that
+key's FIFO while records of other keys keep flowing (no head-of-line blocking); when the in-flight
+record of a key completes, the completion thread hands the next record of that key to the
+publisher at once. A key's barrier is lowered only after its record's purge committed, so a
+re-publish after a crash can repeat the last record of a key but never reorder it.
+
+A failed delivery resets its record and forces a remark: queued records are discarded and the
+leader id is refreshed, so the next mark picks up everything unacknowledged, in id order.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from uuid import UUID, uuid4
+
+import structlog
+
+from harvester.config import Limits
+from harvester.events import Event, LeaderAcquired, LeaderFenced, LeaderRefreshed, LeaderRevoked
+from harvester.metrics import HarvesterMetrics
+from harvester.protocols import Publisher, Store
+from harvester.record import MarkedRecord
+from harvester.store import StoreError
+from leader.events import LeaderEvent
+
+log = structlog.get_logger("harvester.engine")
+
+_COMPLETION_BATCH = 5000
+
+
+class Engine:
+    """MP/R over a :class:`Store` and a :class:`Publisher`, driven by leadership events."""
+
+    def __init__(
+        self,
+        store: Store,
+        publisher_factory: Callable[[Callable[[MarkedRecord, Exception | None], None]], Publisher],
+        limits: Limits,
+        metrics: HarvesterMetrics,
+        emit: Callable[[Event], None],
+        *,
+        listen_notify: bool = True,
+    ) -> None:
+        self._store = store
+        self._limits = limits
+        self._metrics = metrics
+        self._emit = emit
+        self._listen = listen_notify
+        self._cond = threading.Condition()
+        # All of the following is guarded by self._cond.
+        self._leader_id: UUID | None = None
+        self._force_remark = False
+        self._in_flight: dict[int, MarkedRecord] = {}
+        self._busy: set[str] = set()
+        self._waiting: dict[str, deque[MarkedRecord]] = {}
+        self._queued = 0
+        # Ids purged while a mark query ran: the query may have returned them before the purge
+        # committed, and dispatching them again would publish a duplicate.
+        self._purged_during_mark: set[int] | None = None
+        # Delivery reports; None tells the completion thread to exit.
+        self._acks: queue.SimpleQueue[tuple[MarkedRecord, Exception | None] | None] = queue.SimpleQueue()
+        self._stopping = threading.Event()
+        self._publisher = publisher_factory(self._on_delivery)
+        self._threads = [
+            threading.Thread(target=self._mark_loop, name="harvester-mark", daemon=True),
+            threading.Thread(target=self._completion_loop, name="harvester-complete", daemon=True),
+        ]
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        """Start the mark and completion threads."""
+        for t in self._threads:
+            t.start()
+
+    def stop_marking(self) -> None:
+        """Stop marking and publishing; in-flight records still complete."""
+        self._stopping.set()
+        with self._cond:
+            self._leader_id = None
+            self._discard_waiting()
+            self._cond.notify_all()
+
+    def drain(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` until no record is in flight; True if none is."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._in_flight:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(min(left, 0.1))
+        return True
+
+    def close(self, timeout: float) -> None:
+        """Stop both threads and the publisher (after :meth:`stop_marking` and :meth:`drain`)."""
+        self.stop_marking()
+        self._publisher.close(timeout)
+        self._acks.put_nowait(None)
+        for t in self._threads:
+            t.join(timeout)
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def leader_id(self) -> UUID | None:
+        """The id records are currently marked with, or None when not leading."""
+        return self._leader_id
+
+    @property
+    def in_flight_records(self) -> int:
+        """Records published and not yet completed."""
+        return len(self._in_flight)
+
+    @property
+    def in_flight_keys(self) -> int:
+        """Keys with a record in flight."""
+        return len(self._busy)
+
+    @property
+    def queued_records(self) -> int:
+        """Marked records waiting behind a busy key."""
+        return self._queued
+
+    # ------------------------------------------------------------------ leadership
+
+    def on_leader_event(self, event: LeaderEvent) -> None:
+        """Elector callback: start, stop or (for a revocation) wind down leader work."""
+        if isinstance(event, LeaderAcquired):
+            with self._cond:
+                if not self._stopping.is_set():
+                    self._leader_id = event.leader_id
+                    self._force_remark = False
+                    self._discard_waiting()
+                    self._cond.notify_all()
+            self._metrics.is_leader.set(1)
+        elif isinstance(event, LeaderFenced):
+            # Must not block: stop publishing now; records in flight still complete.
+            self._lose_leadership()
+            self._metrics.fenced.inc()
+        elif isinstance(event, LeaderRevoked):
+            self._lose_leadership()
+            # The partition is released when this returns: let in-flight work finish first.
+            if not self.drain(self._limits.drain_interval.total_seconds()):
+                log.warning("revoke_drain_timeout", in_flight=self.in_flight_records)
+        self._emit(event)
+
+    def _lose_leadership(self) -> None:
+        with self._cond:
+            self._leader_id = None
+            self._discard_waiting()
+            self._cond.notify_all()
+        self._metrics.is_leader.set(0)
+
+    def _discard_waiting(self) -> None:
+        self._waiting.clear()
+        self._queued = 0
+        self._metrics.queued.set(0)
+
+    # ------------------------------------------------------------------ marking
+
+    def _mark_loop(self) -> None:
+        limits = self._limits
+        idle = limits.mark_backoff.total_seconds()
+        while not self._stopping.is_set():
+            refreshed: LeaderRefreshed | None = None
+            with self._cond:
+                while not self._stopping.is_set() and (
+                    self._leader_id is None
+                    or len(self._in_flight) >= limits.max_in_flight_records
+                    or self._queued >= limits.max_queued_records
+                ):
+                    self._cond.wait(0.1)
+                if self._stopping.is_set() or self._leader_id is None:
+                    continue
+                if self._force_remark:
+                    self._discard_waiting()
+                    previous, self._leader_id = self._leader_id, uuid4()
+                    self._force_remark = False
+                    refreshed = LeaderRefreshed(self._leader_id, previous)
+                leader_id = self._leader_id
+                self._purged_during_mark = set()
+            if refreshed is not None:
+                self._metrics.remarks.inc()
+                log.info("leader_refreshed", leader_id=str(refreshed.leader_id))
+                self._emit(refreshed)
+            started = time.perf_counter()
+            try:
+                batch = self._store.mark(leader_id, limits.mark_query_records)
+            except StoreError as exc:
+                log.warning("mark_failed", error=str(exc))
+                with self._cond:
+                    self._purged_during_mark = None
+                    self._force_remark = True
+                self._stopping.wait(limits.io_error_backoff.total_seconds())
+                continue
+            self._metrics.mark_seconds.observe(time.perf_counter() - started)
+            if batch:
+                idle = limits.mark_backoff.total_seconds()
+                self._dispatch(batch, leader_id)
+                continue
+            with self._cond:
+                self._purged_during_mark = None
+            self._idle_wait(idle)
+            idle = min(idle * 2, limits.max_mark_backoff.total_seconds())
+
+    def _idle_wait(self, seconds: float) -> None:
+        """Back off on an empty outbox; a NOTIFY from the outbox trigger ends the wait early."""
+        if not self._listen:
+            self._stopping.wait(seconds)
+            return
+        try:
+            self._store.wait_for_insert(seconds)
+        except StoreError as exc:
+            log.warning("listen_failed", error=str(exc))
+            self._stopping.wait(self._limits.io_error_backoff.total_seconds())
+
+    def _dispatch(self, batch: Sequence[MarkedRecord], leader_id: UUID) -> None:
+        max_in_flight = self._limits.max_in_flight_records
+        with self._cond:
+            purged = self._purged_during_mark or set()
+            self._purged_during_mark = None
+            for record in batch:
+                if self._leader_id != leader_id or self._force_remark:
+                    return  # the rest is re-marked after the refresh
+                if record.id in purged:
+                    continue
+                key = record.key
+                if key in self._busy:
+                    # Includes a re-marked copy of the record in flight: it is dropped if that
+                    # record completes, and is the retry if that record fails.
+                    self._waiting.setdefault(key, deque()).append(record)
+                    self._queued += 1
+                    continue
+                while len(self._in_flight) >= max_in_flight and self._leader_id == leader_id and not self._force_remark:
+                    self._cond.wait(0.05)
+                if self._leader_id != leader_id or self._force_remark:
+                    return
+                self._send(record)
+            self._metrics.queued.set(self._queued)
+
+    def _send(self, record: MarkedRecord) -> None:
+        # Caller holds self._cond; publish() never blocks on our lock (reports go to a queue).
+        self._in_flight[record.id] = record
+        self._busy.add(record.key)
+        self._publisher.publish(record)
+        self._metrics.published.inc()
+        self._metrics.in_flight.set(len(self._in_flight))
+
+    # ------------------------------------------------------------------ completion
+
+    def _on_delivery(self, record: MarkedRecord, error: Exception | None) -> None:
+        self._acks.put_nowait((record, error))
+
+    def _completion_loop(self) -> None:
+        while True:
+            first = self._acks.get()
+            if first is None:
+                return
+            items = [first]
+            while len(items) < _COMPLETION_BATCH:
+                try:
+                    item = self._acks.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:
+                    self._acks.put_nowait(None)
+                    break
+                items.append(item)
+            self._complete(items)
+
+    def _complete(self, items: list[tuple[MarkedRecord, Exception | None]]) -> None:
+        delivered = [r.id for r, err in items if err is None]
+        failed = [r.id for r, err in items if err is not None]
+        self._with_retry(self._store.purge, delivered)
+        self._with_retry(self._store.reset, failed)
+        now = time.time()
+        for record, err in items:
+            if err is None:
+                self._metrics.publish_latency.observe(max(0.0, now - record.create_time.timestamp()))
+            else:
+                log.warning("delivery_failed", id=record.id, key=record.key, topic=record.topic, error=str(err))
+        self._metrics.purged.inc(len(delivered))
+        self._metrics.reset.inc(len(failed))
+        with self._cond:
+            if failed:
+                self._force_remark = True
+            for record, err in items:
+                self._in_flight.pop(record.id, None)
+                self._busy.discard(record.key)
+                if err is None and self._purged_during_mark is not None:
+                    self._purged_during_mark.add(record.id)
+                self._release(record, delivered=err is None)
+            self._metrics.in_flight.set(len(self._in_flight))
+            self._metrics.queued.set(self._queued)
+            self._cond.notify_all()
+
+    def _release(self, record: MarkedRecord, delivered: bool) -> None:
+        """Lower ``record``'s key barrier and send the key's next waiting record, if any."""
+        waiting = self._waiting.get(record.key)
+        if not waiting:
+            return
+        if delivered and any(r.id == record.id for r in waiting):
+            kept = deque(r for r in waiting if r.id != record.id)
+            self._queued -= len(waiting) - len(kept)
+            waiting = self._waiting[record.key] = kept
+        if waiting and self._leader_id is not None and not self._force_remark:
+            self._queued -= 1
+            self._send(waiting.popleft())
+        if not waiting:
+            del self._waiting[record.key]
+
+    def _with_retry(self, op: Callable[[Sequence[int]], None], ids: Sequence[int]) -> None:
+        """Run an idempotent purge/reset until it succeeds: losing it would re-publish records."""
+        while ids:
+            try:
+                op(ids)
+                return
+            except StoreError as exc:
+                log.warning("store_retry", op=op.__name__, records=len(ids), error=str(exc))
+                time.sleep(self._limits.io_error_backoff.total_seconds())
+
+

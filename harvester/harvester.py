@@ -1,0 +1,190 @@
+"""The embeddable harvester: store + publisher + elector + MP/R engine, wired from a config."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+from uuid import UUID
+
+import psycopg
+import structlog
+from confluent_kafka.admin import AdminClient
+from prometheus_client import CollectorRegistry
+
+from harvester.config import HarvesterConfig
+from harvester.engine import Engine
+from harvester.events import Event, MeterRead
+from harvester.metrics import HarvesterMetrics
+from harvester.protocols import DeliveryCallback, Elector
+from harvester.publisher import KafkaPublisher, producer_config
+from harvester.store import PostgresStore, StoreError
+
+log = structlog.get_logger("harvester")
+
+
+def neli_elector(config: HarvesterConfig) -> Elector:
+    """The default elector: Fast NELI over the configured leader group and topic."""
+    from leader import ElectorConfig, NeliElector
+
+    limits = config.limits
+    return NeliElector(
+        ElectorConfig(
+            kafka_config=dict(config.base_kafka_config),
+            group_id=config.group_id,
+            topic=config.topic,
+            heartbeat_timeout=limits.heartbeat_timeout.total_seconds(),
+            min_poll_interval=limits.min_poll_interval.total_seconds(),
+            max_poll_interval=limits.max_poll_interval.total_seconds(),
+        )
+    )
+
+
+class Harvester:
+    """Drains one outbox table into Kafka while this process is leader of its group.
+
+    ``start()`` returns at once; work happens on background threads. ``stop()`` stops marking,
+    waits (bounded) for in-flight records to be acknowledged and purged, and leaves the group so a
+    standby takes over. Records still unacknowledged are simply marked again by the next leader.
+    """
+
+    def __init__(
+        self,
+        config: HarvesterConfig,
+        *,
+        on_event: Callable[[Event], None] | None = None,
+        registry: CollectorRegistry | None = None,
+        elector: Elector | None = None,
+    ) -> None:
+        self.config = config
+        self.metrics = HarvesterMetrics(registry)
+        self._on_event = on_event
+        self._store = PostgresStore(
+            config.data_source, config.table, application_name=f"outbox-harvester {config.name}"[:63]
+        )
+        self._elector = elector if elector is not None else neli_elector(config)
+        self._engine: Engine | None = None
+        self._stopped = threading.Event()
+        self._meter = threading.Thread(target=self._meter_loop, name="harvester-meter", daemon=True)
+
+    @property
+    def registry(self) -> CollectorRegistry:
+        """The Prometheus registry holding this harvester's series."""
+        return self.metrics.registry
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        """Check the outbox table, then start competing for leadership and harvesting."""
+        self._store.limits  # noqa: B018 - fails fast on a missing or unsupported table
+        cfg = self.config
+        kafka = producer_config(cfg.base_kafka_config, cfg.producer_kafka_config)
+
+        def publisher(callback: DeliveryCallback) -> KafkaPublisher:
+            return KafkaPublisher(kafka, callback)
+
+        self._engine = Engine(
+            self._store, publisher, cfg.limits, self.metrics, self._dispatch, listen_notify=cfg.listen_notify
+        )
+        self._engine.start()
+        self._elector.start(self._engine.on_leader_event)
+        self._meter.start()
+        log.info("harvester_started", table=cfg.table.qualified, group=cfg.group_id, topic=cfg.topic)
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop gracefully: finish in-flight work (up to ``timeout``), then leave the group."""
+        if self._stopped.is_set():
+            return
+        budget = self.config.limits.drain_interval.total_seconds() if timeout is None else timeout
+        engine = self._engine
+        if engine is not None:
+            engine.stop_marking()
+            if not engine.drain(budget):
+                log.warning("stop_drain_timeout", in_flight=engine.in_flight_records)
+        self._elector.close()
+        if engine is not None:
+            engine.close(max(budget, 1.0))
+        self._store.close()
+        self._stopped.set()
+        log.info("harvester_stopped")
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until :meth:`stop` completed (True) or ``timeout`` passed (False)."""
+        return self._stopped.wait(timeout)
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def is_leader(self) -> bool:
+        """Whether this instance is harvesting now."""
+        return self._engine is not None and self._engine.leader_id is not None
+
+    @property
+    def leader_id(self) -> UUID | None:
+        """The id this instance marks records with, while leader."""
+        return None if self._engine is None else self._engine.leader_id
+
+    @property
+    def in_flight_records(self) -> int:
+        """Records published and not yet acknowledged and purged."""
+        return 0 if self._engine is None else self._engine.in_flight_records
+
+    @property
+    def in_flight_keys(self) -> int:
+        """Keys with a record in flight."""
+        return 0 if self._engine is None else self._engine.in_flight_keys
+
+    def health(self) -> dict[str, Any]:
+        """Liveness of the dependencies, for readiness probes (each check bounded to ~2 s)."""
+        db_ok = kafka_ok = False
+        try:
+            with psycopg.connect(self.config.data_source, connect_timeout=2) as conn:
+                conn.execute("SELECT 1")
+            db_ok = True
+        except psycopg.Error:
+            pass
+        try:
+            AdminClient(dict(self.config.base_kafka_config)).list_topics(timeout=2)
+            kafka_ok = True
+        except Exception:  # noqa: BLE001 - any failure means "not reachable"
+            pass
+        return {
+            "database_ok": db_ok,
+            "kafka_ok": kafka_ok,
+            "is_leader": self.is_leader,
+            "running": self._engine is not None and not self._stopped.is_set(),
+        }
+
+    # ------------------------------------------------------------------ internals
+
+    def _dispatch(self, event: Event) -> None:
+        log.info(type(event).__name__, **{k: str(v) for k, v in _fields(event).items()})
+        if self._on_event is not None:
+            self._on_event(event)
+
+    def _meter_loop(self) -> None:
+        interval = self.config.limits.min_metrics_interval.total_seconds()
+        while not self._stopped.wait(interval):
+            try:
+                backlog, age = self._store.head()
+            except StoreError:
+                continue
+            self.metrics.backlog.set(backlog)
+            self.metrics.oldest_age.set(age or 0.0)
+            engine = self._engine
+            stats = {
+                "backlog": float(backlog),
+                "oldest_age_seconds": age or 0.0,
+                "in_flight_records": float(engine.in_flight_records if engine else 0),
+                "queued_records": float(engine.queued_records if engine else 0),
+                "published": self.metrics.published._value.get(),
+                "purged": self.metrics.purged._value.get(),
+                "reset": self.metrics.reset._value.get(),
+            }
+            self._dispatch(MeterRead(stats))
+
+
+def _fields(event: Event) -> dict[str, Any]:
+    if isinstance(event, MeterRead):
+        return dict(event.stats)
+    return {name: getattr(event, name) for name in event.__slots__}

@@ -1,0 +1,39 @@
+"""Prometheus metrics of one harvester, in a registry of its own (several may share a process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class HarvesterMetrics:
+    """The series a harvester exports; all names start with ``harvester_``."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.published = Counter("harvester_records_published", "Records handed to Kafka.", registry=r)
+        self.purged = Counter("harvester_records_purged", "Records acknowledged and deleted.", registry=r)
+        self.reset = Counter("harvester_records_reset", "Records whose delivery failed and were unmarked.", registry=r)
+        self.dead_lettered = Counter(
+            "harvester_records_dead_lettered", "Records moved to the dead-letter table.", ["reason"], registry=r
+        )
+        self.remarks = Counter("harvester_forced_remarks", "Forced remarks (leader id refreshed).", registry=r)
+        self.fenced = Counter("harvester_leader_fenced", "Times this instance was fenced.", registry=r)
+        self.in_flight = Gauge("harvester_in_flight_records", "Records published, not yet acknowledged.", registry=r)
+        self.queued = Gauge("harvester_queued_records", "Marked records waiting behind a busy key.", registry=r)
+        self.is_leader = Gauge("harvester_is_leader", "1 while this instance leads.", registry=r)
+        self.mark_seconds = Histogram(
+            "harvester_mark_query_seconds", "Duration of mark queries.", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.publish_latency = Histogram(
+            "harvester_publish_latency_seconds",
+            "Time from a record's create_time to its delivery acknowledgement.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.backlog = Gauge("harvester_outbox_backlog_records", "Outbox records (id span, sampled).", registry=r)
+        self.oldest_age = Gauge(
+            "harvester_outbox_oldest_record_age_seconds", "Age of the oldest outbox record (sampled).", registry=r
+        )
