@@ -66,6 +66,7 @@ class Engine:
         self._busy: set[str] = set()
         self._waiting: dict[str, deque[MarkedRecord]] = {}
         self._queued = 0
+        self._published = 0  # counted here, added to the Prometheus counter once per batch
         # Ids purged while a mark query ran: the query may have returned them before the purge
         # committed, and dispatching them again would publish a duplicate.
         self._purged_during_mark: set[int] | None = None
@@ -229,6 +230,7 @@ class Engine:
 
     def _dispatch(self, batch: Sequence[MarkedRecord], leader_id: UUID) -> None:
         max_in_flight = self._limits.max_in_flight_records
+        published = self._published
         with self._cond:
             purged = self._purged_during_mark or set()
             self._purged_during_mark = None
@@ -250,14 +252,15 @@ class Engine:
                     return
                 self._send(record)
             self._metrics.queued.set(self._queued)
+            self._metrics.in_flight.set(len(self._in_flight))
+        self._metrics.published.inc(self._published - published)
 
     def _send(self, record: MarkedRecord) -> None:
         # Caller holds self._cond; publish() never blocks on our lock (reports go to a queue).
         self._in_flight[record.id] = record
         self._busy.add(record.key)
         self._publisher.publish(record)
-        self._metrics.published.inc()
-        self._metrics.in_flight.set(len(self._in_flight))
+        self._published += 1
 
     # ------------------------------------------------------------------ completion
 
@@ -297,6 +300,7 @@ class Engine:
         with self._cond:
             if failed:
                 self._force_remark = True
+            published = self._published
             for record, err in items:
                 self._in_flight.pop(record.id, None)
                 self._busy.discard(record.key)
@@ -306,6 +310,8 @@ class Engine:
             self._metrics.in_flight.set(len(self._in_flight))
             self._metrics.queued.set(self._queued)
             self._cond.notify_all()
+            released = self._published - published
+        self._metrics.published.inc(released)
 
     def _release(self, record: MarkedRecord, delivered: bool) -> None:
         """Lower ``record``'s key barrier and send the key's next waiting record, if any."""
@@ -331,5 +337,3 @@ class Engine:
             except StoreError as exc:
                 log.warning("store_retry", op=op.__name__, records=len(ids), error=str(exc))
                 time.sleep(self._limits.io_error_backoff.total_seconds())
-
-

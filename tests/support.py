@@ -108,9 +108,7 @@ def reader(bootstrap: str, topics: list[str], **extra: Any) -> Iterator[Consumer
         consumer.close()
 
 
-def read_messages(
-    bootstrap: str, topics: list[str], count: int, timeout: float = 60.0, **extra: Any
-) -> list[Message]:
+def read_messages(bootstrap: str, topics: list[str], count: int, timeout: float = 60.0, **extra: Any) -> list[Message]:
     """Read until ``count`` messages arrived (or ``timeout`` passed) and then 1 s more, to catch extras."""
     out: list[Message] = []
     deadline = time.monotonic() + timeout

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import psycopg
@@ -29,7 +29,9 @@ def write_concurrently(
         with psycopg.connect(dsn) as conn:
             for i in range(0, len(plan), per_txn):
                 with conn.transaction():
-                    stasher.stash(conn, [OutboxRecord(topic=topic, key=k, value=f"{k}:{s}") for k, s in plan[i : i + per_txn]])
+                    stasher.stash(
+                        conn, [OutboxRecord(topic=topic, key=k, value=f"{k}:{s}") for k, s in plan[i : i + per_txn]]
+                    )
 
     threads = [threading.Thread(target=run, args=(key_names[w::writers],)) for w in range(writers)]
     for t in threads:
@@ -50,17 +52,18 @@ class Verdict:
 
 
 def check(messages: Sequence[Message], expected: dict[str, int]) -> Verdict:
-    """Per key: first deliveries must be exactly seq 0..n-1 in order; count re-deliveries."""
+    """Values are ``<key>:<seq>[:padding]``. Per key, first deliveries must be exactly seq 0..n-1
+    in order; re-deliveries are counted."""
     seen: dict[str, list[int]] = defaultdict(list)
     verdict = Verdict()
     for m in messages:
         key = (m.key() or b"").decode()
         value = (m.value() or b"").decode()
-        k, _, s = value.partition(":")
+        k, _, rest = value.partition(":")
         if k != key or key not in expected:
             verdict.unexpected += 1
             continue
-        seen[key].append(int(s))
+        seen[key].append(int(rest.split(":")[0]))
     for key, n in expected.items():
         firsts: list[int] = []
         got: set[int] = set()
@@ -87,3 +90,19 @@ def wait_drained(dsn: str, table: TableName, timeout: float = 60.0) -> int:
             if left == 0 or time.monotonic() > deadline:
                 return left
             time.sleep(0.1)
+
+
+def insert(dsn: str, table: TableName, rows: Sequence[tuple[str, str, str]]) -> None:
+    """Insert (topic, key, value) rows in one transaction, in the given order."""
+    with psycopg.connect(dsn) as conn:
+        Stasher(table).stash(conn, [OutboxRecord(topic=t, key=k, value=v) for t, k, v in rows])
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 30.0) -> bool:
+    """Poll ``predicate`` every 50 ms until it holds or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()

@@ -1,0 +1,116 @@
+"""The main job on local defaults: migrate, harvest, write a few records, watch them arrive.
+
+    python -m harvester.demo [--records 10] [--config reaper.yaml]
+
+Runs against the services of ``deploy/local/services.sh`` (``./dev.sh demo`` starts them). It runs
+the real daemon: ``reaper migrate`` and ``reaper run`` as a child process, writes records in one
+application transaction with the stasher, consumes the topic, and stops the daemon with SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import psycopg
+from confluent_kafka import Consumer, KafkaError
+from confluent_kafka.admin import AdminClient, NewTopic
+
+from harvester.record import OutboxRecord
+from harvester.stasher import Stasher
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "deploy" / "local" / "reaper.yaml"
+DSN = "host=127.0.0.1 port=5432 user=harvester password=harvester dbname=harvester"
+BOOTSTRAP = "127.0.0.1:9092"
+TOPIC = "demo.orders"
+
+
+def _ensure_topic(admin: AdminClient) -> None:
+    if TOPIC in admin.list_topics(timeout=10).topics:
+        return
+    for f in admin.create_topics([NewTopic(TOPIC, num_partitions=3, replication_factor=1)]).values():
+        f.result(30)
+
+
+def main() -> int:
+    """Run the demo; return the process exit code."""
+    parser = argparse.ArgumentParser(description="Harvest a few outbox records into Kafka on local services.")
+    parser.add_argument("--records", type=int, default=10, help="how many records to write (default 10)")
+    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="reaper.yaml to run with")
+    args = parser.parse_args()
+    reaper = [sys.executable, "-m", "harvester.cli"]
+
+    print(f"1. migrating the outbox: reaper migrate -f {args.config}")
+    subprocess.run([*reaper, "migrate", "-f", str(args.config)], check=True)
+
+    admin = AdminClient({"bootstrap.servers": BOOTSTRAP})
+    _ensure_topic(admin)
+    consumer = Consumer(
+        {"bootstrap.servers": BOOTSTRAP, "group.id": f"demo-{uuid.uuid4().hex[:8]}", "auto.offset.reset": "latest"}
+    )
+    consumer.subscribe([TOPIC])
+    while not consumer.assignment():  # join before writing, so only this run's records are shown
+        consumer.poll(0.2)
+
+    print(f"2. starting the harvester: reaper run -f {args.config}")
+    daemon = subprocess.Popen(
+        [*reaper, "run", "-f", str(args.config)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    try:
+        run_id = uuid.uuid4().hex[:6]
+        records = [
+            OutboxRecord.of(
+                TOPIC, f"customer-{i % 3}", f'{{"order": "{run_id}-{i}", "amount": {10 * i}}}', {"source": "demo"}
+            )
+            for i in range(args.records)
+        ]
+        with psycopg.connect(DSN) as conn, conn.transaction():
+            # The application's own rows and its messages commit together, or not at all.
+            conn.execute("CREATE TABLE IF NOT EXISTS demo_orders (id TEXT PRIMARY KEY, amount INT NOT NULL)")
+            with conn.cursor() as cur:
+                cur.executemany(
+                    "INSERT INTO demo_orders VALUES (%s, %s)", [(f"{run_id}-{i}", 10 * i) for i in range(args.records)]
+                )
+            Stasher("outbox").stash(conn, records)
+        print(f"3. wrote {len(records)} outbox records in one transaction (run {run_id})")
+
+        print(f"4. reading them back from Kafka topic {TOPIC!r}:")
+        seen = 0
+        deadline = time.monotonic() + 60
+        while seen < len(records) and time.monotonic() < deadline:
+            msg = consumer.poll(0.5)
+            if msg is None or (msg.error() and msg.error().code() == KafkaError._PARTITION_EOF):
+                continue
+            if msg.error():
+                raise RuntimeError(str(msg.error()))
+            value = (msg.value() or b"").decode()
+            if run_id not in value:
+                continue
+            seen += 1
+            print(f"   partition {msg.partition()} offset {msg.offset():>4}  key={msg.key().decode():<11} {value}")
+        if seen < len(records):
+            print(f"only {seen} of {len(records)} records arrived within 60 s", file=sys.stderr)
+            return 1
+        with psycopg.connect(DSN) as conn:
+            left = conn.execute("SELECT count(*) FROM outbox").fetchone()
+        print(f"5. all {seen} records arrived; records left in the outbox: {left[0] if left else '?'}")
+        return 0
+    finally:
+        consumer.close()
+        daemon.send_signal(signal.SIGTERM)
+        try:
+            daemon.wait(30)
+        except subprocess.TimeoutExpired:
+            daemon.kill()
+        if daemon.returncode not in (0, -signal.SIGTERM):
+            sys.stderr.write((daemon.stderr.read() if daemon.stderr else b"").decode()[-3000:])
+        print(f"6. harvester stopped (exit code {daemon.returncode})")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

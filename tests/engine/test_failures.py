@@ -1,0 +1,129 @@
+"""Delivery failures, a dropped database connection and a broker restart lose and reorder nothing."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+
+import psycopg
+import pytest
+from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource
+
+from harvester.identifiers import TableName
+from tests.engine.conftest import HarvesterFactory
+from tests.engine.workload import check, insert, wait_drained, wait_until, write_concurrently
+from tests.support import PrivateKafka, Services, create_topics, read_messages, unique
+
+pytestmark = pytest.mark.integration
+
+FAST_FAIL = {"message.timeout.ms": 2000, "topic.metadata.propagation.max.ms": 1000}
+
+
+def test_missing_topic_resets_and_remarks_until_it_exists(
+    services: Services, outbox: TableName, topics: Callable[..., str], make_harvester: HarvesterFactory
+) -> None:
+    missing, good = unique("missing"), topics()
+    rows = [(missing, "a", f"a:{i}") for i in range(3)] + [
+        (good, f"b{i % 10}", f"b{i % 10}:{i // 10}") for i in range(50)
+    ]
+    insert(services.pg_dsn, outbox, rows)
+    h = make_harvester(producer=FAST_FAIL)
+    # Other keys flow while key "a" keeps failing: all of "good" arrives before "missing" exists.
+    assert len(read_messages(services.bootstrap, [good], 50)) == 50
+    assert wait_until(lambda: h.metrics.reset._value.get() >= 2)
+    create_topics(services.bootstrap, [missing])
+    try:
+        assert wait_drained(services.pg_dsn, outbox) == 0
+        verdict = check(read_messages(services.bootstrap, [missing], 3), {"a": 3})
+        assert verdict.lost == [] and verdict.out_of_order == []
+    finally:
+        AdminClient({"bootstrap.servers": services.bootstrap}).delete_topics([missing])
+
+
+def test_record_too_large_for_topic_holds_its_key_until_accepted(
+    services: Services, outbox: TableName, topics: Callable[..., str], make_harvester: HarvesterFactory
+) -> None:
+    small = topics(**{"max.message.bytes": "1024"})
+    big_value = "c:1:" + os.urandom(4500).hex()  # incompressible, so lz4 cannot shrink it under the limit
+    insert(services.pg_dsn, outbox, [(small, "c", "c:0"), (small, "c", big_value), (small, "c", "c:2")])
+    h = make_harvester()
+    assert wait_until(lambda: h.metrics.reset._value.get() >= 2)
+    # The key's later record must not overtake the failing one.
+    early = read_messages(services.bootstrap, [small], 1, timeout=5)
+    assert [m.value() for m in early] == [b"c:0"]
+    admin = AdminClient({"bootstrap.servers": services.bootstrap})
+    resource = ConfigResource(
+        ConfigResource.Type.TOPIC,
+        small,
+        incremental_configs=[ConfigEntry("max.message.bytes", "1048576", incremental_operation=AlterConfigOpType.SET)],
+    )
+    for f in admin.incremental_alter_configs([resource]).values():
+        f.result(30)
+    assert wait_drained(services.pg_dsn, outbox) == 0
+    verdict = check(read_messages(services.bootstrap, [small], 3), {"c": 3})
+    assert verdict.lost == [] and verdict.out_of_order == []
+
+
+def test_busy_key_does_not_stall_other_keys(
+    services: Services, outbox: TableName, topics: Callable[..., str], make_harvester: HarvesterFactory
+) -> None:
+    """Key "slow" has a record stuck in flight (its topic does not exist yet) and more queued behind
+    it; every record of the other keys, on the same kind of mark batches, is delivered meanwhile."""
+    missing, good = unique("missing"), topics()
+    rows = [(missing, "slow", "slow:0"), (missing, "slow", "slow:1")]
+    rows += [(good, f"k{i % 100}", f"k{i % 100}:{i // 100}") for i in range(500)]
+    insert(services.pg_dsn, outbox, rows)
+    h = make_harvester(producer={"message.timeout.ms": 60000, "topic.metadata.propagation.max.ms": 60000})
+    got = read_messages(services.bootstrap, [good], 500)
+    assert len(got) == 500
+    assert h.in_flight_records == 1 and h.in_flight_keys == 1  # "slow" is still in flight
+    assert h._engine is not None and h._engine.queued_records == 1  # its successor waits behind it
+    verdict = check(got, {f"k{i}": 5 for i in range(100)})
+    assert verdict.lost == [] and verdict.out_of_order == []
+
+
+def test_database_connections_killed_mid_run(
+    services: Services, outbox: TableName, topics: Callable[..., str], make_harvester: HarvesterFactory
+) -> None:
+    topic = topics(partitions=2)
+    expected = write_concurrently(services.pg_dsn, outbox, topic, keys=50, per_key=60, writers=4)
+    make_harvester(mark_query_records=20, max_in_flight_records=50)
+
+    def kill() -> None:
+        with psycopg.connect(services.pg_dsn, autocommit=True) as conn:
+            for _ in range(5):
+                time.sleep(0.3)
+                conn.execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                    " WHERE application_name LIKE 'outbox-harvester%%' AND pid <> pg_backend_pid()"
+                )
+
+    killer = threading.Thread(target=kill)
+    killer.start()
+    killer.join()
+    assert wait_drained(services.pg_dsn, outbox) == 0
+    verdict = check(read_messages(services.bootstrap, [topic], 3000), expected)
+    assert verdict.lost == [] and verdict.out_of_order == [] and verdict.unexpected == 0
+
+
+def test_broker_restart_mid_run(
+    services: Services, outbox: TableName, private_kafka: PrivateKafka, make_harvester: HarvesterFactory
+) -> None:
+    topic = unique("restart")
+    create_topics(private_kafka.bootstrap, [topic], partitions=2)
+    make_harvester(bootstrap=private_kafka.bootstrap, mark_query_records=20, max_in_flight_records=20)
+    writer = threading.Thread(
+        target=write_concurrently,
+        args=(services.pg_dsn, outbox, topic),
+        kwargs={"keys": 40, "per_key": 50, "writers": 4, "per_txn": 2},
+    )
+    writer.start()
+    time.sleep(1.0)
+    private_kafka.restart()
+    writer.join()
+    assert wait_drained(services.pg_dsn, outbox, timeout=120) == 0
+    expected = {f"k{i}": 50 for i in range(40)}
+    verdict = check(read_messages(private_kafka.bootstrap, [topic], 2000), expected)
+    assert verdict.lost == [] and verdict.out_of_order == [] and verdict.unexpected == 0

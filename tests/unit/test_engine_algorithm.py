@@ -1,0 +1,178 @@
+"""Edge cases of the MP/R algorithm, on an in-memory outbox and a publisher the test acknowledges
+by hand (deterministic; the same paths run against PostgreSQL and Kafka in tests/engine)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
+from uuid import UUID
+
+import pytest
+
+from harvester import Engine, Limits
+from harvester.events import Event, LeaderRefreshed
+from harvester.metrics import HarvesterMetrics
+from harvester.protocols import DeliveryCallback
+from harvester.record import MarkedRecord
+from tests.support import ManualElector
+
+pytestmark = pytest.mark.unit
+
+
+class MemoryStore:
+    """The outbox as a dict; mark/purge/reset with the SQL statements' semantics."""
+
+    def __init__(self, rows: Sequence[tuple[str, str]]) -> None:
+        self.rows: dict[int, list[object]] = {}
+        self.lock = threading.Lock()
+        for i, (key, value) in enumerate(rows, start=1):
+            self.rows[i] = [key, value, None]
+
+    def mark(self, leader_id: UUID, limit: int) -> list[MarkedRecord]:
+        with self.lock:
+            ids = sorted(i for i, r in self.rows.items() if r[2] != leader_id)[:limit]
+            out = []
+            for i in ids:
+                self.rows[i][2] = leader_id
+                key, value = str(self.rows[i][0]), str(self.rows[i][1])
+                out.append(MarkedRecord(i, datetime.now(UTC), "t", key, value.encode(), []))
+            return out
+
+    def purge(self, ids: Sequence[int]) -> None:
+        with self.lock:
+            for i in ids:
+                self.rows.pop(i, None)
+
+    def reset(self, ids: Sequence[int]) -> None:
+        with self.lock:
+            for i in ids:
+                if i in self.rows:
+                    self.rows[i][2] = None
+
+    def wait_for_insert(self, timeout: float) -> bool:
+        time.sleep(min(timeout, 0.01))
+        return False
+
+    def close(self) -> None:
+        pass
+
+
+class HandPublisher:
+    """Records what was published; the test decides when and how each delivery completes."""
+
+    def __init__(self, callback: DeliveryCallback) -> None:
+        self.callback = callback
+        self.sent: list[MarkedRecord] = []
+        self.lock = threading.Lock()
+
+    def publish(self, record: MarkedRecord) -> None:
+        with self.lock:
+            self.sent.append(record)
+
+    def values(self) -> list[str]:
+        with self.lock:
+            return [(r.value or b"").decode() for r in self.sent]
+
+    def close(self, timeout: float) -> None:
+        pass
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.005)
+
+
+def build(rows: Sequence[tuple[str, str]], **limits: object) -> tuple[Engine, MemoryStore, HandPublisher, list[Event]]:
+    store = MemoryStore(rows)
+    made: list[HandPublisher] = []
+    events: list[Event] = []
+
+    def factory(cb: DeliveryCallback) -> HandPublisher:
+        made.append(HandPublisher(cb))
+        return made[0]
+
+    engine = Engine(store, factory, Limits(**limits), HarvesterMetrics(), events.append, listen_notify=False)  # type: ignore[arg-type]
+    engine.start()
+    return engine, store, made[0], events
+
+
+class Acker:
+    """Acknowledges each published record exactly once, in publish order."""
+
+    def __init__(self, pub: HandPublisher) -> None:
+        self.pub = pub
+        self.done = 0
+
+    def ack_next(self, error: Exception | None = None) -> MarkedRecord:
+        wait_for(lambda: len(self.pub.sent) > self.done)
+        record = self.pub.sent[self.done]
+        self.done += 1
+        self.pub.callback(record, error)
+        return record
+
+
+def test_busy_key_waits_while_other_keys_flow() -> None:
+    engine, _, pub, _ = build([("a", "a0"), ("a", "a1"), ("b", "b0"), ("c", "c0"), ("a", "a2"), ("d", "d0")])
+    elector = ManualElector()
+    elector.start(engine.on_leader_event)
+    wait_for(lambda: len(pub.sent) == 4)
+    assert pub.values() == ["a0", "b0", "c0", "d0"]  # a1, a2 wait behind a0; nothing else does
+    assert engine.queued_records == 2
+    acker = Acker(pub)
+    acker.ack_next()  # a0 delivered: a1 follows at once
+    wait_for(lambda: len(pub.sent) == 5)
+    assert pub.values()[-1] == "a1"
+    engine.close(1)
+
+
+def test_throttle_bounds_in_flight_records() -> None:
+    engine, store, pub, _ = build([(f"k{i}", f"v{i}") for i in range(50)], max_in_flight_records=7)
+    ManualElector().start(engine.on_leader_event)
+    acker = Acker(pub)
+    peak = 0
+    while acker.done < 50:
+        wait_for(lambda: len(pub.sent) > acker.done)
+        peak = max(peak, len(pub.sent) - acker.done)
+        acker.ack_next()
+    assert peak == 7
+    wait_for(lambda: not store.rows)
+    engine.close(1)
+
+
+def test_failed_delivery_forces_remark_and_keeps_key_order() -> None:
+    engine, store, pub, events = build([("a", "a0"), ("a", "a1"), ("b", "b0")])
+    ManualElector().start(engine.on_leader_event)
+    wait_for(lambda: len(pub.sent) == 2)
+    acker = Acker(pub)
+    acker.ack_next(RuntimeError("broker said no"))  # a0 fails
+    wait_for(lambda: any(isinstance(e, LeaderRefreshed) for e in events))
+    # After the refresh a0 is marked and sent again before a1; b0 (in flight) is not duplicated.
+    wait_for(lambda: len(pub.sent) == 3)
+    assert pub.values() == ["a0", "b0", "a0"]
+    acker.ack_next()  # b0
+    acker.ack_next()  # a0 again, delivered
+    wait_for(lambda: len(pub.sent) == 4)
+    assert pub.values()[-1] == "a1"
+    acker.ack_next()
+    wait_for(lambda: not store.rows)
+    assert pub.values().count("b0") == 1
+    engine.close(1)
+
+
+def test_fenced_leader_publishes_nothing_more() -> None:
+    engine, store, pub, _ = build([("a", "a0"), ("a", "a1"), ("b", "b0")], mark_query_records=10)
+    elector = ManualElector()
+    elector.start(engine.on_leader_event)
+    wait_for(lambda: len(pub.sent) == 2)
+    elector.fence()
+    acker = Acker(pub)
+    acker.ack_next()
+    acker.ack_next()
+    time.sleep(0.2)
+    assert pub.values() == ["a0", "b0"]  # a1 was queued behind a0 and is dropped at the fence
+    assert list(store.rows) == [2]  # and stays in the outbox for the next leader
+    engine.close(1)
