@@ -16,12 +16,9 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -29,14 +26,12 @@ from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 from psycopg import sql
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from harvester import Engine, Limits, PostgresStore, TableName, migrate  # noqa: E402
-from harvester.metrics import HarvesterMetrics  # noqa: E402
-from harvester.protocols import DeliveryCallback  # noqa: E402
-from harvester.publisher import KafkaPublisher, producer_config  # noqa: E402
-from harvester.record import MarkedRecord  # noqa: E402
-from leader.events import LeaderAcquired  # noqa: E402
+from harvester import Engine, Limits, PostgresStore, TableName, migrate
+from harvester.metrics import HarvesterMetrics
+from harvester.protocols import DeliveryCallback
+from harvester.publisher import KafkaPublisher, producer_config
+from harvester.record import MarkedRecord
+from leader.events import LeaderAcquired
 
 DSN = os.environ.get(
     "HARVESTER_TEST_PG_DSN", "host=127.0.0.1 port=5432 user=harvester password=harvester dbname=harvester"
@@ -275,7 +270,8 @@ def main() -> None:
     defaults = Limits()
     print(
         f"workload: {args.records} records, {args.keys} keys, {len(VALUE)}-byte values; "
-        f"engine limits: mark_query_records={limits.mark_query_records} max_in_flight_records={limits.max_in_flight_records}"
+        f"engine limits: mark_query_records={limits.mark_query_records} "
+        f"max_in_flight_records={limits.max_in_flight_records}"
     )
     with psycopg.connect(DSN, autocommit=True) as conn:
         try:
@@ -286,22 +282,26 @@ def main() -> None:
             lower = min(producer, sqlonly)
             drained = drain_preloaded(conn, args.records, args.keys, limits)
             print(
-                f"harvest  drain pre-loaded outbox            {drained:10.0f} records/s  ({drained / lower:.0%} of lower ceiling)"
+                f"harvest  drain pre-loaded outbox            {drained:10.0f} records/s"
+                f"  ({drained / lower:.0%} of lower ceiling)"
             )
             drained_d = drain_preloaded(conn, args.records, args.keys, defaults)
             print(
-                f"harvest  drain, goharvest default limits    {drained_d:10.0f} records/s  (mark_query_records=100, max_in_flight=1000)"
+                f"harvest  drain, goharvest default limits    {drained_d:10.0f} records/s"
+                "  (mark_query_records=100, max_in_flight=1000)"
             )
             inserted, harvested = steady(conn, args.keys, args.seconds, limits)
             print(f"harvest  steady inserts: inserted {inserted:8.0f}/s, harvested during inserts {harvested:8.0f}/s")
             lat = latency(conn, args.keys, args.rate, args.seconds, defaults)
             print(
-                f"latency  commit->ack at {args.rate:.0f} records/s: p50 {pct(lat, 0.5):.1f} ms  p99 {pct(lat, 0.99):.1f} ms"
+                f"latency  commit->ack at {args.rate:.0f} records/s:"
+                f" p50 {pct(lat, 0.5):.1f} ms  p99 {pct(lat, 0.99):.1f} ms"
                 f"  max {max(lat):.1f} ms  (n={len(lat)}, mean {statistics.fmean(lat):.1f} ms)"
             )
             idle = idle_queries(conn, defaults)
             print(
-                f"idle     mark queries per second: {idle:.2f} (LISTEN/NOTIFY wake-up, back-off up to {defaults.max_mark_backoff.total_seconds()} s)"
+                f"idle     mark queries per second: {idle:.2f}"
+                f" (LISTEN/NOTIFY wake-up, back-off up to {defaults.max_mark_backoff.total_seconds()} s)"
             )
         finally:
             cleanup(conn)
