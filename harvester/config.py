@@ -10,9 +10,9 @@ from __future__ import annotations
 import os
 import socket
 from datetime import timedelta
-from typing import Annotated, Any, cast
+from typing import Annotated, Any
 
-from pydantic import AliasChoices, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import AliasChoices, BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
 from harvester.durations import parse_duration
 from harvester.identifiers import TableName
@@ -37,17 +37,13 @@ class Limits(BaseModel):
         validation_alias=AliasChoices("min_poll_interval", "minPollInterval"),
     )
     max_poll_interval: Duration = Field(
-        default=timedelta(milliseconds=2500),
-        validation_alias=AliasChoices("max_poll_interval", "maxPollInterval"),
-        description="Default: half of heartbeat_timeout (goharvest).",
+        default=timedelta(minutes=5), validation_alias=AliasChoices("max_poll_interval", "maxPollInterval")
     )
     heartbeat_timeout: Duration = Field(
         default=timedelta(seconds=5), validation_alias=AliasChoices("heartbeat_timeout", "heartbeatTimeout")
     )
     drain_interval: Duration = Field(
-        default=timedelta(milliseconds=2500),
-        validation_alias=AliasChoices("drain_interval", "drainInterval"),
-        description="Default: the lesser of max_poll_interval and queue_timeout (goharvest).",
+        default=timedelta(minutes=1), validation_alias=AliasChoices("drain_interval", "drainInterval")
     )
     queue_timeout: Duration = Field(
         default=timedelta(seconds=30), validation_alias=AliasChoices("queue_timeout", "queueTimeout")
@@ -86,39 +82,6 @@ class Limits(BaseModel):
         default=100, ge=1, validation_alias=AliasChoices("mark_query_records", "markQueryRecords")
     )
 
-    @model_validator(mode="before")
-    @classmethod
-    def _derived_defaults(cls, data: Any) -> Any:
-        # goharvest derives two defaults from other limits: max_poll_interval = heartbeat_timeout / 2
-        # and drain_interval = min(max_poll_interval, queue_timeout). Invalid inputs are left for
-        # the field validators to report against their own names.
-        if not isinstance(data, dict):
-            return data
-
-        def given(name: str) -> str | None:
-            field = cls.model_fields[name]
-            choices = field.validation_alias.choices if isinstance(field.validation_alias, AliasChoices) else []
-            return next((c for c in (name, *map(str, choices)) if c in data), None)
-
-        def value(name: str) -> timedelta | None:
-            key = given(name)
-            if key is None:
-                return cast(timedelta, cls.model_fields[name].default)
-            try:
-                return parse_duration(data[key])
-            except ValueError:
-                return None
-
-        out = dict(data)
-        max_poll = value("max_poll_interval")
-        heartbeat = value("heartbeat_timeout")
-        if given("max_poll_interval") is None and heartbeat is not None:
-            max_poll = out["max_poll_interval"] = heartbeat / 2
-        queue = value("queue_timeout")
-        if given("drain_interval") is None and max_poll is not None and queue is not None:
-            out["drain_interval"] = min(max_poll, queue)
-        return out
-
 
 class HarvesterConfig(BaseModel):
     """Everything a :class:`harvester.Harvester` needs."""
@@ -156,6 +119,17 @@ class HarvesterConfig(BaseModel):
         default=True,
         validation_alias=AliasChoices("listen_notify", "listenNotify"),
         description="Wake up on NOTIFY from the outbox trigger (installed by migration) when idle.",
+    )
+    identity_header_prefix: str = Field(
+        default="outbox-",
+        pattern=r"^[A-Za-z0-9._-]{1,64}$",
+        validation_alias=AliasChoices("identity_header_prefix", "identityHeaderPrefix"),
+        description="Prefix of the identity headers (<prefix>id, <prefix>epoch, <prefix>producer).",
+    )
+    producer_name: str | None = Field(
+        default=None,
+        validation_alias=AliasChoices("producer_name", "producerName"),
+        description="Stable producer name in the identity headers; default '<db system id>/<table>'.",
     )
     limits: Limits = Field(default_factory=Limits)
 

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import psycopg
 from confluent_kafka import Consumer, KafkaError
-from confluent_kafka.admin import AdminClient, NewTopic
+from confluent_kafka.admin import AdminClient
+from confluent_kafka.cimpl import NewTopic
 
 from harvester.record import OutboxRecord
 from harvester.stasher import Stasher
@@ -84,15 +85,20 @@ def main() -> int:
         deadline = time.monotonic() + 60
         while seen < len(records) and time.monotonic() < deadline:
             msg = consumer.poll(0.5)
-            if msg is None or (msg.error() and msg.error().code() == KafkaError._PARTITION_EOF):
+            if msg is None:
                 continue
-            if msg.error():
-                raise RuntimeError(str(msg.error()))
+            err = msg.error()
+            if err is not None:
+                if err.code() == KafkaError._PARTITION_EOF:
+                    continue
+                raise RuntimeError(str(err))
             value = (msg.value() or b"").decode()
             if run_id not in value:
                 continue
             seen += 1
-            print(f"   partition {msg.partition()} offset {msg.offset():>4}  key={msg.key().decode():<11} {value}")
+            print(
+                f"   partition {msg.partition()} offset {msg.offset():>4}  key={(msg.key() or b'').decode():<11} {value}"
+            )
         if seen < len(records):
             print(f"only {seen} of {len(records)} records arrived within 60 s", file=sys.stderr)
             return 1

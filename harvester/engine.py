@@ -14,6 +14,10 @@ re-publish after a crash can repeat the last record of a key but never reorder i
 
 A failed delivery resets its record and forces a remark: queued records are discarded and the
 leader id is refreshed, so the next mark picks up everything unacknowledged, in id order.
+
+Zombie fencing: each leadership term first bumps the store's epoch; every mark, purge and reset
+is checked against it in the database. A statement refused by the fence means a newer leader has
+taken over: leader work stops at once (LeaderFenced) and nothing is retried.
 """
 
 from __future__ import annotations
@@ -30,9 +34,8 @@ import structlog
 from harvester.config import Limits
 from harvester.events import Event, LeaderAcquired, LeaderFenced, LeaderRefreshed, LeaderRevoked
 from harvester.metrics import HarvesterMetrics
-from harvester.protocols import Publisher, Store
+from harvester.protocols import FencedError, Publisher, Store, StoreError
 from harvester.record import MarkedRecord
-from harvester.store import StoreError
 from leader.events import LeaderEvent
 
 log = structlog.get_logger("harvester.engine")
@@ -61,6 +64,8 @@ class Engine:
         self._cond = threading.Condition()
         # All of the following is guarded by self._cond.
         self._leader_id: UUID | None = None
+        self._term = 0  # bumped on every LeaderAcquired
+        self._fenced_term = 0  # the term whose epoch the store holds
         self._force_remark = False
         self._in_flight: dict[int, MarkedRecord] = {}
         self._busy: set[str] = set()
@@ -143,6 +148,7 @@ class Engine:
             with self._cond:
                 if not self._stopping.is_set():
                     self._leader_id = event.leader_id
+                    self._term += 1
                     self._force_remark = False
                     self._discard_waiting()
                     self._cond.notify_all()
@@ -186,6 +192,13 @@ class Engine:
                     self._cond.wait(0.1)
                 if self._stopping.is_set() or self._leader_id is None:
                     continue
+                term, term_leader = self._term, self._leader_id
+            if self._fenced_term != term:
+                self._begin_term(term, term_leader)
+                continue
+            with self._cond:
+                if self._leader_id is None or self._term != term:
+                    continue
                 if self._force_remark:
                     self._discard_waiting()
                     previous, self._leader_id = self._leader_id, uuid4()
@@ -200,6 +213,11 @@ class Engine:
             started = time.perf_counter()
             try:
                 batch = self._store.mark(leader_id, limits.mark_query_records)
+            except FencedError as exc:
+                with self._cond:
+                    self._purged_during_mark = None
+                self._fenced(exc)
+                continue
             except StoreError as exc:
                 log.warning("mark_failed", error=str(exc))
                 with self._cond:
@@ -216,6 +234,31 @@ class Engine:
                 self._purged_during_mark = None
             self._idle_wait(idle)
             idle = min(idle * 2, limits.max_mark_backoff.total_seconds())
+
+    def _begin_term(self, term: int, leader_id: UUID) -> None:
+        """Bump the fence epoch for a new term before its first mark."""
+        try:
+            epoch = self._store.acquire(leader_id)
+        except StoreError as exc:
+            log.warning("fence_acquire_failed", error=str(exc))
+            self._stopping.wait(self._limits.io_error_backoff.total_seconds())
+            return
+        self._fenced_term = term
+        self._metrics.epoch.set(epoch)
+        log.info("fence_acquired", epoch=epoch, leader_id=str(leader_id))
+
+    def _fenced(self, error: FencedError) -> None:
+        """A newer leader owns the outbox: drop leader work now and report it; never retry."""
+        with self._cond:
+            leader_id, self._leader_id = self._leader_id, None
+            self._discard_waiting()
+            self._cond.notify_all()
+        self._metrics.fenced_statements.inc()
+        self._metrics.is_leader.set(0)
+        if leader_id is not None:
+            self._metrics.fenced.inc()
+            log.error("fenced_by_newer_leader", error=str(error), leader_id=str(leader_id))
+            self._emit(LeaderFenced(leader_id))
 
     def _idle_wait(self, seconds: float) -> None:
         """Back off on an empty outbox; a NOTIFY from the outbox trigger ends the wait early."""
@@ -287,8 +330,9 @@ class Engine:
     def _complete(self, items: list[tuple[MarkedRecord, Exception | None]]) -> None:
         delivered = [r.id for r, err in items if err is None]
         failed = [r.id for r, err in items if err is not None]
-        self._with_retry(self._store.purge, delivered)
-        self._with_retry(self._store.reset, failed)
+        # Fenced: the records stay marked for the new leader to re-mark; only bookkeeping is left.
+        if not (self._with_retry(self._store.purge, delivered) and self._with_retry(self._store.reset, failed)):
+            delivered = failed = []
         now = time.time()
         for record, err in items:
             if err is None:
@@ -328,12 +372,16 @@ class Engine:
         if not waiting:
             del self._waiting[record.key]
 
-    def _with_retry(self, op: Callable[[Sequence[int]], None], ids: Sequence[int]) -> None:
-        """Run an idempotent purge/reset until it succeeds: losing it would re-publish records."""
+    def _with_retry(self, op: Callable[[Sequence[int]], None], ids: Sequence[int]) -> bool:
+        """Run an idempotent purge/reset until it succeeds (True) or the fence refuses it (False)."""
         while ids:
             try:
                 op(ids)
-                return
+                return True
+            except FencedError as exc:
+                self._fenced(exc)
+                return False
             except StoreError as exc:
                 log.warning("store_retry", op=op.__name__, records=len(ids), error=str(exc))
                 time.sleep(self._limits.io_error_backoff.total_seconds())
+        return True

@@ -21,6 +21,10 @@ class HarvesterMetrics:
         )
         self.remarks = Counter("harvester_forced_remarks", "Forced remarks (leader id refreshed).", registry=r)
         self.fenced = Counter("harvester_leader_fenced", "Times this instance was fenced.", registry=r)
+        self.fenced_statements = Counter(
+            "harvester_fenced_statements", "Outbox statements refused by the epoch fence.", registry=r
+        )
+        self.epoch = Gauge("harvester_epoch", "Fence epoch of the current leadership term (0: none).", registry=r)
         self.in_flight = Gauge("harvester_in_flight_records", "Records published, not yet acknowledged.", registry=r)
         self.queued = Gauge("harvester_queued_records", "Marked records waiting behind a busy key.", registry=r)
         self.is_leader = Gauge("harvester_is_leader", "1 while this instance leads.", registry=r)

@@ -37,6 +37,11 @@ def notify_channel(table: TableName) -> str:
     return f"{table.qualified.replace('.', '__')}_harvest"[:63]
 
 
+def fence_table(table: TableName) -> TableName:
+    """The fence table shared by the outbox tables of ``table``'s schema."""
+    return TableName(table.schema, "harvester_fence")
+
+
 def available() -> list[Migration]:
     """The migrations shipped with the package, in order."""
     root = resources.files("harvester") / "sql"
@@ -58,6 +63,11 @@ def render(migration: Migration, table: TableName, conn: psycopg.Connection[tupl
         notify_trigger=q(sql.Identifier(f"{table.name}_harvest_notify"[:63])),
         channel=channel,
         channel_literal=q(sql.Literal(channel)),
+        fence=q(fence_table(table).ident),
+        spark_tasks=q(table.derived("spark_tasks").ident),
+        spark_tasks_write_idx=q(sql.Identifier(f"{table.name}_spark_tasks_write_idx"[:63])),
+        spark_staging=q(table.derived("spark_staging").ident),
+        spark_commits=q(table.derived("spark_commits").ident),
     )
 
 

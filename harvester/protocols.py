@@ -15,11 +15,25 @@ from harvester.record import MarkedRecord
 from leader.events import LeaderEvent, LeaderStatus
 
 
+class StoreError(Exception):
+    """The database could not be reached or refused a statement; retry after a back-off."""
+
+
+class FencedError(StoreError):
+    """A newer leader bumped the fence epoch: this process must stop leader work, not retry."""
+
+
 class Store(Protocol):
-    """The outbox table."""
+    """The outbox table, guarded by an epoch fence."""
+
+    def acquire(self, leader_id: UUID) -> int:
+        """Bump the fence epoch for a new leadership term; later statements run under it."""
+        ...
 
     def mark(self, leader_id: UUID, limit: int) -> list[MarkedRecord]:
-        """Mark up to ``limit`` records not marked by ``leader_id``; return them sorted by id."""
+        """Mark up to ``limit`` records not marked by ``leader_id``; return them sorted by id.
+
+        Raises :class:`FencedError` when the epoch was superseded."""
         ...
 
     def purge(self, ids: Sequence[int]) -> None:

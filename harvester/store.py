@@ -17,12 +17,12 @@ import psycopg
 from psycopg import sql
 
 from harvester.identifiers import TableName
-from harvester.migrations import notify_channel
+from harvester.identity import IdentityHeaders
+from harvester.migrations import fence_table, notify_channel
+from harvester.protocols import FencedError, StoreError
 from harvester.record import ColumnLimits, MarkedRecord, ValueKind
 
-
-class StoreError(Exception):
-    """The database could not be reached or refused a statement; retry after a back-off."""
+__all__ = ["FencedError", "OutboxMissingError", "PostgresStore", "StoreError"]
 
 
 class OutboxMissingError(StoreError):
@@ -71,9 +71,21 @@ def describe(conn: psycopg.Connection[Any], table: TableName) -> ColumnLimits:
 class PostgresStore:
     """:class:`harvester.protocols.Store` over one outbox table."""
 
-    def __init__(self, dsn: str, table: TableName, *, application_name: str = "outbox-harvester") -> None:
+    def __init__(
+        self,
+        dsn: str,
+        table: TableName,
+        *,
+        application_name: str = "outbox-harvester",
+        identity: IdentityHeaders | None = None,
+        producer_name: str | None = None,
+    ) -> None:
         self._dsn = dsn
         self._table = table
+        self._fence = fence_table(table)
+        self._names = identity or IdentityHeaders()
+        self._producer = producer_name
+        self._epoch = 0
         self._app = application_name
         self._local = threading.local()
         self._lock = threading.Lock()
@@ -86,9 +98,7 @@ class PostgresStore:
 
     def _connect(self, autocommit: bool = True) -> psycopg.Connection[Any]:
         try:
-            conn = psycopg.connect(
-                self._dsn, autocommit=autocommit, connect_timeout=5, application_name=self._app
-            )
+            conn = psycopg.connect(self._dsn, autocommit=autocommit, connect_timeout=5, application_name=self._app)
         except psycopg.Error as exc:
             raise StoreError(f"cannot connect to PostgreSQL: {type(exc).__name__}") from exc
         with self._lock:
@@ -110,16 +120,19 @@ class PostgresStore:
                 self._connections.remove(conn)
         conn.close()
 
-    def _run(self, query: sql.Composed | str, params: Sequence[Any]) -> list[tuple[Any, ...]]:
+    def _execute(self, query: sql.Composed | str, params: Sequence[Any]) -> psycopg.Cursor[Any]:
         conn = self._conn()
         try:
-            cur = conn.execute(query, params, prepare=True)
-            return cur.fetchall() if cur.description else []
+            return conn.execute(query, params, prepare=True)
         except psycopg.OperationalError as exc:
             self._forget(conn)
             raise StoreError(f"database error: {exc.sqlstate or type(exc).__name__}") from exc
         except psycopg.Error as exc:
             raise StoreError(f"statement failed: {exc.sqlstate or type(exc).__name__}") from exc
+
+    def _run(self, query: sql.Composed | str, params: Sequence[Any]) -> list[tuple[Any, ...]]:
+        cur = self._execute(query, params)
+        return cur.fetchall() if cur.description else []
 
     # ------------------------------------------------------------------ statements
 
@@ -138,41 +151,111 @@ class PostgresStore:
 
     def _build_statements(self, limits: ColumnLimits) -> None:
         value = "kafka_value::text" if limits.value_kind == "json" else "kafka_value"
-        t = self._table.ident
+        # Every change runs in one statement that first share-locks the fence row at this
+        # process's epoch: after a newer epoch commits, the CTE is empty and nothing changes.
+        guard = "WITH fence AS (SELECT 1 FROM {f} WHERE outbox_table = %s AND epoch = %s FOR SHARE) "
+        t, f = self._table.ident, self._fence.ident
         self._mark_sql = sql.SQL(
-            "UPDATE {t} SET leader_id = %s WHERE id IN ("
+            guard + "UPDATE {t} SET leader_id = %s WHERE EXISTS (SELECT 1 FROM fence) AND id IN ("
             "SELECT id FROM {t} WHERE leader_id IS NULL OR leader_id <> %s ORDER BY id LIMIT %s) "
             "RETURNING " + _RETURNING.format(value=value)
-        ).format(t=t)
-        self._purge_sql = sql.SQL("DELETE FROM {} WHERE id = ANY(%s::bigint[])").format(t)
-        self._reset_sql = sql.SQL("UPDATE {} SET leader_id = NULL WHERE id = ANY(%s::bigint[])").format(t)
+        ).format(t=t, f=f)
+        self._purge_sql = sql.SQL(
+            guard + "DELETE FROM {t} WHERE EXISTS (SELECT 1 FROM fence) AND id = ANY(%s::bigint[])"
+        ).format(t=t, f=f)
+        self._reset_sql = sql.SQL(
+            guard + "UPDATE {t} SET leader_id = NULL WHERE EXISTS (SELECT 1 FROM fence) AND id = ANY(%s::bigint[])"
+        ).format(t=t, f=f)
+        self._epoch_sql = sql.SQL("SELECT epoch FROM {} WHERE outbox_table = %s").format(f)
         self._head_sql = sql.SQL(
             "SELECT (SELECT id FROM {t} ORDER BY id LIMIT 1), (SELECT id FROM {t} ORDER BY id DESC LIMIT 1), "
             "(SELECT create_time FROM {t} ORDER BY id LIMIT 1)"
         ).format(t=t)
 
+    # ------------------------------------------------------------------ fencing
+
+    @property
+    def epoch(self) -> int:
+        """The epoch this store's statements run under (0 before :meth:`acquire`)."""
+        return self._epoch
+
+    def acquire(self, leader_id: UUID) -> int:
+        """Bump the fence epoch (creating the fence table if absent) and run under the new epoch."""
+        self.limits  # noqa: B018 - builds the statements
+        f = self._fence.ident
+        self._run(
+            sql.SQL(
+                "CREATE TABLE IF NOT EXISTS {} (outbox_table TEXT PRIMARY KEY, epoch BIGINT NOT NULL,"
+                " leader_id UUID, acquired_at TIMESTAMPTZ NOT NULL DEFAULT now())"
+            ).format(f),
+            (),
+        )
+        rows = self._run(
+            sql.SQL(
+                "INSERT INTO {f} AS x (outbox_table, epoch, leader_id) VALUES (%s, 1, %s) "
+                "ON CONFLICT (outbox_table) DO UPDATE SET epoch = x.epoch + 1, leader_id = excluded.leader_id,"
+                " acquired_at = now() RETURNING epoch"
+            ).format(f=f),
+            (self._table.qualified, leader_id),
+        )
+        self._epoch = int(rows[0][0])
+        return self._epoch
+
+    def _check_epoch(self) -> None:
+        """Raise :class:`FencedError` if a newer epoch superseded ours (called on short results only)."""
+        rows = self._run(self._epoch_sql, (self._table.qualified,))
+        current = int(rows[0][0]) if rows else 0
+        if current != self._epoch:
+            raise FencedError(f"fenced: epoch {self._epoch} superseded by {current}")
+
+    @property
+    def producer_name(self) -> str:
+        """The stable producer name of the identity headers."""
+        if self._producer is None:
+            rows = self._run("SELECT system_identifier FROM pg_control_system()", ())
+            self._producer = f"{rows[0][0]}/{self._table.qualified}"
+        return self._producer
+
+    # ------------------------------------------------------------------ statements
+
     def mark(self, leader_id: UUID, limit: int) -> list[MarkedRecord]:
-        """Mark up to ``limit`` records not yet marked by ``leader_id`` and return them sorted by id."""
+        """Mark up to ``limit`` records not yet marked by ``leader_id`` and return them sorted by id.
+
+        Each record's headers get the identity headers appended.
+        """
         kind = self.limits.value_kind
-        rows = self._run(self._mark_sql, (leader_id, leader_id, limit))
+        producer = self.producer_name.encode("utf-8")
+        epoch = str(self._epoch).encode()
+        names = self._names
+        rows = self._run(self._mark_sql, (self._table.qualified, self._epoch, leader_id, leader_id, limit))
+        if not rows:
+            self._check_epoch()
+            return []
         rows.sort(key=lambda r: r[0])  # RETURNING order is arbitrary
         out: list[MarkedRecord] = []
-        for rid, created, topic, key, value, hkeys, hvalues in rows:
-            if value is not None and kind != "bytes":
-                value = value.encode("utf-8")
-            headers = [(k, v.encode("utf-8") if v is not None else b"") for k, v in zip(hkeys, hvalues, strict=False)]
+        for rid, created, topic, key, raw, hkeys, hvalues in rows:
+            value = raw.encode("utf-8") if raw is not None and kind != "bytes" else raw
+            headers: list[tuple[str, str | bytes | None]] = [
+                (k, v.encode("utf-8") if v is not None else b"") for k, v in zip(hkeys, hvalues, strict=False)
+            ]
+            headers += [(names.id, str(rid).encode()), (names.epoch, epoch), (names.producer, producer)]
             out.append(MarkedRecord(rid, created, topic, key, value, headers))
         return out
 
     def purge(self, ids: Sequence[int]) -> None:
-        """Delete delivered records in one statement."""
-        if ids:
-            self._run(self._purge_sql, (list(ids),))
+        """Delete delivered records in one statement (idempotent)."""
+        self._fenced_change(self._purge_sql, ids)
 
     def reset(self, ids: Sequence[int]) -> None:
-        """Unmark records whose delivery failed, in one statement."""
-        if ids:
-            self._run(self._reset_sql, (list(ids),))
+        """Unmark records whose delivery failed, in one statement (idempotent)."""
+        self._fenced_change(self._reset_sql, ids)
+
+    def _fenced_change(self, statement: sql.Composed, ids: Sequence[int]) -> None:
+        if not ids:
+            return
+        cur = self._execute(statement, (self._table.qualified, self._epoch, list(ids)))
+        if cur.rowcount < len(ids):  # fenced, or a retry of a change that already committed
+            self._check_epoch()
 
     def head(self) -> tuple[int, float | None]:
         """A cheap backlog sample: (max id - min id + 1, age in seconds of the oldest record)."""

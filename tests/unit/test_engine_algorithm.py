@@ -30,6 +30,9 @@ class MemoryStore:
         for i, (key, value) in enumerate(rows, start=1):
             self.rows[i] = [key, value, None]
 
+    def acquire(self, leader_id: UUID) -> int:
+        return 1
+
     def mark(self, leader_id: UUID, limit: int) -> list[MarkedRecord]:
         with self.lock:
             ids = sorted(i for i, r in self.rows.items() if r[2] != leader_id)[:limit]

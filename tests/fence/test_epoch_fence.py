@@ -1,0 +1,108 @@
+"""The epoch fence in the database: after a newer leader's bump commits, an older epoch changes nothing."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Callable
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from harvester import Engine, Limits, PostgresStore
+from harvester.events import Event, LeaderFenced
+from harvester.identifiers import TableName
+from harvester.metrics import HarvesterMetrics
+from harvester.protocols import DeliveryCallback, FencedError
+from harvester.publisher import KafkaPublisher, producer_config
+from tests.engine.workload import insert, wait_until
+from tests.support import ManualElector, Services, read_messages
+
+pytestmark = pytest.mark.integration
+
+
+def snapshot(dsn: str, table: TableName) -> list[tuple[object, ...]]:
+    with psycopg.connect(dsn) as conn:
+        return conn.execute(sql.SQL("SELECT id, leader_id FROM {} ORDER BY id").format(table.ident)).fetchall()
+
+
+def test_older_epoch_cannot_mark_purge_or_reset(services: Services, outbox: TableName) -> None:
+    insert(services.pg_dsn, outbox, [("t", f"k{i}", "v") for i in range(10)])
+    old, new = PostgresStore(services.pg_dsn, outbox), PostgresStore(services.pg_dsn, outbox)
+    try:
+        old_leader = uuid.uuid4()
+        assert old.acquire(old_leader) == 1
+        marked = old.mark(old_leader, 5)
+        assert [r.id for r in marked] == [r[0] for r in snapshot(services.pg_dsn, outbox)][:5]
+        assert new.acquire(uuid.uuid4()) == 2
+        before = snapshot(services.pg_dsn, outbox)
+        with pytest.raises(FencedError):
+            old.mark(uuid.uuid4(), 5)
+        with pytest.raises(FencedError):
+            old.purge([r.id for r in marked])
+        with pytest.raises(FencedError):
+            old.reset([r.id for r in marked])
+        assert snapshot(services.pg_dsn, outbox) == before
+    finally:
+        old.close()
+        new.close()
+
+
+def test_bump_waits_for_a_running_statement_and_fences_the_next(services: Services, outbox: TableName) -> None:
+    """The share lock: a bump queued behind an old-epoch transaction commits after it; from then on
+    the old epoch is refused."""
+    insert(services.pg_dsn, outbox, [("t", "k", "v")])
+    old = PostgresStore(services.pg_dsn, outbox)
+    leader = uuid.uuid4()
+    epoch = old.acquire(leader)
+    fence = sql.SQL("SELECT 1 FROM {} WHERE outbox_table = %s AND epoch = %s FOR SHARE").format(
+        TableName(outbox.schema, "harvester_fence").ident
+    )
+    bumped = threading.Event()
+    with psycopg.connect(services.pg_dsn) as holder:
+        holder.execute(fence, (outbox.qualified, epoch))  # an old-epoch transaction in progress
+
+        def bump() -> None:
+            PostgresStore(services.pg_dsn, outbox).acquire(uuid.uuid4())
+            bumped.set()
+
+        t = threading.Thread(target=bump)
+        t.start()
+        assert not bumped.wait(0.5)  # the bump waits for the share lock
+        holder.commit()
+        t.join(10)
+    assert bumped.is_set()
+    with pytest.raises(FencedError):
+        old.mark(leader, 10)
+    old.close()
+
+
+def test_engine_drops_leader_work_when_fenced(
+    services: Services, outbox: TableName, topics: Callable[..., str]
+) -> None:
+    topic = topics()
+    events: list[Event] = []
+    store = PostgresStore(services.pg_dsn, outbox)
+    metrics = HarvesterMetrics()
+
+    def publisher(cb: DeliveryCallback) -> KafkaPublisher:
+        return KafkaPublisher(producer_config({"bootstrap.servers": services.bootstrap}, {}), cb)
+
+    engine = Engine(store, publisher, Limits(), metrics, events.append)
+    engine.start()
+    ManualElector().start(engine.on_leader_event)
+    insert(services.pg_dsn, outbox, [(topic, "k", "k:0")])
+    assert len(read_messages(services.bootstrap, [topic], 1)) == 1
+    assert wait_until(lambda: snapshot(services.pg_dsn, outbox) == [])
+    intruder = PostgresStore(services.pg_dsn, outbox)
+    intruder.acquire(uuid.uuid4())  # a newer leader takes over the outbox
+    insert(services.pg_dsn, outbox, [(topic, "k", "k:1")])
+    assert wait_until(lambda: any(isinstance(e, LeaderFenced) for e in events))
+    assert engine.leader_id is None
+    assert metrics.fenced_statements._value.get() >= 1
+    rows = snapshot(services.pg_dsn, outbox)
+    assert len(rows) == 1 and rows[0][1] is None  # the new record is untouched by the fenced engine
+    engine.close(5)
+    store.close()
+    intruder.close()
