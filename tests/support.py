@@ -205,3 +205,25 @@ class ManualElector:
     @property
     def status(self) -> Any:
         return self._status_type(self._leader_id is not None, self._leader_id, None)
+
+
+class PrivatePostgres:
+    """A PostgreSQL cluster of its own (own port and data directory) for tests that restart the
+    database, so that they never disturb the shared one."""
+
+    def __init__(self, name: str, port: int) -> None:
+        self.port = port
+        self.dsn = f"host=127.0.0.1 port={port} user=harvester password=harvester dbname=harvester"
+        self._env = {**os.environ, "HARVESTER_LOCAL_DIR": str(ROOT / ".local" / f"private-{name}"), "PGPORT": str(port)}
+
+    def _run(self, command: str) -> None:
+        subprocess.run(["bash", str(SERVICES), command], check=True, env=self._env, stdout=subprocess.DEVNULL)
+
+    def start(self) -> None:
+        self._run("start-postgres")
+
+    def stop(self) -> None:
+        self._run("stop-postgres")
+
+    def restart(self) -> None:
+        self._run("restart-postgres")

@@ -18,7 +18,8 @@
 #   HARVESTER_LOCAL_DIR       where data, logs and pid files go (default <repo>/.local); a second
 #                             directory plus other ports gives a second, private broker
 #
-# Commands: start | stop | status | start-kafka | stop-kafka | restart-kafka | restart-postgres
+# Commands: start | stop | status | start-kafka | stop-kafka | restart-kafka |
+#           start-postgres | stop-postgres | restart-postgres
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -262,9 +263,11 @@ case "${1:-}" in
   start) pg_start; kafka_start ;;
   stop) kafka_stop; pg_stop ;;
   status) rc=0; pg_status || rc=1; kafka_status || rc=1; exit $rc ;;
+  start-postgres) pg_start ;;
+  stop-postgres) pg_stop ;;
   start-kafka) kafka_start ;;
   stop-kafka) kafka_stop ;;
   restart-kafka) kafka_stop; kafka_start ;;
   restart-postgres) pg_stop; pg_start ;;
-  *) die "usage: $0 start|stop|status|start-kafka|stop-kafka|restart-kafka|restart-postgres" ;;
+  *) die "usage: $0 start|stop|status|start-kafka|stop-kafka|restart-kafka|start-postgres|stop-postgres|restart-postgres" ;;
 esac

@@ -1,0 +1,64 @@
+"""Start and watch harvester processes (tests/proc/run_harvester.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+from tests.support import ROOT
+
+
+class HarvesterProcess:
+    """One harvester process; its JSON event lines are collected as they arrive."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.name = str(spec["name"])
+        self.events: list[dict[str, Any]] = []
+        self.log: list[str] = []
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.proc.run_harvester", json.dumps(spec)],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith("{"):
+                try:
+                    self.events.append(json.loads(line))
+                    continue
+                except json.JSONDecodeError:
+                    pass
+            self.log.append(line)
+
+    def seen(self, event: str, after: float = 0.0) -> bool:
+        return any(e["event"] == event and e["t"] >= after for e in list(self.events))
+
+    def wait_for(self, event: str, timeout: float = 30.0, after: float = 0.0) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.seen(event, after):
+                return True
+            time.sleep(0.05)
+        return False
+
+    def terminate(self, timeout: float = 30.0) -> dict[str, Any] | None:
+        """SIGTERM, wait, and return the final counters line (None if it did not exit cleanly)."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._reader.join(5)
+        return next((e for e in self.events if e["event"] == "exit"), None)

@@ -1,0 +1,68 @@
+"""A harvester in an OS process of its own, for failover tests: prints events as JSON lines.
+
+    python -m tests.proc.run_harvester '<json: HarvesterConfig fields + "session_timeout">'
+
+Stops gracefully on SIGTERM and prints a final ``{"event": "exit", ...}`` line with its counters.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+from harvester import Harvester, HarvesterConfig
+from harvester.events import Event, MeterRead
+from leader import ElectorConfig, NeliElector
+
+
+def emit(record: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps({"t": time.time(), **record}) + "\n")
+    sys.stdout.flush()
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    session_timeout = float(spec.pop("session_timeout", 3.0))
+    config = HarvesterConfig.model_validate(spec)
+    elector = NeliElector(
+        ElectorConfig(
+            kafka_config=dict(config.base_kafka_config),
+            group_id=config.group_id,
+            topic=config.topic,
+            heartbeat_timeout=config.limits.heartbeat_timeout.total_seconds(),
+            heartbeat_interval=min(0.5, config.limits.heartbeat_timeout.total_seconds() / 4),
+            min_poll_interval=config.limits.min_poll_interval.total_seconds(),
+            session_timeout=session_timeout,
+            group_heartbeat_interval=0.5,
+        )
+    )
+
+    def on_event(event: Event) -> None:
+        if not isinstance(event, MeterRead):
+            emit({"event": type(event).__name__, "leader_id": str(getattr(event, "leader_id", ""))})
+
+    h = Harvester(config, on_event=on_event, elector=elector)
+    done = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: done.set())
+    h.start()
+    emit({"event": "started", "name": config.name})
+    done.wait()
+    h.stop(timeout=10)
+    m = h.metrics
+    emit(
+        {
+            "event": "exit",
+            "published": m.published._value.get(),
+            "purged": m.purged._value.get(),
+            "fenced_statements": m.fenced_statements._value.get(),
+            "fenced": m.fenced._value.get(),
+        }
+    )
+
+
+if __name__ == "__main__":
+    main()
