@@ -78,6 +78,22 @@ class Limits(BaseModel):
     send_buffer: int = Field(
         default=10, ge=0, validation_alias=AliasChoices("send_buffer", "sendBuffer")
     )
+    max_attempts: int = Field(
+        default=3,
+        ge=1,
+        validation_alias=AliasChoices("max_attempts", "maxAttempts"),
+        description="Permanent delivery failures of a record before it is dead-lettered.",
+    )
+    retry_backoff: Duration = Field(
+        default=timedelta(milliseconds=100),
+        validation_alias=AliasChoices("retry_backoff", "retryBackoff"),
+        description="First back-off after a retriable delivery failure; doubles (with jitter) per round.",
+    )
+    max_retry_backoff: Duration = Field(
+        default=timedelta(seconds=10),
+        validation_alias=AliasChoices("max_retry_backoff", "maxRetryBackoff"),
+        description="Ceiling of the retriable-failure back-off.",
+    )
     mark_query_records: int = Field(
         default=100, ge=1, validation_alias=AliasChoices("mark_query_records", "markQueryRecords")
     )

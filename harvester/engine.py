@@ -15,6 +15,11 @@ re-publish after a crash can repeat the last record of a key but never reorder i
 A failed delivery resets its record and forces a remark: queued records are discarded and the
 leader id is refreshed, so the next mark picks up everything unacknowledged, in id order.
 
+Poison records: a failure is *retriable* (the broker or network) or *permanent* (the record).
+Retriable failures back off exponentially, with jitter, without counting against the record.
+Permanent ones count attempts (in the table when it has the attempt columns, else in memory);
+at ``max_attempts`` the record moves to the dead-letter table, which releases its key.
+
 Zombie fencing: each leadership term first bumps the store's epoch; every mark, purge and reset
 is checked against it in the database. A statement refused by the fence means a newer leader has
 taken over: leader work stops at once (LeaderFenced) and nothing is retried.
@@ -23,24 +28,29 @@ taken over: leader work stops at once (LeaderFenced) and nothing is retried.
 from __future__ import annotations
 
 import queue
+import random
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
+from typing import TypeVar
 from uuid import UUID, uuid4
 
 import structlog
 
+from harvester.classify import MalformedRecordError, classify, reason
 from harvester.config import Limits
 from harvester.events import Event, LeaderAcquired, LeaderFenced, LeaderRefreshed, LeaderRevoked
 from harvester.metrics import HarvesterMetrics
 from harvester.protocols import FencedError, Publisher, Store, StoreError
-from harvester.record import MarkedRecord
+from harvester.record import Failure, MarkedRecord
 from leader.events import LeaderEvent
 
 log = structlog.get_logger("harvester.engine")
 
 _COMPLETION_BATCH = 5000
+_T = TypeVar("_T")
 
 
 class Engine:
@@ -76,6 +86,12 @@ class Engine:
         # committed, and dispatching them again would publish a duplicate.
         self._purged_during_mark: set[int] | None = None
         # Delivery reports; None tells the completion thread to exit.
+        # Attempts of permanently failing records, when the table cannot keep them (by id).
+        self._attempts: dict[int, tuple[int, datetime]] = {}
+        self._retry_round = 0
+        self._resume_at = 0.0  # monotonic time before which no mark runs (retriable back-off)
+        if not store.tracks_attempts:
+            log.warning("attempts_in_memory", hint="run 'reaper migrate' so attempt counts survive failover")
         self._acks: queue.SimpleQueue[tuple[MarkedRecord, Exception | None] | None] = queue.SimpleQueue()
         self._stopping = threading.Event()
         self._publisher = publisher_factory(self._on_delivery)
@@ -210,6 +226,10 @@ class Engine:
                 self._metrics.remarks.inc()
                 log.info("leader_refreshed", leader_id=str(refreshed.leader_id))
                 self._emit(refreshed)
+            pause = self._resume_at - time.monotonic()
+            if pause > 0:
+                self._stopping.wait(pause)
+                continue
             started = time.perf_counter()
             try:
                 batch = self._store.mark(leader_id, limits.mark_query_records)
@@ -302,6 +322,9 @@ class Engine:
         # Caller holds self._cond; publish() never blocks on our lock (reports go to a queue).
         self._in_flight[record.id] = record
         self._busy.add(record.key)
+        if record.malformed is not None:
+            self._acks.put_nowait((record, MalformedRecordError(record.malformed)))
+            return
         self._publisher.publish(record)
         self._published += 1
 
@@ -329,10 +352,30 @@ class Engine:
 
     def _complete(self, items: list[tuple[MarkedRecord, Exception | None]]) -> None:
         delivered = [r.id for r, err in items if err is None]
-        failed = [r.id for r, err in items if err is not None]
+        retriable: list[int] = []
+        failing: list[Failure] = []
+        dead: list[Failure] = []
+        for record, err in items:
+            if err is None:
+                continue
+            kind = classify(err)
+            self._metrics.retries.labels(kind).inc()
+            if kind == "retriable":
+                retriable.append(record.id)
+                continue
+            failure = self._count_attempt(record, err)
+            (dead if failure.attempts >= self._limits.max_attempts else failing).append(failure)
+        leader_id = self._leader_id
         # Fenced: the records stay marked for the new leader to re-mark; only bookkeeping is left.
-        if not (self._with_retry(self._store.purge, delivered) and self._with_retry(self._store.reset, failed)):
-            delivered = failed = []
+        done = (
+            self._with_retry(self._store.purge, delivered)
+            and self._with_retry(self._store.reset, retriable)
+            and self._with_retry(self._store.fail, failing)
+            and (leader_id is None or self._with_retry(lambda f: self._store.dead_letter(f, leader_id), dead))
+        )
+        if not done:
+            delivered, retriable, failing, dead = [], [], [], []
+        self._after_failures(delivered, retriable, failing, dead)
         now = time.time()
         for record, err in items:
             if err is None:
@@ -340,9 +383,9 @@ class Engine:
             else:
                 log.warning("delivery_failed", id=record.id, key=record.key, topic=record.topic, error=str(err))
         self._metrics.purged.inc(len(delivered))
-        self._metrics.reset.inc(len(failed))
+        self._metrics.reset.inc(len(retriable) + len(failing))
         with self._cond:
-            if failed:
+            if retriable or failing or dead:
                 self._force_remark = True
             published = self._published
             for record, err in items:
@@ -356,6 +399,37 @@ class Engine:
             self._cond.notify_all()
             released = self._published - published
         self._metrics.published.inc(released)
+
+    def _count_attempt(self, record: MarkedRecord, error: Exception) -> Failure:
+        """This permanent failure's attempt number (from the row, or from memory)."""
+        now = datetime.now(UTC)
+        if self._store.tracks_attempts:
+            attempts, first = record.attempts + 1, record.first_failure or now
+        else:
+            previous, first = self._attempts.get(record.id, (0, now))
+            attempts = previous + 1
+            self._attempts[record.id] = (attempts, first)
+        return Failure(record.id, record.key, reason(error), str(error)[:2000], attempts, first)
+
+    def _after_failures(
+        self, delivered: list[int], retriable: list[int], failing: list[Failure], dead: list[Failure]
+    ) -> None:
+        """Back off after retriable failures; forget in-memory attempts of finished records; log dead letters."""
+        if retriable:
+            limits = self._limits
+            delay = min(
+                limits.max_retry_backoff.total_seconds(), limits.retry_backoff.total_seconds() * 2**self._retry_round
+            )
+            self._retry_round += 1
+            self._resume_at = time.monotonic() + delay * random.uniform(0.5, 1.0)
+        elif delivered:
+            self._retry_round = 0
+        for rid in delivered:
+            self._attempts.pop(rid, None)
+        for f in dead:
+            self._attempts.pop(f.id, None)
+            self._metrics.dead_lettered.labels(f.reason).inc()
+            log.error("dead_lettered", id=f.id, key=f.key, reason=f.reason, attempts=f.attempts, error=f.error)
 
     def _release(self, record: MarkedRecord, delivered: bool) -> None:
         """Lower ``record``'s key barrier and send the key's next waiting record, if any."""
@@ -372,7 +446,7 @@ class Engine:
         if not waiting:
             del self._waiting[record.key]
 
-    def _with_retry(self, op: Callable[[Sequence[int]], None], ids: Sequence[int]) -> bool:
+    def _with_retry(self, op: Callable[[Sequence[_T]], None], ids: Sequence[_T]) -> bool:
         """Run an idempotent purge/reset until it succeeds (True) or the fence refuses it (False)."""
         while ids:
             try:

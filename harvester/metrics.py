@@ -19,6 +19,9 @@ class HarvesterMetrics:
         self.dead_lettered = Counter(
             "harvester_records_dead_lettered", "Records moved to the dead-letter table.", ["reason"], registry=r
         )
+        self.retries = Counter(
+            "harvester_retries", "Failed deliveries that will be retried, by class.", ["class"], registry=r
+        )
         self.remarks = Counter("harvester_forced_remarks", "Forced remarks (leader id refreshed).", registry=r)
         self.fenced = Counter("harvester_leader_fenced", "Times this instance was fenced.", registry=r)
         self.fenced_statements = Counter(

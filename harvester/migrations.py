@@ -42,6 +42,21 @@ def fence_table(table: TableName) -> TableName:
     return TableName(table.schema, "harvester_fence")
 
 
+def dead_letter_table(table: TableName) -> TableName:
+    """The dead-letter table of an outbox table."""
+    return table.derived("dead_letter")
+
+
+def _value_type(table: TableName, conn: psycopg.Connection[tuple[object, ...]]) -> str:
+    """The outbox's kafka_value type, so dead letters keep values byte for byte (varchar if absent)."""
+    row = conn.execute(
+        "SELECT format_type(atttypid, atttypmod) FROM pg_attribute"
+        " WHERE attrelid = to_regclass(%s) AND attname = 'kafka_value' AND NOT attisdropped",
+        (table.quoted,),
+    ).fetchone()
+    return str(row[0]) if row else "VARCHAR(10000)"
+
+
 def available() -> list[Migration]:
     """The migrations shipped with the package, in order."""
     root = resources.files("harvester") / "sql"
@@ -64,6 +79,8 @@ def render(migration: Migration, table: TableName, conn: psycopg.Connection[tupl
         channel=channel,
         channel_literal=q(sql.Literal(channel)),
         fence=q(fence_table(table).ident),
+        dead_letter=q(dead_letter_table(table).ident),
+        value_type=_value_type(table, conn),
         spark_tasks=q(table.derived("spark_tasks").ident),
         spark_tasks_write_idx=q(sql.Identifier(f"{table.name}_spark_tasks_write_idx"[:63])),
         spark_staging=q(table.derived("spark_staging").ident),

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 from uuid import UUID
 
-from harvester.record import MarkedRecord
+from harvester.record import Failure, MarkedRecord
 from leader.events import LeaderEvent, LeaderStatus
 
 
@@ -46,6 +46,19 @@ class Store(Protocol):
 
     def wait_for_insert(self, timeout: float) -> bool:
         """Block until new records may be available (True) or ``timeout`` passes (False)."""
+        ...
+
+    @property
+    def tracks_attempts(self) -> bool:
+        """Whether attempt counts are kept in the table (else the engine keeps them in memory)."""
+        ...
+
+    def fail(self, failures: Sequence[Failure]) -> None:
+        """Unmark permanently failed records, counting the attempt (one statement)."""
+        ...
+
+    def dead_letter(self, failures: Sequence[Failure], leader_id: UUID) -> None:
+        """Move records out of the outbox into the dead-letter table, in one transaction."""
         ...
 
     def close(self) -> None:

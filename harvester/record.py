@@ -24,9 +24,7 @@ class RecordError(ValueError):
 def check_topic(topic: str) -> None:
     """Raise :class:`RecordError` unless Kafka would accept ``topic`` as a topic name."""
     if not _TOPIC.match(topic) or topic in (".", ".."):
-        raise RecordError(
-            f"invalid Kafka topic name {topic!r}: 1-249 characters of letters, digits, '.', '_' or '-'"
-        )
+        raise RecordError(f"invalid Kafka topic name {topic!r}: 1-249 characters of letters, digits, '.', '_' or '-'")
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,9 +58,7 @@ class OutboxRecord(BaseModel):
     def _check(self) -> Self:
         check_topic(self.topic)
         if len(self.header_keys) != len(self.header_values):
-            raise RecordError(
-                f"{len(self.header_keys)} header keys but {len(self.header_values)} header values"
-            )
+            raise RecordError(f"{len(self.header_keys)} header keys but {len(self.header_values)} header values")
         if "\x00" in self.key or any("\x00" in h for h in (*self.header_keys, *self.header_values)):
             raise RecordError("keys and headers must not contain NUL characters")
         return self
@@ -102,9 +98,7 @@ class OutboxRecord(BaseModel):
         if "\x00" in value:
             raise RecordError("a textual value column cannot hold NUL characters")
         if limits.value_max_chars is not None and len(value) > limits.value_max_chars:
-            raise RecordError(
-                f"value has {len(value)} characters; the column allows {limits.value_max_chars}"
-            )
+            raise RecordError(f"value has {len(value)} characters; the column allows {limits.value_max_chars}")
 
     def column_value(self, limits: ColumnLimits) -> Any:
         """The value as the table's value column stores it (bytes for BYTEA, text otherwise)."""
@@ -119,7 +113,8 @@ class OutboxRecord(BaseModel):
 class MarkedRecord:
     """A record the current leader has marked and may publish.
 
-    ``value`` and header values are already encoded as the bytes Kafka will carry.
+    ``value`` and header values are already encoded as the bytes Kafka will carry. ``attempts``
+    counts earlier permanent failures; ``malformed`` says why the row cannot be published at all.
     """
 
     id: int
@@ -128,3 +123,18 @@ class MarkedRecord:
     key: str
     value: bytes | None
     headers: list[tuple[str, str | bytes | None]]
+    attempts: int = 0
+    first_failure: datetime | None = None
+    malformed: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """A permanent delivery failure of one record, as the store records it."""
+
+    id: int
+    key: str
+    reason: str
+    error: str
+    attempts: int
+    first_failure: datetime | None

@@ -18,9 +18,9 @@ from psycopg import sql
 
 from harvester.identifiers import TableName
 from harvester.identity import IdentityHeaders
-from harvester.migrations import fence_table, notify_channel
+from harvester.migrations import available, dead_letter_table, fence_table, notify_channel, render
 from harvester.protocols import FencedError, StoreError
-from harvester.record import ColumnLimits, MarkedRecord, ValueKind
+from harvester.record import ColumnLimits, Failure, MarkedRecord, ValueKind
 
 __all__ = ["FencedError", "OutboxMissingError", "PostgresStore", "StoreError"]
 
@@ -29,7 +29,9 @@ class OutboxMissingError(StoreError):
     """The configured outbox table does not exist."""
 
 
-_RETURNING = "id, create_time, kafka_topic, kafka_key, {value}, kafka_header_keys, kafka_header_values"
+_RETURNING = "id, create_time, kafka_topic, kafka_key, {value}, kafka_header_keys, kafka_header_values, {attempts}"
+_ATTEMPT_COLUMNS = "harvest_attempts, harvest_first_failure"
+_NO_ATTEMPT_COLUMNS = "0, NULL::timestamptz"
 
 
 # Key and value column types of a table; one parameter: the table's quoted name (for to_regclass).
@@ -68,6 +70,19 @@ def describe(conn: psycopg.Connection[Any], table: TableName) -> ColumnLimits:
     return limits_from_catalog(table, conn.execute(DESCRIBE_SQL, (table.quoted,)).fetchall())
 
 
+def _malformed(key: str | None, hkeys: list[str] | None, hvalues: list[str | None] | None) -> str | None:
+    """Why a row cannot become a Kafka message, or None when it can."""
+    if key is None:
+        return "kafka_key is NULL"
+    if hkeys is None or hvalues is None:
+        return "header arrays are NULL"
+    if len(hkeys) != len(hvalues):
+        return f"{len(hkeys)} header keys but {len(hvalues)} header values"
+    if any(k is None for k in hkeys):
+        return "a header key is NULL"
+    return None
+
+
 class PostgresStore:
     """:class:`harvester.protocols.Store` over one outbox table."""
 
@@ -86,6 +101,8 @@ class PostgresStore:
         self._names = identity or IdentityHeaders()
         self._producer = producer_name
         self._epoch = 0
+        self._tracks_attempts = False
+        self._dead_letter_ready = False
         self._app = application_name
         self._local = threading.local()
         self._lock = threading.Lock()
@@ -151,6 +168,13 @@ class PostgresStore:
 
     def _build_statements(self, limits: ColumnLimits) -> None:
         value = "kafka_value::text" if limits.value_kind == "json" else "kafka_value"
+        found = self._run(
+            "SELECT count(*) FROM pg_attribute WHERE attrelid = to_regclass(%s)"
+            " AND attname IN ('harvest_attempts', 'harvest_first_failure', 'harvest_last_error') AND NOT attisdropped",
+            (self._table.quoted,),
+        )
+        self._tracks_attempts = int(found[0][0]) == 3
+        attempts = _ATTEMPT_COLUMNS if self._tracks_attempts else _NO_ATTEMPT_COLUMNS
         # Every change runs in one statement that first share-locks the fence row at this
         # process's epoch: after a newer epoch commits, the CTE is empty and nothing changes.
         guard = "WITH fence AS (SELECT 1 FROM {f} WHERE outbox_table = %s AND epoch = %s FOR SHARE) "
@@ -158,7 +182,7 @@ class PostgresStore:
         self._mark_sql = sql.SQL(
             guard + "UPDATE {t} SET leader_id = %s WHERE EXISTS (SELECT 1 FROM fence) AND id IN ("
             "SELECT id FROM {t} WHERE leader_id IS NULL OR leader_id <> %s ORDER BY id LIMIT %s) "
-            "RETURNING " + _RETURNING.format(value=value)
+            "RETURNING " + _RETURNING.format(value=value, attempts=attempts)
         ).format(t=t, f=f)
         self._purge_sql = sql.SQL(
             guard + "DELETE FROM {t} WHERE EXISTS (SELECT 1 FROM fence) AND id = ANY(%s::bigint[])"
@@ -166,6 +190,28 @@ class PostgresStore:
         self._reset_sql = sql.SQL(
             guard + "UPDATE {t} SET leader_id = NULL WHERE EXISTS (SELECT 1 FROM fence) AND id = ANY(%s::bigint[])"
         ).format(t=t, f=f)
+        if self._tracks_attempts:
+            self._fail_sql = sql.SQL(
+                guard + "UPDATE {t} SET leader_id = NULL, harvest_attempts = harvest_attempts + 1,"
+                " harvest_first_failure = coalesce(harvest_first_failure, now()), harvest_last_error = u.err"
+                " FROM unnest(%s::bigint[], %s::text[]) AS u(id, err)"
+                " WHERE EXISTS (SELECT 1 FROM fence) AND {t}.id = u.id"
+            ).format(t=t, f=f)
+        self._dead_letter_sql = sql.SQL(
+            guard + "{moved} INSERT INTO {d} (id, create_time, kafka_topic, kafka_key, kafka_value,"
+            " kafka_header_keys, kafka_header_values, reason, error, attempts, first_failure, last_failure,"
+            " epoch, leader_id)"
+            " SELECT m.id, m.create_time, m.kafka_topic, m.kafka_key, m.kafka_value, m.kafka_header_keys,"
+            " m.kafka_header_values, u.reason, u.err, u.attempts, coalesce(u.first, now()), now(), %s, %s"
+            " FROM moved m JOIN unnest(%s::bigint[], %s::text[], %s::text[], %s::int[], %s::timestamptz[])"
+            " AS u(id, reason, err, attempts, first) ON u.id = m.id ON CONFLICT (id) DO NOTHING"
+        ).format(
+            moved=sql.SQL(
+                ", moved AS (DELETE FROM {t} WHERE EXISTS (SELECT 1 FROM fence) AND id = ANY(%s::bigint[]) RETURNING *)"
+            ).format(t=t),
+            d=dead_letter_table(self._table).ident,
+            f=f,
+        )
         self._epoch_sql = sql.SQL("SELECT epoch FROM {} WHERE outbox_table = %s").format(f)
         self._head_sql = sql.SQL(
             "SELECT (SELECT id FROM {t} ORDER BY id LIMIT 1), (SELECT id FROM {t} ORDER BY id DESC LIMIT 1), "
@@ -233,14 +279,63 @@ class PostgresStore:
             return []
         rows.sort(key=lambda r: r[0])  # RETURNING order is arbitrary
         out: list[MarkedRecord] = []
-        for rid, created, topic, key, raw, hkeys, hvalues in rows:
+        for rid, created, topic, key, raw, hkeys, hvalues, attempts, first_failure in rows:
             value = raw.encode("utf-8") if raw is not None and kind != "bytes" else raw
+            malformed = _malformed(key, hkeys, hvalues)
             headers: list[tuple[str, str | bytes | None]] = [
-                (k, v.encode("utf-8") if v is not None else b"") for k, v in zip(hkeys, hvalues, strict=False)
+                (k, v.encode("utf-8") if v is not None else b"")
+                for k, v in zip(hkeys or (), hvalues or (), strict=False)
             ]
             headers += [(names.id, str(rid).encode()), (names.epoch, epoch), (names.producer, producer)]
-            out.append(MarkedRecord(rid, created, topic, key, value, headers))
+            out.append(MarkedRecord(rid, created, topic, key or "", value, headers, attempts, first_failure, malformed))
         return out
+
+    @property
+    def tracks_attempts(self) -> bool:
+        """Whether the table has the optional attempt columns (``reaper migrate`` adds them)."""
+        self.limits  # noqa: B018 - reads the catalog
+        return self._tracks_attempts
+
+    def fail(self, failures: Sequence[Failure]) -> None:
+        """Unmark permanently failed records, counting the attempt and keeping the error."""
+        if not failures:
+            return
+        if not self._tracks_attempts:
+            self.reset([f.id for f in failures])
+            return
+        cur = self._execute(
+            self._fail_sql, (self._table.qualified, self._epoch, [f.id for f in failures], [f.error for f in failures])
+        )
+        if cur.rowcount < len(failures):
+            self._check_epoch()
+
+    def dead_letter(self, failures: Sequence[Failure], leader_id: UUID) -> None:
+        """Move records into the dead-letter table (created on demand) in one statement."""
+        if not failures:
+            return
+        if not self._dead_letter_ready:
+            conn = self._conn()
+            migration = next(m for m in available() if m.version.endswith("_dead_letter"))
+            self._run(render(migration, self._table, conn), ())
+            self._dead_letter_ready = True
+        ids = [f.id for f in failures]
+        cur = self._execute(
+            self._dead_letter_sql,
+            (
+                self._table.qualified,
+                self._epoch,
+                ids,
+                self._epoch,
+                leader_id,
+                ids,
+                [f.reason for f in failures],
+                [f.error for f in failures],
+                [f.attempts for f in failures],
+                [f.first_failure for f in failures],
+            ),
+        )
+        if cur.rowcount < len(failures):
+            self._check_epoch()
 
     def purge(self, ids: Sequence[int]) -> None:
         """Delete delivered records in one statement (idempotent)."""

@@ -29,7 +29,7 @@ def test_missing_topic_resets_and_remarks_until_it_exists(
         (good, f"b{i % 10}", f"b{i % 10}:{i // 10}") for i in range(50)
     ]
     insert(services.pg_dsn, outbox, rows)
-    h = make_harvester(producer=FAST_FAIL)
+    h = make_harvester(producer=FAST_FAIL, max_attempts=1000, max_retry_backoff="200ms")  # retry, never dead-letter
     # Other keys flow while key "a" keeps failing: all of "good" arrives before "missing" exists.
     assert len(read_messages(services.bootstrap, [good], 50)) == 50
     assert wait_until(lambda: h.metrics.reset._value.get() >= 2)
@@ -48,7 +48,7 @@ def test_record_too_large_for_topic_holds_its_key_until_accepted(
     small = topics(**{"max.message.bytes": "1024"})
     big_value = "c:1:" + os.urandom(4500).hex()  # incompressible, so lz4 cannot shrink it under the limit
     insert(services.pg_dsn, outbox, [(small, "c", "c:0"), (small, "c", big_value), (small, "c", "c:2")])
-    h = make_harvester()
+    h = make_harvester(max_attempts=1000)  # retry, never dead-letter
     assert wait_until(lambda: h.metrics.reset._value.get() >= 2)
     # The key's later record must not overtake the failing one.
     early = read_messages(services.bootstrap, [small], 1, timeout=5)
@@ -75,7 +75,9 @@ def test_busy_key_does_not_stall_other_keys(
     rows = [(missing, "slow", "slow:0"), (missing, "slow", "slow:1")]
     rows += [(good, f"k{i % 100}", f"k{i % 100}:{i // 100}") for i in range(500)]
     insert(services.pg_dsn, outbox, rows)
-    h = make_harvester(producer={"message.timeout.ms": 60000, "topic.metadata.propagation.max.ms": 60000})
+    h = make_harvester(
+        producer={"message.timeout.ms": 60000, "topic.metadata.propagation.max.ms": 60000}, max_attempts=1000
+    )
     got = read_messages(services.bootstrap, [good], 500)
     assert len(got) == 500
     assert h.in_flight_records == 1 and h.in_flight_keys == 1  # "slow" is still in flight

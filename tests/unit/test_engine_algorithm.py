@@ -15,7 +15,7 @@ from harvester import Engine, Limits
 from harvester.events import Event, LeaderRefreshed
 from harvester.metrics import HarvesterMetrics
 from harvester.protocols import DeliveryCallback
-from harvester.record import MarkedRecord
+from harvester.record import Failure, MarkedRecord
 from tests.support import ManualElector
 
 pytestmark = pytest.mark.unit
@@ -32,6 +32,14 @@ class MemoryStore:
 
     def acquire(self, leader_id: UUID) -> int:
         return 1
+
+    tracks_attempts = True
+
+    def fail(self, failures: Sequence[Failure]) -> None:
+        self.reset([f.id for f in failures])
+
+    def dead_letter(self, failures: Sequence[Failure], leader_id: UUID) -> None:
+        self.purge([f.id for f in failures])
 
     def mark(self, leader_id: UUID, limit: int) -> list[MarkedRecord]:
         with self.lock:

@@ -1,0 +1,388 @@
+"""Fast NELI leader election over a Kafka consumer group.
+
+Every competing process subscribes a consumer to the leader topic under the same group id; the member
+that owns partition 0 leads. The owner also publishes heartbeats to partition 0 and reads them back, so
+it notices within ``heartbeat_timeout`` when it may have been cut off, without waiting for the group
+protocol. See :mod:`leader.state` for the rules and ``docs/leader.md`` for tuning failover time.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+from uuid import UUID
+
+from confluent_kafka import OFFSET_END, Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient
+from confluent_kafka.cimpl import NewTopic
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
+
+from leader.events import LeaderEvent, LeaderStatus
+from leader.state import NeliState, decode_heartbeat, encode_heartbeat
+
+log = logging.getLogger(__name__)
+
+# Properties that decide the election; the typed ElectorConfig fields set them, so kafka_config must not.
+MANAGED_KAFKA_KEYS = frozenset(
+    {
+        "group.id",
+        "group.instance.id",
+        "group.protocol",
+        "session.timeout.ms",
+        "heartbeat.interval.ms",
+        "max.poll.interval.ms",
+        "partition.assignment.strategy",
+        "on_commit",
+    }
+)
+_HOUR_MS = str(3_600_000)
+
+
+class LeaderTopicError(RuntimeError):
+    """The leader topic is missing and could not (or must not) be created."""
+
+
+def _ms(seconds: float) -> int:
+    return max(1, round(seconds * 1000))
+
+
+class ElectorConfig(BaseModel):
+    """Settings of a :class:`NeliElector`; durations are in seconds.
+
+    Failover time after a crash is about ``session_timeout`` plus one rebalance; after a graceful
+    :meth:`NeliElector.close` it is about ``group_heartbeat_interval`` plus one rebalance (``docs/leader.md``).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kafka_config: dict[str, Any] = Field(
+        default_factory=lambda: {"bootstrap.servers": "127.0.0.1:9092"},
+        description="librdkafka properties (bootstrap, security, ...) for the consumer, producer and admin client.",
+    )
+    group_id: str = Field(min_length=1, description="Consumer group of the competing processes.")
+    topic: str = Field(default="", description="Leader topic; default '<group_id>.neli'.")
+    heartbeat_interval: float = Field(default=1.0, gt=0, description="How often the leader publishes a heartbeat.")
+    heartbeat_timeout: float = Field(
+        default=5.0, gt=0, description="Without an own heartbeat read back for this long, the leader fences itself."
+    )
+    min_poll_interval: float = Field(default=0.1, gt=0, description="Shortest time between two polls.")
+    max_poll_interval: float = Field(
+        default=300.0,
+        gt=0,
+        description="Kafka's max.poll.interval.ms; also bounds how long a LeaderRevoked handler may block.",
+    )
+    session_timeout: float = Field(
+        default=10.0,
+        gt=0,
+        description="Kafka's session.timeout.ms: how long the coordinator waits before expelling a silent member.",
+    )
+    group_heartbeat_interval: float = Field(
+        default=1.0, gt=0, description="Kafka's heartbeat.interval.ms: how soon members learn of a rebalance."
+    )
+    create_topic: bool = Field(default=True, description="Create the leader topic (one partition) when absent.")
+    startup_timeout: float = Field(default=30.0, gt=0, description="Bound on the topic check in start().")
+    name: str = Field(
+        default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}",
+        min_length=1,
+        description="This member's name in heartbeats, client ids and logs.",
+    )
+    poll_batch: PositiveInt = Field(default=100, description="Most messages handled per poll.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_topic(cls, data: Any) -> Any:
+        if isinstance(data, dict) and not data.get("topic") and data.get("group_id"):
+            return {**data, "topic": f"{data['group_id']}.neli"}
+        return data
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ElectorConfig:
+        clash = sorted(MANAGED_KAFKA_KEYS & self.kafka_config.keys())
+        if clash:
+            raise ValueError(f"kafka properties {clash} are set by the elector; use the ElectorConfig fields")
+        if self.heartbeat_interval >= self.heartbeat_timeout:
+            raise ValueError("heartbeat_interval must be shorter than heartbeat_timeout")
+        if self.min_poll_interval > self.heartbeat_interval:
+            raise ValueError("min_poll_interval must not exceed heartbeat_interval")
+        if self.group_heartbeat_interval >= self.session_timeout:
+            raise ValueError("group_heartbeat_interval must be shorter than session_timeout")
+        if self.heartbeat_timeout + self.group_heartbeat_interval >= self.session_timeout:
+            # A leader cut off from the cluster must fence itself before the coordinator can expel it
+            # (at the earliest one group heartbeat interval short of the session timeout) and hand over.
+            raise ValueError("heartbeat_timeout + group_heartbeat_interval must be shorter than session_timeout")
+        if self.max_poll_interval < self.session_timeout:
+            raise ValueError("max_poll_interval must not be shorter than session_timeout (librdkafka requires it)")
+        if self.min_poll_interval >= self.max_poll_interval:
+            raise ValueError("min_poll_interval must be shorter than max_poll_interval")
+        return self
+
+
+class NeliElector:
+    """Competes for leadership of ``config.group_id``; implements :class:`harvester.protocols.Elector`.
+
+    A background thread owns the consumer: it polls at most every ``min_poll_interval`` and delivers
+    events to the listener. ``LeaderRevoked`` handlers may block (partition 0 is released after they
+    return, but no longer than ``max_poll_interval``); ``LeaderFenced`` handlers must return at once.
+    """
+
+    def __init__(self, config: ElectorConfig, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self._config = config
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._state = NeliState(config.heartbeat_timeout)
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._on_event: Callable[[LeaderEvent], None] = lambda _: None
+        self._consumer: Consumer | None = None
+        self._producer: Producer | None = None
+        self._beat_id: UUID | None = None
+        self._next_beat = 0.0
+        self._seq = 0
+        self._confirming: UUID | None = None
+
+    @property
+    def config(self) -> ElectorConfig:
+        """The configuration this elector runs with."""
+        return self._config
+
+    @property
+    def status(self) -> LeaderStatus:
+        """Current view; ``is_leader`` turns false as soon as the heartbeat deadline passes."""
+        with self._lock:
+            return self._state.status(self._clock())
+
+    def start(self, on_event: Callable[[LeaderEvent], None]) -> None:
+        """Ensure the leader topic exists, join the group and start the election thread.
+
+        Raises :class:`LeaderTopicError` when the topic is absent and cannot be created.
+        """
+        if self._thread is not None:
+            raise RuntimeError("elector already started")
+        self._ensure_topic()
+        self._on_event = on_event
+        self._consumer = Consumer(self._consumer_config())
+        self._producer = Producer(self._producer_config())
+        self._consumer.subscribe(
+            [self._config.topic], on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_lost
+        )
+        self._thread = threading.Thread(target=self._run, name=f"neli-{self._config.group_id}", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Emit ``LeaderRevoked`` if leader, then leave the group at once so a standby takes over.
+
+        Called from an event handler (the elector's own thread), it returns at once and the election
+        thread stops after the handler returns.
+        """
+        self._stopping.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+
+    # -- configuration -------------------------------------------------------------------------------
+
+    def _common(self) -> dict[str, Any]:
+        conf = {"client.id": f"neli-{self._config.name}", **self._config.kafka_config}
+        conf.setdefault("error_cb", _log_kafka_error)
+        return conf
+
+    def _consumer_config(self) -> dict[str, Any]:
+        c = self._config
+        return {
+            **self._common(),
+            "group.id": c.group_id,
+            # The classic protocol lets the client choose session and heartbeat timing (KIP-848 does not).
+            "group.protocol": "classic",
+            "session.timeout.ms": _ms(c.session_timeout),
+            "heartbeat.interval.ms": _ms(c.group_heartbeat_interval),
+            "max.poll.interval.ms": _ms(c.max_poll_interval),
+            # Sticky: a standby joining or leaving does not take partition 0 away from the leader.
+            "partition.assignment.strategy": "cooperative-sticky",
+            # Offsets are the elector's business; these win over a base config shared with other clients.
+            "enable.auto.commit": False,
+            "enable.auto.offset.store": False,
+            "auto.offset.reset": "latest",
+            "on_commit": self._on_commit,
+        }
+
+    def _producer_config(self) -> dict[str, Any]:
+        return {
+            **self._common(),
+            # Set after kafka_config: a heartbeat must be durable and prompt whatever the shared base says.
+            "acks": "all",
+            "linger.ms": 0,
+            # A heartbeat older than the timeout proves nothing; do not let it linger in the queue.
+            "message.timeout.ms": _ms(self._config.heartbeat_timeout),
+        }
+
+    def _ensure_topic(self) -> None:
+        c = self._config
+        timeout = c.startup_timeout
+        admin = AdminClient(self._common())
+        try:
+            meta = admin.list_topics(topic=c.topic, timeout=timeout)
+        except KafkaException as e:
+            raise LeaderTopicError(f"cannot look up leader topic {c.topic!r}: {e.args[0]}") from e
+        found = meta.topics.get(c.topic)
+        if found is not None and found.error is None:
+            return
+        if not c.create_topic:
+            raise LeaderTopicError(
+                f"leader topic {c.topic!r} does not exist and create_topic is off; create it (one partition)"
+            )
+        # Heartbeats are worthless after seconds; keep an hour for inspection.
+        new = NewTopic(c.topic, num_partitions=1, config={"retention.ms": _HOUR_MS, "segment.ms": _HOUR_MS})
+        future = admin.create_topics([new], request_timeout=timeout)[c.topic]
+        try:
+            future.result(timeout)
+        except KafkaException as e:
+            err: KafkaError = e.args[0]
+            if err.code() == KafkaError.TOPIC_ALREADY_EXISTS:
+                return
+            raise LeaderTopicError(
+                f"leader topic {c.topic!r} does not exist and could not be created ({err.str()}); "
+                "create it with one partition, or allow this client to create topics"
+            ) from e
+        log.info("created leader topic %s", c.topic)
+
+    # -- election thread -----------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        interval = self._config.min_poll_interval
+        try:
+            while not self._stopping.is_set():
+                began = self._clock()
+                try:
+                    self._pulse()
+                except KafkaException as e:
+                    log.error("leader election poll failed: %s", e.args[0])
+                self._stopping.wait(max(0.0, interval - (self._clock() - began)))
+        finally:
+            self._shutdown()
+
+    def _pulse(self) -> None:
+        assert self._consumer is not None and self._producer is not None
+        # The deadline comes first: a process resuming from a freeze fences itself before anything else.
+        with self._lock:
+            event = self._state.tick(self._clock())
+        self._emit(event)
+        self._beat()
+        for message in self._consumer.consume(self._config.poll_batch, 0):
+            self._read(message)
+        self._producer.poll(0)
+
+    def _beat(self) -> None:
+        assert self._producer is not None
+        now = self._clock()
+        with self._lock:
+            beat_id = self._state.heartbeat_id
+        if beat_id is None:
+            self._beat_id = None
+            return
+        if beat_id == self._beat_id and now < self._next_beat:
+            return
+        self._seq += 1
+        try:
+            self._producer.produce(
+                self._config.topic, partition=0, value=encode_heartbeat(beat_id, self._seq, self._config.name)
+            )
+        except (BufferError, KafkaException) as e:
+            log.warning("could not enqueue heartbeat: %s", e)
+            return
+        self._beat_id, self._next_beat = beat_id, now + self._config.heartbeat_interval
+
+    def _read(self, message: Message) -> None:
+        assert self._consumer is not None
+        err = message.error()
+        if err is not None:
+            if err.code() != KafkaError._PARTITION_EOF:
+                log.warning("leader topic consumer: %s", err)
+            return
+        sender = decode_heartbeat(message.value()) if message.partition() == 0 else None
+        if sender is None:
+            return
+        with self._lock:
+            probe = self._state.heartbeat(sender, self._clock())
+        if not probe:
+            return
+        # Reading the probe back shows the cluster is reachable; a commit shows the coordinator still
+        # counts this member in the generation that owns partition 0 (an expelled zombie is refused).
+        self._confirming = sender
+        offset = message.offset()
+        assert offset is not None
+        try:
+            self._consumer.commit(offsets=[TopicPartition(self._config.topic, 0, offset + 1)], asynchronous=True)
+        except KafkaException as e:
+            log.info("cannot confirm group membership yet: %s", e.args[0])
+
+    def _on_commit(self, err: KafkaError | None, partitions: list[TopicPartition]) -> None:
+        probe = self._confirming
+        if probe is None:
+            return
+        failure = err or next((p.error for p in partitions if p.error is not None), None)
+        if failure is not None:
+            log.info("group membership not confirmed: %s", failure)
+            return
+        with self._lock:
+            event = self._state.confirmed(probe, self._clock())
+        if event is not None:
+            self._confirming = None
+        self._emit(event)
+
+    def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        # Earlier heartbeats prove nothing for this term: start reading at the end.
+        consumer.incremental_assign([TopicPartition(p.topic, p.partition, OFFSET_END) for p in partitions])
+        if any(p.partition == 0 for p in partitions):
+            with self._lock:
+                event = self._state.assigned(self._clock())
+            self._emit(event)
+
+    def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self._released(partitions, lost=False)
+
+    def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self._released(partitions, lost=True)
+
+    def _released(self, partitions: list[TopicPartition], lost: bool) -> None:
+        if any(p.partition == 0 for p in partitions):
+            with self._lock:
+                event = self._state.released(lost)
+            self._confirming = None
+            self._emit(event)
+
+    def _shutdown(self) -> None:
+        assert self._consumer is not None and self._producer is not None
+        with self._lock:
+            # Past its deadline the term is fenced, not handed over.
+            event = self._state.tick(self._clock())
+        self._emit(event)
+        with self._lock:
+            event = self._state.released(lost=False)
+        # LeaderRevoked before leaving: partition 0 stays ours until the handler has wrapped up.
+        self._emit(event)
+        try:
+            self._consumer.close()
+        except KafkaException as e:
+            log.warning("closing the leader consumer: %s", e.args[0])
+        # Unsent heartbeats are moot once we left; serving their purge reports lets the client end quietly.
+        self._producer.purge()
+        self._producer.flush(1.0)
+
+    def _emit(self, event: LeaderEvent | None) -> None:
+        if event is None:
+            return
+        log.info("%s leader_id=%s member=%s", type(event).__name__, event.leader_id, self._config.name)
+        try:
+            self._on_event(event)
+        except Exception:
+            log.exception("leader event handler failed on %s", event)
+
+
+def _log_kafka_error(err: KafkaError) -> None:
+    # librdkafka retries everything but fatal errors by itself (and logs to stderr): keep those quiet.
+    log.log(logging.ERROR if err.fatal() else logging.INFO, "kafka: %s", err)
