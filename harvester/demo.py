@@ -96,9 +96,8 @@ def main() -> int:
             if run_id not in value:
                 continue
             seen += 1
-            print(
-                f"   partition {msg.partition()} offset {msg.offset():>4}  key={(msg.key() or b'').decode():<11} {value}"
-            )
+            key = (msg.key() or b"").decode()
+            print(f"   partition {msg.partition()} offset {msg.offset():>4}  key={key:<11} {value}")
         if seen < len(records):
             print(f"only {seen} of {len(records)} records arrived within 60 s", file=sys.stderr)
             return 1

@@ -65,8 +65,12 @@ class Engine:
         emit: Callable[[Event], None],
         *,
         listen_notify: bool = True,
+        still_leader: Callable[[], bool] = lambda: True,
     ) -> None:
         self._store = store
+        # The elector's live view: it turns false the moment heartbeats are overdue, before the
+        # LeaderFenced event is delivered, so a process resuming from a freeze publishes nothing.
+        self._still_leader = still_leader
         self._limits = limits
         self._metrics = metrics
         self._emit = emit
@@ -294,6 +298,8 @@ class Engine:
     def _dispatch(self, batch: Sequence[MarkedRecord], leader_id: UUID) -> None:
         max_in_flight = self._limits.max_in_flight_records
         published = self._published
+        if not self._still_leader():
+            return
         with self._cond:
             purged = self._purged_during_mark or set()
             self._purged_during_mark = None
@@ -303,7 +309,7 @@ class Engine:
                 if record.id in purged:
                     continue
                 key = record.key
-                if key in self._busy:
+                if key in self._busy or key in self._waiting:
                     # Includes a re-marked copy of the record in flight: it is dropped if that
                     # record completes, and is the retry if that record fails.
                     self._waiting.setdefault(key, deque()).append(record)
@@ -384,6 +390,7 @@ class Engine:
                 log.warning("delivery_failed", id=record.id, key=record.key, topic=record.topic, error=str(err))
         self._metrics.purged.inc(len(delivered))
         self._metrics.reset.inc(len(retriable) + len(failing))
+        may_send = self._still_leader()
         with self._cond:
             if retriable or failing or dead:
                 self._force_remark = True
@@ -393,7 +400,7 @@ class Engine:
                 self._busy.discard(record.key)
                 if err is None and self._purged_during_mark is not None:
                     self._purged_during_mark.add(record.id)
-                self._release(record, delivered=err is None)
+                self._release(record, delivered=err is None, may_send=may_send)
             self._metrics.in_flight.set(len(self._in_flight))
             self._metrics.queued.set(self._queued)
             self._cond.notify_all()
@@ -431,7 +438,7 @@ class Engine:
             self._metrics.dead_lettered.labels(f.reason).inc()
             log.error("dead_lettered", id=f.id, key=f.key, reason=f.reason, attempts=f.attempts, error=f.error)
 
-    def _release(self, record: MarkedRecord, delivered: bool) -> None:
+    def _release(self, record: MarkedRecord, delivered: bool, may_send: bool) -> None:
         """Lower ``record``'s key barrier and send the key's next waiting record, if any."""
         waiting = self._waiting.get(record.key)
         if not waiting:
@@ -440,7 +447,7 @@ class Engine:
             kept = deque(r for r in waiting if r.id != record.id)
             self._queued -= len(waiting) - len(kept)
             waiting = self._waiting[record.key] = kept
-        if waiting and self._leader_id is not None and not self._force_remark:
+        if waiting and may_send and self._leader_id is not None and not self._force_remark:
             self._queued -= 1
             self._send(waiting.popleft())
         if not waiting:

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 from harvester.config import HarvesterConfig
 from harvester.engine import Engine
 from harvester.events import Event, MeterRead
+from harvester.identity import IdentityHeaders
 from harvester.metrics import HarvesterMetrics
 from harvester.protocols import DeliveryCallback, Elector
 from harvester.publisher import KafkaPublisher, producer_config
@@ -60,7 +61,11 @@ class Harvester:
         self.metrics = HarvesterMetrics(registry)
         self._on_event = on_event
         self._store = PostgresStore(
-            config.data_source, config.table, application_name=f"outbox-harvester {config.name}"[:63]
+            config.data_source,
+            config.table,
+            application_name=f"outbox-harvester {config.name}"[:63],
+            identity=IdentityHeaders(config.identity_header_prefix),
+            producer_name=config.producer_name,
         )
         self._elector = elector if elector is not None else neli_elector(config)
         self._engine: Engine | None = None
@@ -83,8 +88,15 @@ class Harvester:
         def publisher(callback: DeliveryCallback) -> KafkaPublisher:
             return KafkaPublisher(kafka, callback)
 
+        elector = self._elector
         self._engine = Engine(
-            self._store, publisher, cfg.limits, self.metrics, self._dispatch, listen_notify=cfg.listen_notify
+            self._store,
+            publisher,
+            cfg.limits,
+            self.metrics,
+            self._dispatch,
+            listen_notify=cfg.listen_notify,
+            still_leader=lambda: elector.status.is_leader,
         )
         self._engine.start()
         self._elector.start(self._engine.on_leader_event)
@@ -146,7 +158,7 @@ class Harvester:
         try:
             AdminClient(dict(self.config.base_kafka_config)).list_topics(timeout=2)
             kafka_ok = True
-        except Exception:  # noqa: BLE001 - any failure means "not reachable"
+        except Exception:
             pass
         return {
             "database_ok": db_ok,

@@ -17,6 +17,7 @@ import re
 import sys
 import threading
 from collections.abc import Iterable
+from types import TracebackType
 from typing import Any, TextIO
 
 import structlog
@@ -26,7 +27,8 @@ REDACTED = "***"
 
 # password=secret | password='se cret' | "sasl.password": "x" | sasl.password=x | ssl.key.password: x
 _KEYED = re.compile(
-    r"""(?P<key>\b(?:[\w.]*password|[\w.]*secret)\b["']?\s*[=:]\s*)(?P<value>'(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*"|[^\s,;}&"']+)""",
+    r"""(?P<key>\b(?:[\w.]*password|[\w.]*secret)\b["']?\s*(?:=|:[ \t]*))"""
+    r"""(?P<value>'(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*"|[^\s,;}&"']+)""",
     re.IGNORECASE,
 )
 # A mapping key naming a secret (a Kafka property map, a parsed DSN): its value is redacted whole.
@@ -112,6 +114,7 @@ class _Identity:
 
 
 _IDENTITY = _Identity()
+_installed: list[logging.Handler] = []
 
 
 def set_leader(leader_id: object | None) -> None:
@@ -123,8 +126,14 @@ def _redact(_logger: WrappedLogger, _name: str, event_dict: EventDict) -> EventD
     return {k: REDACTOR.value(v) for k, v in event_dict.items()}
 
 
+_FIRST = ("timestamp", "level", "event", "logger", "instance", "leader_id")
+
+
 def _json_renderer(_logger: WrappedLogger, _name: str, event_dict: EventDict) -> str:
-    return json.dumps(event_dict, default=str, ensure_ascii=False)
+    # The fixed keys first, so a human scanning raw JSON lines finds them in the same place.
+    ordered = {k: event_dict[k] for k in _FIRST if k in event_dict}
+    ordered.update(event_dict)
+    return json.dumps(ordered, default=str, ensure_ascii=False)
 
 
 def level_number(name: str) -> int:
@@ -170,9 +179,13 @@ def configure(
     handler = logging.StreamHandler(out)
     handler.setFormatter(formatter)
     root = logging.getLogger()
-    for old in list(root.handlers):
-        root.removeHandler(old)
+    while _installed:  # reconfiguring: replace our own handler, leave others' (e.g. pytest's) alone
+        root.removeHandler(_installed.pop())
+    _installed.append(handler)
     root.addHandler(handler)
+    # Uncaught exceptions, in any thread, become redacted log lines instead of raw tracebacks.
+    sys.excepthook = _log_uncaught
+    threading.excepthook = _log_uncaught_in_thread
     root.setLevel(level_number(level))
     structlog.configure(
         processors=[
@@ -186,3 +199,29 @@ def configure(
         cache_logger_on_first_use=False,
     )
 
+
+
+def _log_uncaught(
+    exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None
+) -> None:
+    logging.getLogger("reaper").critical("uncaught_exception", exc_info=(exc_type, exc, tb))
+
+
+def _log_uncaught_in_thread(args: threading.ExceptHookArgs) -> None:
+    if args.exc_value is None:
+        return
+    name = args.thread.name if args.thread is not None else "?"
+    logging.getLogger("reaper").error(
+        "uncaught_exception_in_thread %s", name, exc_info=(args.exc_type, args.exc_value, args.exc_traceback)
+    )
+
+
+def reset() -> None:
+    """Undo :func:`configure`: structlog's defaults again and no handler of ours on the root logger."""
+    root = logging.getLogger()
+    while _installed:
+        root.removeHandler(_installed.pop())
+    sys.excepthook = sys.__excepthook__
+    threading.excepthook = threading.__excepthook__
+    structlog.reset_defaults()
+    _IDENTITY.instance = _IDENTITY.leader_id = None

@@ -93,7 +93,15 @@ class ReaperSettings(BaseModel):
     shutdown: ShutdownSettings = Field(default_factory=ShutdownSettings)
 
     @model_validator(mode="after")
-    def _kafka_values(self) -> ReaperSettings:
+    def _checks(self) -> ReaperSettings:
+        from psycopg.conninfo import conninfo_to_dict
+
+        try:
+            conninfo_to_dict(self.harvest.data_source)
+        except Exception:  # libpq's message may quote the DSN, password included: say what is wrong instead
+            raise ValueError(
+                "harvest.dataSource: not a valid libpq connection string (key=value pairs or a postgresql:// URL)"
+            ) from None
         # librdkafka takes scalar property values only; a nested map would fail later, far from its cause.
         for section, props in (
             ("baseKafkaConfig", self.harvest.base_kafka_config),

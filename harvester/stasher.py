@@ -66,9 +66,7 @@ class Stasher:
             )
         return len(rows)
 
-    def stash_sqlalchemy(
-        self, target: SAConnection | Session, records: OutboxRecord | Sequence[OutboxRecord]
-    ) -> int:
+    def stash_sqlalchemy(self, target: SAConnection | Session, records: OutboxRecord | Sequence[OutboxRecord]) -> int:
         """Insert records through a SQLAlchemy ``Connection`` or ``Session`` (its transaction)."""
         from sqlalchemy import text
 
@@ -88,8 +86,6 @@ class Stasher:
         return len(rows)
 
 
-def stash(
-    conn: psycopg.Connection[Any], records: OutboxRecord | Sequence[OutboxRecord], table: str = "outbox"
-) -> int:
+def stash(conn: psycopg.Connection[Any], records: OutboxRecord | Sequence[OutboxRecord], table: str = "outbox") -> int:
     """Insert records into ``table`` within ``conn``'s transaction (psycopg)."""
     return Stasher(table).stash(conn, records)

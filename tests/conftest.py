@@ -3,14 +3,26 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import psycopg
 import pytest
 from psycopg import sql
 
+from harvester import Harvester, HarvesterConfig, Limits
 from harvester.identifiers import TableName
 from harvester.migrations import migrate
-from tests.support import PrivateKafka, Services, create_topics, delete_topics, ensure_services, unique
+from harvester.protocols import Elector
+from tests.support import (
+    HarvesterFactory,
+    ManualElector,
+    PrivateKafka,
+    Services,
+    create_topics,
+    delete_topics,
+    ensure_services,
+    unique,
+)
 
 
 @pytest.fixture(scope="session")
@@ -64,3 +76,34 @@ def private_kafka() -> Iterator[PrivateKafka]:
     broker.start()
     yield broker
     broker.stop()
+
+
+@pytest.fixture
+def make_harvester(services: Services, outbox: TableName) -> Iterator[HarvesterFactory]:
+    """Build (and afterwards stop) harvesters on this test's outbox; keyword args tune limits."""
+    made: list[Harvester] = []
+
+    def make(
+        *,
+        elector: Elector | None = None,
+        bootstrap: str | None = None,
+        producer: dict[str, Any] | None = None,
+        start: bool = True,
+        **limits: Any,
+    ) -> Harvester:
+        config = HarvesterConfig(
+            data_source=services.pg_dsn,
+            outbox_table=outbox.qualified,
+            base_kafka_config={"bootstrap.servers": bootstrap or services.bootstrap},
+            producer_kafka_config=producer or {},
+            limits=Limits(**{"io_error_backoff": "100ms", **limits}),
+        )
+        h = Harvester(config, elector=elector if elector is not None else ManualElector())
+        made.append(h)
+        if start:
+            h.start()
+        return h
+
+    yield make
+    for h in made:
+        h.stop(timeout=5)

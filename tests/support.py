@@ -6,14 +6,19 @@ import os
 import subprocess
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from confluent_kafka import Consumer, KafkaError, Message, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
+
+if TYPE_CHECKING:
+    from harvester import Harvester
+
+HarvesterFactory = Callable[..., "Harvester"]
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVICES = ROOT / "deploy" / "local" / "services.sh"

@@ -23,8 +23,14 @@ def test_postgres_runs_queries(pg: psycopg.Connection[tuple[object, ...]], outbo
         (outbox.schema, outbox.name),
     ).fetchall()
     assert [c[0] for c in cols] == [
-        "id", "create_time", "kafka_topic", "kafka_key", "kafka_value",
-        "kafka_header_keys", "kafka_header_values", "leader_id",
+        "id",
+        "create_time",
+        "kafka_topic",
+        "kafka_key",
+        "kafka_value",
+        "kafka_header_keys",
+        "kafka_header_values",
+        "leader_id",
     ]
 
 

@@ -7,9 +7,8 @@ from collections.abc import Callable
 import pytest
 
 from harvester.identifiers import TableName
-from tests.engine.conftest import HarvesterFactory
 from tests.engine.workload import check, wait_drained, write_concurrently
-from tests.support import Services, read_messages
+from tests.support import HarvesterFactory, Services, read_messages
 
 pytestmark = pytest.mark.integration
 

@@ -12,9 +12,8 @@ import pytest
 from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource
 
 from harvester.identifiers import TableName
-from tests.engine.conftest import HarvesterFactory
 from tests.engine.workload import check, insert, wait_drained, wait_until, write_concurrently
-from tests.support import PrivateKafka, Services, create_topics, read_messages, unique
+from tests.support import HarvesterFactory, PrivateKafka, Services, create_topics, read_messages, unique
 
 pytestmark = pytest.mark.integration
 

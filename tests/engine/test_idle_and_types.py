@@ -18,9 +18,8 @@ from harvester.metrics import HarvesterMetrics
 from harvester.protocols import DeliveryCallback
 from harvester.publisher import KafkaPublisher, producer_config
 from harvester.record import MarkedRecord
-from tests.engine.conftest import HarvesterFactory
 from tests.engine.workload import check, insert, wait_drained, wait_until, write_concurrently
-from tests.support import ManualElector, Services, read_messages
+from tests.support import HarvesterFactory, ManualElector, Services, read_messages
 
 pytestmark = pytest.mark.integration
 

@@ -1,0 +1,40 @@
+# The reaper daemon: harvests a PostgreSQL outbox into Kafka.
+#   docker build -t outbox-harvester/reaper .
+#   docker run --rm -v $PWD/reaper.yaml:/etc/reaper/reaper.yaml:ro -p 9090:9090 outbox-harvester/reaper
+# Configuration: /etc/reaper/reaper.yaml (mount it), REAPER_* environment overrides, secrets as
+# ${env:NAME} or ${file:/path}; see docs/reaper.md. Metrics and probes on port 9090.
+
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+
+# ---- build: install the package and its dependencies into a self-contained virtualenv
+FROM ${PYTHON_IMAGE} AS build
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_NO_CACHE_DIR=1
+WORKDIR /src
+# README.md is left out on purpose: the image needs no long description, and the build must not depend on it.
+COPY pyproject.toml ./
+COPY sql/ sql/
+COPY leader/ leader/
+COPY harvester/ harvester/
+# confluent-kafka and psycopg[binary] ship manylinux wheels (librdkafka and libpq inside): no compiler needed.
+RUN python -m venv /opt/reaper \
+ && /opt/reaper/bin/pip install /src \
+ && /opt/reaper/bin/reaper --version
+
+# ---- runtime: the virtualenv only, run as an unprivileged user
+FROM ${PYTHON_IMAGE}
+RUN groupadd --system --gid 10001 reaper \
+ && useradd --system --uid 10001 --gid reaper --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin reaper \
+ && mkdir -p /etc/reaper
+COPY --from=build /opt/reaper /opt/reaper
+ENV PATH=/opt/reaper/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    REAPER_CONFIG=/etc/reaper/reaper.yaml
+USER 10001:10001
+EXPOSE 9090
+# /healthz answers while the process is alive; the port follows REAPER_HTTP__PORT when that is set.
+HEALTHCHECK --interval=15s --timeout=5s --start-period=30s --retries=3 \
+  CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/healthz' % os.environ.get('REAPER_HTTP__PORT', '9090'), timeout=4)"]
+ENTRYPOINT ["reaper"]
+CMD ["run"]

@@ -1,0 +1,75 @@
+"""Operator tools for dead letters: list, show, replay into the outbox, purge.
+
+Every function works in the caller's connection and transaction, so the CLI can confirm first and
+commit once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+
+import psycopg
+from psycopg import sql
+from psycopg.rows import dict_row
+
+from harvester.identifiers import TableName
+from harvester.migrations import dead_letter_table
+
+_SUMMARY = "id, kafka_topic, kafka_key, reason, attempts, first_failure, last_failure, dead_lettered_at"
+
+
+def _dlq(table: TableName) -> sql.Composable:
+    return dead_letter_table(table).ident
+
+
+def exists(conn: psycopg.Connection[Any], table: TableName) -> bool:
+    """Whether the dead-letter table exists yet (it is created by migration or on first use)."""
+    row = conn.execute("SELECT to_regclass(%s) IS NOT NULL", (dead_letter_table(table).quoted,)).fetchone()
+    return bool(row and row[0])
+
+
+def list_dead_letters(conn: psycopg.Connection[Any], table: TableName, limit: int = 100) -> list[dict[str, Any]]:
+    """The oldest ``limit`` dead letters, without their values."""
+    if not exists(conn, table):
+        return []
+    with conn.cursor(row_factory=dict_row) as cur:
+        return cur.execute(
+            sql.SQL("SELECT " + _SUMMARY + " FROM {} ORDER BY id LIMIT %s").format(_dlq(table)), (limit,)
+        ).fetchall()
+
+
+def show(conn: psycopg.Connection[Any], table: TableName, record_id: int) -> dict[str, Any] | None:
+    """One dead letter with everything kept about it."""
+    if not exists(conn, table):
+        return None
+    with conn.cursor(row_factory=dict_row) as cur:
+        return cur.execute(sql.SQL("SELECT * FROM {} WHERE id = %s").format(_dlq(table)), (record_id,)).fetchone()
+
+
+def replay(conn: psycopg.Connection[Any], table: TableName, ids: Sequence[int] | None) -> list[int]:
+    """Move dead letters (``None``: all) back into the outbox with new ids, in their original
+    order, so records of one key keep their order relative to each other; return the new ids."""
+    if not exists(conn, table):
+        return []
+    where = sql.SQL("") if ids is None else sql.SQL(" WHERE id = ANY(%s::bigint[])")
+    params: tuple[Any, ...] = () if ids is None else (list(ids),)
+    rows = conn.execute(
+        sql.SQL(
+            "WITH moved AS (DELETE FROM {d}{w} RETURNING *) "
+            "INSERT INTO {t} (create_time, kafka_topic, kafka_key, kafka_value, kafka_header_keys, kafka_header_values)"
+            " SELECT now(), kafka_topic, kafka_key, kafka_value, kafka_header_keys, kafka_header_values"
+            " FROM moved ORDER BY id RETURNING id"
+        ).format(d=_dlq(table), w=where, t=table.ident),
+        params,
+    ).fetchall()
+    return sorted(int(r[0]) for r in rows)
+
+
+def purge(conn: psycopg.Connection[Any], table: TableName, before: datetime) -> int:
+    """Delete dead letters dead-lettered before ``before``; return how many."""
+    if not exists(conn, table):
+        return 0
+    cur = conn.execute(sql.SQL("DELETE FROM {} WHERE dead_lettered_at < %s").format(_dlq(table)), (before,))
+    return cur.rowcount

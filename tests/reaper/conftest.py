@@ -1,0 +1,15 @@
+"""Keep this package's logging configuration from leaking into other tests."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from harvester import logs
+
+
+@pytest.fixture(autouse=True)
+def _reset_logging() -> Iterator[None]:
+    yield
+    logs.reset()

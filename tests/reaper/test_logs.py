@@ -1,0 +1,122 @@
+"""Log output: JSON lines off a terminal, console on one, identity on every line, secrets never shown."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+from collections.abc import Iterator
+
+import pytest
+import structlog
+
+from harvester import logs
+from harvester.logs import Redactor
+
+pytestmark = pytest.mark.unit
+
+SECRETS = ["Pg-S3cret!", 'Ka"fka\\S3cret']
+
+
+class Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.fixture
+def out() -> Iterator[io.StringIO]:
+    stream = io.StringIO()
+    logs.configure("debug", "auto", instance="inst-7", secrets=SECRETS, stream=stream)
+    yield stream
+    logs.set_leader(None)
+
+
+def lines(stream: io.StringIO) -> list[dict[str, object]]:
+    return [json.loads(line) for line in stream.getvalue().splitlines()]
+
+
+def test_json_lines_carry_instance_and_leader_id(out: io.StringIO) -> None:
+    log = structlog.get_logger("t")
+    log.info("before")
+    logs.set_leader("L-1")
+    log.info("during", n=1)
+    logging.getLogger("some.library").warning("plain %s", "logging")
+    logs.set_leader(None)
+    log.info("after")
+    got = lines(out)
+    assert [g["event"] for g in got] == ["before", "during", "plain logging", "after"]
+    assert all(g["instance"] == "inst-7" for g in got)
+    assert [g.get("leader_id") for g in got] == [None, "L-1", "L-1", None]
+    assert got[1]["n"] == 1 and got[1]["level"] == "info" and "timestamp" in got[1]
+
+
+def test_secrets_are_redacted_everywhere(out: io.StringIO) -> None:
+    log = structlog.get_logger("t")
+    log.info(f"connecting with {SECRETS[0]}", dsn=f"host=h password={SECRETS[0]} dbname=d")
+    log.info("kafka", config={"sasl.password": SECRETS[1], "bootstrap.servers": "b:9092"})
+    log.info("unknown secrets", dsn="host=h password=never-configured", url="postgresql://u:url-pw@h/d")
+    log.info("props", text='"ssl.key.password": "quoted-pw", sasl.password=bare-pw')
+    try:
+        raise RuntimeError(f"login failed for password {SECRETS[1]}")
+    except RuntimeError:
+        log.exception("failed")
+    logging.getLogger("lib").error("lib saw %s", SECRETS[0])
+    text = out.getvalue()
+    for secret in [*SECRETS, json.dumps(SECRETS[1])[1:-1], "never-configured", "url-pw", "quoted-pw", "bare-pw"]:
+        assert secret not in text
+    got = lines(out)
+    assert got[0]["event"] == "connecting with ***"
+    assert got[0]["dsn"] == "host=h password=*** dbname=d"
+    assert got[1]["config"] == {"sasl.password": "***", "bootstrap.servers": "b:9092"}
+    assert got[2]["url"] == "postgresql://u:***@h/d"
+    assert "RuntimeError: login failed for password ***" in str(got[4]["exception"])
+
+
+def test_console_output_on_a_terminal() -> None:
+    stream = Tty()
+    logs.configure("info", "auto", instance="inst-8", secrets=["Tty-S3cret"], stream=stream)
+    structlog.get_logger("t").info("hello", secret="Tty-S3cret")
+    structlog.get_logger("t").debug("hidden at info level")
+    text = stream.getvalue()
+    assert text.count("\n") == 1
+    assert "hello" in text and "inst-8" in text and "Tty-S3cret" not in text
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(text)
+
+
+@pytest.mark.parametrize(
+    ("level", "shown"),
+    [("Debug", 3), ("info", 2), ("Warn", 1), ("trace", 3), ("off", 0)],
+)
+def test_goharvest_level_names(level: str, shown: int) -> None:
+    stream = io.StringIO()
+    logs.configure(level, "json", stream=stream)
+    log = structlog.get_logger("t")
+    log.debug("d")
+    log.info("i")
+    log.warning("w")
+    assert len(stream.getvalue().splitlines()) == shown
+
+
+def test_redactor_handles_nested_values_and_objects() -> None:
+    r = Redactor(["abc-123"])
+    nested = {"a": ["x abc-123", ("abc-123",)], "n": 1, "b": None}
+    assert r.value(nested) == {"a": ["x ***", ["***"]], "n": 1, "b": None}
+    assert r.value(ValueError("abc-123 failed")) == "*** failed"
+    assert r.text("nothing secret here") == "nothing secret here"
+    assert r.text("host=a password= dbname=d") == "host=a password= dbname=d"  # empty password: nothing to hide
+
+
+def test_uncaught_exceptions_in_threads_are_logged_redacted(out: io.StringIO) -> None:
+    import threading
+
+    def boom() -> None:
+        raise ValueError(f"thread failed with {SECRETS[0]}")
+
+    thread = threading.Thread(target=boom, name="worker-1")
+    thread.start()
+    thread.join()
+    got = lines(out)
+    assert got[-1]["event"] == "uncaught_exception_in_thread worker-1"
+    assert "ValueError: thread failed with ***" in str(got[-1]["exception"])
+    assert SECRETS[0] not in out.getvalue()
