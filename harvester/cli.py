@@ -19,7 +19,7 @@ from importlib.metadata import PackageNotFoundError, version
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from harvester import logs
+from harvester import dlq_cli, logs
 from harvester.logs import REDACTOR
 from harvester.settings import CONFIG_ENV, ReaperSettings, SettingsError, load, secret_values
 
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from harvester.harvester import Harvester
     from harvester.http import HttpServer
 
-COMMANDS = ("run", "migrate", "check")
+COMMANDS = ("run", "migrate", "check", "dlq")
 
 DESCRIPTION = """\
 reaper drains a transactional outbox table in PostgreSQL into Kafka.
@@ -127,6 +127,7 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument(
         "--timeout", type=float, default=5.0, metavar="SECONDS", help="bound on each connection attempt (default 5)"
     )
+    dlq_cli.add_parser(sub, common)
     return parser
 
 
@@ -153,6 +154,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _migrate(settings)
         if args.command == "check":
             return _check(settings, args.timeout)
+        if args.command == "dlq":
+            with _connect_pg(settings, 10) as conn:
+                return dlq_cli.run(args, conn, settings.harvest.table)
         return _run(settings)
     except SettingsError as exc:
         print(f"reaper: configuration error: {_one_line(str(exc))}", file=sys.stderr)
@@ -494,3 +498,7 @@ def _validate_kafka_config(settings: ReaperSettings) -> None:
         raise _FailError(f"harvest.baseKafkaConfig/producerKafkaConfig: {_kafka_reason(exc)}") from None
     except (TypeError, ValueError) as exc:
         raise _FailError(f"harvest.baseKafkaConfig/producerKafkaConfig: {exc}") from None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

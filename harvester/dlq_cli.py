@@ -1,0 +1,100 @@
+"""``reaper dlq``: look at, replay and purge dead letters from the command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from datetime import UTC, datetime
+from typing import Any
+
+import psycopg
+
+from harvester import deadletter
+from harvester.identifiers import TableName
+from harvester.migrations import dead_letter_table
+
+
+def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
+    """Register ``dlq`` and its subcommands on the ``reaper`` parser."""
+    dlq = sub.add_parser(
+        "dlq",
+        help="list, show, replay or purge dead-lettered records",
+        description="Records that failed permanently max_attempts times are moved to the dead-letter table "
+        "<outbox>_dead_letter. Replay moves them back into the outbox (new ids, original order); purge "
+        "deletes old ones. Replay and purge ask for confirmation unless --yes is given.",
+    )
+    actions = dlq.add_subparsers(dest="dlq_command", metavar="ACTION", required=True)
+    listing = actions.add_parser("list", parents=[common], help="the oldest dead letters (no values)")
+    listing.add_argument("-n", "--limit", type=int, default=100, help="how many (default 100)")
+    show = actions.add_parser("show", parents=[common], help="one dead letter in full, as JSON")
+    show.add_argument("id", type=int, help="outbox id of the record")
+    replay = actions.add_parser("replay", parents=[common], help="move dead letters back into the outbox")
+    replay.add_argument("ids", type=int, nargs="*", metavar="ID", help="outbox ids to replay")
+    replay.add_argument("--all", action="store_true", help="replay every dead letter")
+    replay.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+    purge = actions.add_parser("purge", parents=[common], help="delete dead letters dead-lettered before a date")
+    purge.add_argument("--before", required=True, type=_date, help="ISO date or timestamp (UTC if no zone)")
+    purge.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+
+
+def _date(text: str) -> datetime:
+    try:
+        value = datetime.fromisoformat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an ISO date or timestamp: {text!r}") from None
+    return value if value.tzinfo else value.replace(tzinfo=UTC)
+
+
+def _confirm(question: str, yes: bool) -> bool:
+    if yes:
+        return True
+    if not sys.stdin.isatty():
+        print(f"{question} -- refusing without a terminal; pass --yes to confirm", file=sys.stderr)
+        return False
+    return input(f"{question} [y/N] ").strip().lower() in ("y", "yes")
+
+
+def run(args: argparse.Namespace, conn: psycopg.Connection[Any], table: TableName) -> int:
+    """Carry out one ``dlq`` action; return the exit code."""
+    if args.dlq_command == "list":
+        rows = deadletter.list_dead_letters(conn, table, args.limit)
+        for r in rows:
+            print(
+                f"{r['id']:>10}  {r['dead_lettered_at']:%Y-%m-%d %H:%M:%S}  attempts={r['attempts']}"
+                f"  reason={r['reason']}  topic={r['kafka_topic']}  key={r['kafka_key']}"
+            )
+        print(f"{len(rows)} dead letter(s) in {dead_letter_table(table)}")
+        return 0
+    if args.dlq_command == "show":
+        row = deadletter.show(conn, table, args.id)
+        if row is None:
+            print(f"no dead letter with id {args.id}", file=sys.stderr)
+            return 1
+        print(json.dumps(row, default=_json, indent=2))
+        return 0
+    if args.dlq_command == "replay":
+        if bool(args.ids) == args.all:
+            print("reaper dlq replay: give record ids or --all (not both)", file=sys.stderr)
+            return 2
+        what = "every dead letter" if args.all else f"{len(args.ids)} dead letter(s)"
+        if not _confirm(f"replay {what} into {table}?", args.yes):
+            return 1
+        with conn.transaction():
+            new_ids = deadletter.replay(conn, table, None if args.all else args.ids)
+        print(f"replayed {len(new_ids)} record(s) into {table}" + (f" as ids {new_ids}" if new_ids else ""))
+        return 0
+    if not _confirm(f"delete dead letters of {table} dead-lettered before {args.before.isoformat()}?", args.yes):
+        return 1
+    with conn.transaction():
+        count = deadletter.purge(conn, table, args.before)
+    print(f"purged {count} dead letter(s)")
+    return 0
+
+
+def _json(value: object) -> str:
+    if isinstance(value, datetime):
+        return value.isoformat()
+    if isinstance(value, bytes | memoryview):
+        return bytes(value).hex()
+    return str(value)
