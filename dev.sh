@@ -17,8 +17,11 @@ setup_venv() {
   # Re-install only when the project's metadata changed since the last install.
   local stamp=$VENV/.outbox-harvester-installed
   if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-    "$PY" -m pip install -q --disable-pip-version-check -U pip
-    "$PY" -m pip install -q --disable-pip-version-check -e ".[dev]"
+    echo "installing the project and its dev extras into $VENV (log: .local/pip.log) ..."
+    mkdir -p .local
+    { "$PY" -m pip install --disable-pip-version-check -U pip &&
+      "$PY" -m pip install --disable-pip-version-check -e ".[dev]"; } >.local/pip.log 2>&1 ||
+      { tail -n 30 .local/pip.log >&2; echo "pip install failed (see .local/pip.log)" >&2; exit 1; }
     touch "$stamp"
   fi
 }

@@ -34,7 +34,7 @@ from harvester.record import MarkedRecord
 from leader.events import LeaderAcquired
 
 DSN = os.environ.get(
-    "HARVESTER_TEST_PG_DSN", "host=127.0.0.1 port=5432 user=harvester password=harvester dbname=harvester"
+    "HARVESTER_TEST_PG_DSN", "host=127.0.0.1 port=5432 user=harvester password=local-dev-secret dbname=harvester"
 )
 BOOTSTRAP = os.environ.get("HARVESTER_TEST_KAFKA", "127.0.0.1:9092")
 VALUE = "x" * 100

@@ -105,7 +105,7 @@ class HarvesterConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
     data_source: str = Field(
-        default="host=127.0.0.1 port=5432 user=harvester password=harvester dbname=harvester",
+        default="host=127.0.0.1 port=5432 user=harvester password=local-dev-secret dbname=harvester",
         validation_alias=AliasChoices("data_source", "dataSource"),
         description="libpq connection string (key=value or URL).",
     )

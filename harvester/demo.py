@@ -26,7 +26,7 @@ from harvester.record import OutboxRecord
 from harvester.stasher import Stasher
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "deploy" / "local" / "reaper.yaml"
-DSN = "host=127.0.0.1 port=5432 user=harvester password=harvester dbname=harvester"
+DSN = "host=127.0.0.1 port=5432 user=harvester password=local-dev-secret dbname=harvester"
 BOOTSTRAP = "127.0.0.1:9092"
 TOPIC = "demo.orders"
 

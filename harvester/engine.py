@@ -83,7 +83,9 @@ class Engine:
         self._force_remark = False
         self._in_flight: dict[int, MarkedRecord] = {}
         self._busy: set[str] = set()
-        self._waiting: dict[str, deque[MarkedRecord]] = {}
+        # Per busy key, the records waiting behind it with the monotonic time they were queued.
+        self._waiting: dict[str, deque[tuple[float, MarkedRecord]]] = {}
+        self._next_queue_check = 0.0
         self._queued = 0
         self._published = 0  # counted here, added to the Prometheus counter once per batch
         # Ids purged while a mark query ran: the query may have returned them before the purge
@@ -191,6 +193,19 @@ class Engine:
             self._cond.notify_all()
         self._metrics.is_leader.set(0)
 
+    def _check_queue_timeout(self) -> None:
+        """Force a remark when a record waited behind its key longer than ``queue_timeout`` (a key
+        stuck that long usually means a lost delivery report). Caller holds the lock."""
+        now = time.monotonic()
+        if now < self._next_queue_check or not self._waiting or self._leader_id is None:
+            return
+        timeout = self._limits.queue_timeout.total_seconds()
+        self._next_queue_check = now + min(1.0, timeout)
+        oldest = min(q[0][0] for q in self._waiting.values() if q)
+        if now - oldest > timeout and not self._force_remark:
+            log.warning("queue_timeout", waited=round(now - oldest, 3), queued=self._queued)
+            self._force_remark = True
+
     def _discard_waiting(self) -> None:
         self._waiting.clear()
         self._queued = 0
@@ -209,7 +224,11 @@ class Engine:
                     or len(self._in_flight) >= limits.max_in_flight_records
                     or self._queued >= limits.max_queued_records
                 ):
+                    self._check_queue_timeout()
+                    if self._force_remark:
+                        break
                     self._cond.wait(0.1)
+                self._check_queue_timeout()
                 if self._stopping.is_set() or self._leader_id is None:
                     continue
                 term, term_leader = self._term, self._leader_id
@@ -312,7 +331,7 @@ class Engine:
                 if key in self._busy or key in self._waiting:
                     # Includes a re-marked copy of the record in flight: it is dropped if that
                     # record completes, and is the retry if that record fails.
-                    self._waiting.setdefault(key, deque()).append(record)
+                    self._waiting.setdefault(key, deque()).append((time.monotonic(), record))
                     self._queued += 1
                     continue
                 while len(self._in_flight) >= max_in_flight and self._leader_id == leader_id and not self._force_remark:
@@ -443,13 +462,13 @@ class Engine:
         waiting = self._waiting.get(record.key)
         if not waiting:
             return
-        if delivered and any(r.id == record.id for r in waiting):
-            kept = deque(r for r in waiting if r.id != record.id)
+        if delivered and any(r.id == record.id for _, r in waiting):
+            kept = deque(entry for entry in waiting if entry[1].id != record.id)
             self._queued -= len(waiting) - len(kept)
             waiting = self._waiting[record.key] = kept
         if waiting and may_send and self._leader_id is not None and not self._force_remark:
             self._queued -= 1
-            self._send(waiting.popleft())
+            self._send(waiting.popleft()[1])
         if not waiting:
             del self._waiting[record.key]
 

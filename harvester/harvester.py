@@ -37,6 +37,7 @@ def neli_elector(config: HarvesterConfig) -> Elector:
             heartbeat_timeout=limits.heartbeat_timeout.total_seconds(),
             min_poll_interval=limits.min_poll_interval.total_seconds(),
             max_poll_interval=limits.max_poll_interval.total_seconds(),
+            name=config.name,
         )
     )
 

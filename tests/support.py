@@ -51,7 +51,7 @@ def ensure_services() -> Services:
     pgport = os.environ.get("PGPORT", "5432")
     kport = os.environ.get("KAFKA_PORT", "9092")
     return Services(
-        f"host=127.0.0.1 port={pgport} user=harvester password=harvester dbname=harvester",
+        f"host=127.0.0.1 port={pgport} user=harvester password=local-dev-secret dbname=harvester",
         f"127.0.0.1:{kport}",
     )
 
@@ -66,7 +66,7 @@ def _testcontainers() -> Services:
     kafka.start()
     host, port = pg.get_container_host_ip(), pg.get_exposed_port(5432)
     return Services(
-        f"host={host} port={port} user=harvester password=harvester dbname=harvester",
+        f"host={host} port={port} user=harvester password=local-dev-secret dbname=harvester",
         kafka.get_bootstrap_server(),
     )
 
@@ -218,7 +218,7 @@ class PrivatePostgres:
 
     def __init__(self, name: str, port: int) -> None:
         self.port = port
-        self.dsn = f"host=127.0.0.1 port={port} user=harvester password=harvester dbname=harvester"
+        self.dsn = f"host=127.0.0.1 port={port} user=harvester password=local-dev-secret dbname=harvester"
         self._env = {**os.environ, "HARVESTER_LOCAL_DIR": str(ROOT / ".local" / f"private-{name}"), "PGPORT": str(port)}
 
     def _run(self, command: str) -> None:

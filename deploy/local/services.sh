@@ -43,7 +43,7 @@ KAFKA_LOG=$KAFKA_DIR/kafka.log
 KAFKA_PID=$KAFKA_DIR/kafka.pid
 
 PG_USER=harvester
-PG_PASSWORD=harvester
+PG_PASSWORD=local-dev-secret
 PG_DB=harvester
 
 say() { printf '%s\n' "$*"; }

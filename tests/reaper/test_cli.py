@@ -134,7 +134,7 @@ def test_goharvest_command_line_with_a_bad_file(tmp_path: Path) -> None:
 def yaml_for(
     services: Services, table: TableName, topic: str, *, dsn: str | None = None, kafka: str | None = None
 ) -> str:
-    data_source = dsn or services.pg_dsn.replace("password=harvester", f"password={PG_SECRET}")
+    data_source = dsn or services.pg_dsn.replace("password=local-dev-secret", f"password={PG_SECRET}")
     return (
         "harvest:\n"
         f"  dataSource: {data_source}\n"

@@ -140,7 +140,7 @@ def outbox_count(pg: psycopg.Connection[tuple[object, ...]], table: TableName) -
 
 
 def goharvest_yaml(services: Services, table: TableName, group: str) -> str:
-    dsn = services.pg_dsn.replace("password=harvester", f"password={PG_SECRET}")
+    dsn = services.pg_dsn.replace("password=local-dev-secret", f"password={PG_SECRET}")
     return f"""\
 harvest:
   baseKafkaConfig:

@@ -187,3 +187,11 @@ def test_fenced_leader_publishes_nothing_more() -> None:
     assert pub.values() == ["a0", "b0"]  # a1 was queued behind a0 and is dropped at the fence
     assert list(store.rows) == [2]  # and stays in the outbox for the next leader
     engine.close(1)
+
+
+def test_record_queued_past_queue_timeout_forces_a_remark() -> None:
+    engine, _, pub, events = build([("a", "a0"), ("a", "a1"), ("b", "b0")], queue_timeout="50ms")
+    ManualElector().start(engine.on_leader_event)
+    wait_for(lambda: any(isinstance(e, LeaderRefreshed) for e in events))  # a0 is never acknowledged
+    assert pub.values()[:2] == ["a0", "b0"] and "a1" not in pub.values()  # order still holds
+    engine.close(1)
