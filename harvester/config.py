@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import socket
 from datetime import timedelta
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import AliasChoices, BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
@@ -136,6 +136,16 @@ class HarvesterConfig(BaseModel):
         validation_alias=AliasChoices("listen_notify", "listenNotify"),
         description="Wake up on NOTIFY from the outbox trigger (installed by migration) when idle.",
     )
+    delivery: Literal["at_least_once", "exactly_once"] = Field(
+        default="at_least_once",
+        description="exactly_once: each batch and its checkpoint commit in one Kafka transaction; consumers "
+        "must read with isolation.level=read_committed.",
+    )
+    checkpoint_topic: str | None = Field(
+        default=None,
+        validation_alias=AliasChoices("checkpoint_topic", "checkpointTopic"),
+        description="Exactly-once checkpoints; default '<leader_group_id>.checkpoints'.",
+    )
     identity_header_prefix: str = Field(
         default="outbox-",
         pattern=r"^[A-Za-z0-9._-]{1,64}$",
@@ -164,6 +174,11 @@ class HarvesterConfig(BaseModel):
     def group_id(self) -> str:
         """The leader group id, defaulted from the table name."""
         return self.leader_group_id or f"outbox-harvester.{self.table.qualified}"
+
+    @property
+    def checkpoints(self) -> str:
+        """The checkpoint topic of exactly-once mode."""
+        return self.checkpoint_topic or f"{self.group_id}.checkpoints"
 
     @property
     def topic(self) -> str:

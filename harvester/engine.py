@@ -43,7 +43,15 @@ from harvester.classify import MalformedRecordError, classify, reason
 from harvester.config import Limits
 from harvester.events import Event, LeaderAcquired, LeaderFenced, LeaderRefreshed, LeaderRevoked
 from harvester.metrics import HarvesterMetrics
-from harvester.protocols import FencedError, Publisher, Store, StoreError
+from harvester.protocols import (
+    FencedError,
+    ProducerFencedError,
+    Publisher,
+    Store,
+    StoreError,
+    TransactionAbortedError,
+    TransactionalPublisher,
+)
 from harvester.record import Failure, MarkedRecord
 from leader.events import LeaderEvent
 
@@ -66,8 +74,11 @@ class Engine:
         *,
         listen_notify: bool = True,
         still_leader: Callable[[], bool] = lambda: True,
+        transactions: TransactionalPublisher | None = None,
     ) -> None:
         self._store = store
+        # Exactly-once mode: batches go out in Kafka transactions instead of record by record.
+        self._txn = transactions
         # The elector's live view: it turns false the moment heartbeats are overdue, before the
         # LeaderFenced event is delivered, so a process resuming from a freeze publishes nothing.
         self._still_leader = still_leader
@@ -80,6 +91,7 @@ class Engine:
         self._leader_id: UUID | None = None
         self._term = 0  # bumped on every LeaderAcquired
         self._fenced_term = 0  # the term whose epoch the store holds
+        self._epoch = 0
         self._force_remark = False
         self._in_flight: dict[int, MarkedRecord] = {}
         self._busy: set[str] = set()
@@ -100,7 +112,7 @@ class Engine:
             log.warning("attempts_in_memory", hint="run 'reaper migrate' so attempt counts survive failover")
         self._acks: queue.SimpleQueue[tuple[MarkedRecord, Exception | None] | None] = queue.SimpleQueue()
         self._stopping = threading.Event()
-        self._publisher = publisher_factory(self._on_delivery)
+        self._publisher = publisher_factory(self._on_delivery) if transactions is None else None
         self._threads = [
             threading.Thread(target=self._mark_loop, name="harvester-mark", daemon=True),
             threading.Thread(target=self._completion_loop, name="harvester-complete", daemon=True),
@@ -135,7 +147,10 @@ class Engine:
     def close(self, timeout: float) -> None:
         """Stop both threads and the publisher (after :meth:`stop_marking` and :meth:`drain`)."""
         self.stop_marking()
-        self._publisher.close(timeout)
+        if self._publisher is not None:
+            self._publisher.close(timeout)
+        if self._txn is not None:
+            self._txn.close(timeout)
         self._acks.put_nowait(None)
         for t in self._threads:
             t.join(timeout)
@@ -279,16 +294,37 @@ class Engine:
             idle = min(idle * 2, limits.max_mark_backoff.total_seconds())
 
     def _begin_term(self, term: int, leader_id: UUID) -> None:
-        """Bump the fence epoch for a new term before its first mark."""
+        """Bump the fence epoch for a new term before its first mark; in exactly-once mode also
+        fence the previous producer and purge what its committed checkpoints name."""
         try:
             epoch = self._store.acquire(leader_id)
-        except StoreError as exc:
-            log.warning("fence_acquire_failed", error=str(exc))
+            if self._txn is not None:
+                self._recover(self._txn)
+        except ProducerFencedError as exc:
+            self._fenced(FencedError(str(exc)))
+            return
+        except FencedError as exc:
+            self._fenced(exc)
+            return
+        except (StoreError, TransactionAbortedError) as exc:
+            log.warning("term_start_failed", error=str(exc))
             self._stopping.wait(self._limits.io_error_backoff.total_seconds())
             return
         self._fenced_term = term
+        self._epoch = epoch
         self._metrics.epoch.set(epoch)
         log.info("fence_acquired", epoch=epoch, leader_id=str(leader_id))
+
+    def _recover(self, txn: TransactionalPublisher) -> None:
+        started = time.perf_counter()
+        txn.init()
+        position = self._store.checkpoint_position()
+        ids, end = txn.recover(position)
+        self._store.purge_checkpointed(ids, end)
+        self._metrics.recoveries.inc()
+        self._metrics.recovery_seconds.observe(time.perf_counter() - started)
+        seconds = round(time.perf_counter() - started, 3)
+        log.info("checkpoints_recovered", purged=len(ids), position=end, seconds=seconds)
 
     def _fenced(self, error: FencedError) -> None:
         """A newer leader owns the outbox: drop leader work now and report it; never retry."""
@@ -315,6 +351,9 @@ class Engine:
             self._stopping.wait(self._limits.io_error_backoff.total_seconds())
 
     def _dispatch(self, batch: Sequence[MarkedRecord], leader_id: UUID) -> None:
+        if self._txn is not None:
+            self._dispatch_transaction(self._txn, batch, leader_id)
+            return
         max_in_flight = self._limits.max_in_flight_records
         published = self._published
         if not self._still_leader():
@@ -343,12 +382,52 @@ class Engine:
             self._metrics.in_flight.set(len(self._in_flight))
         self._metrics.published.inc(self._published - published)
 
+    def _dispatch_transaction(
+        self, txn: TransactionalPublisher, batch: Sequence[MarkedRecord], leader_id: UUID
+    ) -> None:
+        """Publish a whole batch in one transaction. No per-key barrier is needed: the batch commits
+        all or nothing, in id order, and the next one starts only after this one is purged."""
+        with self._cond:
+            self._purged_during_mark = None
+            if self._leader_id != leader_id or self._force_remark or not self._still_leader():
+                return
+        # A malformed row and the later records of its key wait; everything else goes out now.
+        blocked = {r.key for r in batch if r.malformed is not None}
+        good = [r for r in batch if r.key not in blocked]
+        failures: list[tuple[MarkedRecord, Exception]] = [
+            (r, MalformedRecordError(r.malformed)) for r in batch if r.malformed is not None
+        ]
+        if good:
+            try:
+                position = txn.publish_batch(good, self._epoch)
+            except ProducerFencedError as exc:
+                self._fenced(FencedError(str(exc)))
+                return
+            except TransactionAbortedError as exc:
+                self._metrics.transactions_aborted.inc()
+                log.warning("transaction_aborted", error=str(exc), records=len(good))
+                failures += [(r, exc.failures[r.id]) for r in good if r.id in exc.failures]
+                if not exc.failures:
+                    self._back_off()
+                good = []
+            else:
+                self._metrics.transactions_committed.inc()
+                self._metrics.published.inc(len(good))
+                ids = [r.id for r in good]
+                if not self._with_retry(lambda done: self._store.purge_checkpointed(done, position), ids):
+                    return
+                self._delivered(good)
+        if failures or len(good) < len(batch):
+            self._settle(failures)
+            with self._cond:
+                self._force_remark = True
+
     def _send(self, record: MarkedRecord) -> None:
         # Caller holds self._cond; publish() never blocks on our lock (reports go to a queue).
         self._in_flight[record.id] = record
         self._busy.add(record.key)
-        if record.malformed is not None:
-            self._acks.put_nowait((record, MalformedRecordError(record.malformed)))
+        if record.malformed is not None or self._publisher is None:
+            self._acks.put_nowait((record, MalformedRecordError(record.malformed or "no publisher")))
             return
         self._publisher.publish(record)
         self._published += 1
@@ -376,42 +455,15 @@ class Engine:
             self._complete(items)
 
     def _complete(self, items: list[tuple[MarkedRecord, Exception | None]]) -> None:
-        delivered = [r.id for r, err in items if err is None]
-        retriable: list[int] = []
-        failing: list[Failure] = []
-        dead: list[Failure] = []
-        for record, err in items:
-            if err is None:
-                continue
-            kind = classify(err)
-            self._metrics.retries.labels(kind).inc()
-            if kind == "retriable":
-                retriable.append(record.id)
-                continue
-            failure = self._count_attempt(record, err)
-            (dead if failure.attempts >= self._limits.max_attempts else failing).append(failure)
-        leader_id = self._leader_id
+        delivered = [r for r, err in items if err is None]
+        failures = [(r, err) for r, err in items if err is not None]
         # Fenced: the records stay marked for the new leader to re-mark; only bookkeeping is left.
-        done = (
-            self._with_retry(self._store.purge, delivered)
-            and self._with_retry(self._store.reset, retriable)
-            and self._with_retry(self._store.fail, failing)
-            and (leader_id is None or self._with_retry(lambda f: self._store.dead_letter(f, leader_id), dead))
-        )
-        if not done:
-            delivered, retriable, failing, dead = [], [], [], []
-        self._after_failures(delivered, retriable, failing, dead)
-        now = time.time()
-        for record, err in items:
-            if err is None:
-                self._metrics.publish_latency.observe(max(0.0, now - record.create_time.timestamp()))
-            else:
-                log.warning("delivery_failed", id=record.id, key=record.key, topic=record.topic, error=str(err))
-        self._metrics.purged.inc(len(delivered))
-        self._metrics.reset.inc(len(retriable) + len(failing))
+        if self._with_retry(self._store.purge, [r.id for r in delivered]):
+            self._delivered(delivered)
+            self._settle(failures)
         may_send = self._still_leader()
         with self._cond:
-            if retriable or failing or dead:
+            if failures:
                 self._force_remark = True
             published = self._published
             for record, err in items:
@@ -426,6 +478,58 @@ class Engine:
             released = self._published - published
         self._metrics.published.inc(released)
 
+    def _delivered(self, records: Sequence[MarkedRecord]) -> None:
+        """Account for purged records: metrics, and the end of any retry back-off."""
+        if not records:
+            return
+        now = time.time()
+        for record in records:
+            self._metrics.publish_latency.observe(max(0.0, now - record.create_time.timestamp()))
+            self._attempts.pop(record.id, None)
+        self._metrics.purged.inc(len(records))
+        self._retry_round = 0
+
+    def _settle(self, failures: Sequence[tuple[MarkedRecord, Exception]]) -> bool:
+        """Record failed deliveries: reset the retriable ones (and back off), count attempts of the
+        permanent ones and dead-letter those out of attempts. False if the fence refused it."""
+        if not failures:
+            return True
+        retriable: list[int] = []
+        failing: list[Failure] = []
+        dead: list[Failure] = []
+        for record, err in failures:
+            log.warning("delivery_failed", id=record.id, key=record.key, topic=record.topic, error=str(err))
+            kind = classify(err)
+            self._metrics.retries.labels(kind).inc()
+            if kind == "retriable":
+                retriable.append(record.id)
+                continue
+            failure = self._count_attempt(record, err)
+            (dead if failure.attempts >= self._limits.max_attempts else failing).append(failure)
+        leader_id = self._leader_id
+        if not (
+            self._with_retry(self._store.reset, retriable)
+            and self._with_retry(self._store.fail, failing)
+            and (leader_id is None or self._with_retry(lambda f: self._store.dead_letter(f, leader_id), dead))
+        ):
+            return False
+        self._metrics.reset.inc(len(retriable) + len(failing))
+        if retriable:
+            self._back_off()
+        for f in dead:
+            self._attempts.pop(f.id, None)
+            self._metrics.dead_lettered.labels(f.reason).inc()
+            log.error("dead_lettered", id=f.id, key=f.key, reason=f.reason, attempts=f.attempts, error=f.error)
+        return True
+
+    def _back_off(self) -> None:
+        """Delay the next mark after retriable failures: exponential, capped, with jitter."""
+        limits = self._limits
+        base, cap = limits.retry_backoff.total_seconds(), limits.max_retry_backoff.total_seconds()
+        delay = min(cap, base * 2**self._retry_round)
+        self._retry_round += 1
+        self._resume_at = time.monotonic() + delay * random.uniform(0.5, 1.0)
+
     def _count_attempt(self, record: MarkedRecord, error: Exception) -> Failure:
         """This permanent failure's attempt number (from the row, or from memory)."""
         now = datetime.now(UTC)
@@ -436,26 +540,6 @@ class Engine:
             attempts = previous + 1
             self._attempts[record.id] = (attempts, first)
         return Failure(record.id, record.key, reason(error), str(error)[:2000], attempts, first)
-
-    def _after_failures(
-        self, delivered: list[int], retriable: list[int], failing: list[Failure], dead: list[Failure]
-    ) -> None:
-        """Back off after retriable failures; forget in-memory attempts of finished records; log dead letters."""
-        if retriable:
-            limits = self._limits
-            delay = min(
-                limits.max_retry_backoff.total_seconds(), limits.retry_backoff.total_seconds() * 2**self._retry_round
-            )
-            self._retry_round += 1
-            self._resume_at = time.monotonic() + delay * random.uniform(0.5, 1.0)
-        elif delivered:
-            self._retry_round = 0
-        for rid in delivered:
-            self._attempts.pop(rid, None)
-        for f in dead:
-            self._attempts.pop(f.id, None)
-            self._metrics.dead_lettered.labels(f.reason).inc()
-            log.error("dead_lettered", id=f.id, key=f.key, reason=f.reason, attempts=f.attempts, error=f.error)
 
     def _release(self, record: MarkedRecord, delivered: bool, may_send: bool) -> None:
         """Lower ``record``'s key barrier and send the key's next waiting record, if any."""

@@ -20,6 +20,7 @@ from harvester.metrics import HarvesterMetrics
 from harvester.protocols import DeliveryCallback, Elector
 from harvester.publisher import KafkaPublisher, producer_config
 from harvester.store import PostgresStore, StoreError
+from harvester.transactional import KafkaTransactionalPublisher, ensure_topic
 
 log = structlog.get_logger("harvester")
 
@@ -90,6 +91,10 @@ class Harvester:
             return KafkaPublisher(kafka, callback)
 
         elector = self._elector
+        transactions = None
+        if cfg.delivery == "exactly_once":
+            ensure_topic(cfg.base_kafka_config, cfg.checkpoints)
+            transactions = KafkaTransactionalPublisher(kafka, f"{cfg.group_id}.harvester", cfg.checkpoints)
         self._engine = Engine(
             self._store,
             publisher,
@@ -98,6 +103,7 @@ class Harvester:
             self._dispatch,
             listen_notify=cfg.listen_notify,
             still_leader=lambda: elector.status.is_leader,
+            transactions=transactions,
         )
         self._engine.start()
         self._elector.start(self._engine.on_leader_event)

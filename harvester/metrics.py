@@ -28,6 +28,18 @@ class HarvesterMetrics:
             "harvester_fenced_statements", "Outbox statements refused by the epoch fence.", registry=r
         )
         self.epoch = Gauge("harvester_epoch", "Fence epoch of the current leadership term (0: none).", registry=r)
+        self.transactions_committed = Counter(
+            "harvester_transactions_committed", "Kafka transactions committed (exactly-once mode).", registry=r
+        )
+        self.transactions_aborted = Counter(
+            "harvester_transactions_aborted", "Kafka transactions aborted (exactly-once mode).", registry=r
+        )
+        self.recoveries = Counter(
+            "harvester_checkpoint_recoveries", "Checkpoint recoveries by a new leader (exactly-once mode).", registry=r
+        )
+        self.recovery_seconds = Histogram(
+            "harvester_checkpoint_recovery_seconds", "Duration of checkpoint recoveries.", registry=r
+        )
         self.in_flight = Gauge("harvester_in_flight_records", "Records published, not yet acknowledged.", registry=r)
         self.queued = Gauge("harvester_queued_records", "Marked records waiting behind a busy key.", registry=r)
         self.is_leader = Gauge("harvester_is_leader", "1 while this instance leads.", registry=r)

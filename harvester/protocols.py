@@ -61,6 +61,14 @@ class Store(Protocol):
         """Move records out of the outbox into the dead-letter table, in one transaction."""
         ...
 
+    def checkpoint_position(self) -> int:
+        """Where exactly-once recovery starts reading the checkpoint topic."""
+        ...
+
+    def purge_checkpointed(self, ids: Sequence[int], position: int) -> None:
+        """Purge records of committed transactions and advance the checkpoint position, atomically."""
+        ...
+
     def close(self) -> None:
         """Release connections."""
         ...
@@ -78,6 +86,40 @@ class Publisher(Protocol):
 
     def close(self, timeout: float) -> None:
         """Flush outstanding records (bounded by ``timeout``) and release the client."""
+        ...
+
+
+class ProducerFencedError(Exception):
+    """A newer leader initialised the shared transactional id: this process is a zombie."""
+
+
+class TransactionAbortedError(Exception):
+    """The transaction failed and was aborted; its records stay in the outbox."""
+
+    def __init__(self, message: str, failures: dict[int, Exception]) -> None:
+        super().__init__(message)
+        self.failures = failures  # per-record delivery errors, when Kafka named the culprits
+
+
+class TransactionalPublisher(Protocol):
+    """Exactly-once publishing: a batch and its checkpoint commit in one transaction."""
+
+    def init(self) -> None:
+        """Initialise transactions for a new term, fencing the previous leader's producer."""
+        ...
+
+    def publish_batch(self, records: Sequence[MarkedRecord], epoch: int) -> int:
+        """Publish and commit; return the checkpoint position after this batch.
+
+        Raises :class:`TransactionAbortedError` or :class:`ProducerFencedError`."""
+        ...
+
+    def recover(self, position: int) -> tuple[list[int], int]:
+        """Outbox ids of committed checkpoints from ``position`` on, and the end position."""
+        ...
+
+    def close(self, timeout: float) -> None:
+        """Release the producer."""
         ...
 
 

@@ -231,9 +231,14 @@ class PostgresStore:
         f = self._fence.ident
         self._run(
             sql.SQL(
-                "CREATE TABLE IF NOT EXISTS {} (outbox_table TEXT PRIMARY KEY, epoch BIGINT NOT NULL,"
-                " leader_id UUID, acquired_at TIMESTAMPTZ NOT NULL DEFAULT now())"
-            ).format(f),
+                "CREATE TABLE IF NOT EXISTS {f} (outbox_table TEXT PRIMARY KEY, epoch BIGINT NOT NULL,"
+                " leader_id UUID, acquired_at TIMESTAMPTZ NOT NULL DEFAULT now(),"
+                " checkpoint_position BIGINT NOT NULL DEFAULT 0)"
+            ).format(f=f),
+            (),
+        )
+        self._run(
+            sql.SQL("ALTER TABLE {} ADD COLUMN IF NOT EXISTS checkpoint_position BIGINT NOT NULL DEFAULT 0").format(f),
             (),
         )
         rows = self._run(
@@ -246,6 +251,30 @@ class PostgresStore:
         )
         self._epoch = int(rows[0][0])
         return self._epoch
+
+    def checkpoint_position(self) -> int:
+        """Where exactly-once recovery starts reading the checkpoint topic."""
+        rows = self._run(
+            sql.SQL("SELECT checkpoint_position FROM {} WHERE outbox_table = %s").format(self._fence.ident),
+            (self._table.qualified,),
+        )
+        return int(rows[0][0]) if rows else 0
+
+    def purge_checkpointed(self, ids: Sequence[int], position: int) -> None:
+        """Purge records of committed transactions and advance the checkpoint position, atomically,
+        under the fence (the row lock also orders this against a newer leader's bump)."""
+        t, f = self._table.ident, self._fence.ident
+        cur = self._execute(
+            sql.SQL(
+                "WITH fence AS (SELECT 1 FROM {f} WHERE outbox_table = %s AND epoch = %s FOR UPDATE),"
+                " gone AS (DELETE FROM {t} WHERE EXISTS (SELECT 1 FROM fence) AND id = ANY(%s::bigint[]))"
+                " UPDATE {f} SET checkpoint_position = greatest(checkpoint_position, %s)"
+                " WHERE outbox_table = %s AND EXISTS (SELECT 1 FROM fence)"
+            ).format(t=t, f=f),
+            (self._table.qualified, self._epoch, list(ids), position, self._table.qualified),
+        )
+        if cur.rowcount == 0:
+            raise FencedError(f"fenced: epoch {self._epoch} superseded")
 
     def _check_epoch(self) -> None:
         """Raise :class:`FencedError` if a newer epoch superseded ours (called on short results only)."""
