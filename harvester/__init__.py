@@ -5,6 +5,7 @@ a :class:`Harvester` drains the outbox into Kafka with mark-purge/reset while it
 """
 
 from harvester.config import HarvesterConfig, Limits
+from harvester.dedup import DedupReader, DedupState
 from harvester.engine import Engine
 from harvester.events import Event, LeaderAcquired, LeaderFenced, LeaderRefreshed, LeaderRevoked, MeterRead
 from harvester.harvester import Harvester
@@ -18,6 +19,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ColumnLimits",
+    "DedupReader",
+    "DedupState",
     "Engine",
     "Event",
     "Harvester",

@@ -196,8 +196,9 @@ class Engine:
             self._metrics.fenced.inc()
         elif isinstance(event, LeaderRevoked):
             self._lose_leadership()
-            # The partition is released when this returns: let in-flight work finish first.
-            if not self.drain(self._limits.drain_interval.total_seconds()):
+            # The partition is released when this returns: let in-flight work finish first (unless
+            # stopping: stop() already waited as long as its caller allowed).
+            if not self._stopping.is_set() and not self.drain(self._limits.drain_interval.total_seconds()):
                 log.warning("revoke_drain_timeout", in_flight=self.in_flight_records)
         self._emit(event)
 

@@ -83,7 +83,13 @@ class KafkaPublisher:
         return int(self._producer.flush(timeout))
 
     def close(self, timeout: float) -> None:
-        """Flush (bounded) and stop the poll thread."""
-        self._producer.flush(timeout)
+        """Flush (bounded), drop what is still undelivered, and stop the poll thread.
+
+        Dropped records stay marked in the outbox and are published by the next leader; without the
+        purge, librdkafka would hold the process until they time out.
+        """
+        if self._producer.flush(timeout):
+            self._producer.purge()
+            self._producer.flush(0)
         self._closing.set()
         self._poller.join()

@@ -1,0 +1,163 @@
+"""Rows per second into an outbox table: the ``outbox`` Spark data source against two baselines.
+
+    .venv/bin/python bench/spark_write.py [--rows 1000000] [--partitions 2] [--jdbc-rewrite]
+
+Writers, each into a fresh goharvest-layout outbox in a throwaway schema, all with the same rows
+(topic, key ``key-<n % 1000>``, a ~45 character JSON value):
+
+- ``outbox``: ``df.write.format("outbox")``: parallel COPY into staging, one INSERT … SELECT at commit.
+- ``copy-rows``: one connection, ``COPY … FROM STDIN`` fed row by row through psycopg (the rows are
+  collected to the driver first, untimed).
+- ``copy-csv``: one connection, ``COPY`` of CSV that Arrow wrote in C++ (collected and encoded untimed):
+  what PostgreSQL alone can ingest on one connection.
+- ``jdbc``: Spark's built-in JDBC writer with the PostgreSQL driver from Maven Central
+  (``--jdbc-rewrite`` adds ``reWriteBatchedInserts=true`` to its URL).
+
+Targets: ``outbox`` at least the COPY rate and at least 3x the JDBC writer's. Needs the local services
+(``deploy/local/services.sh start``); prints figures only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import psycopg
+import pyarrow.csv as pcsv
+from psycopg import sql
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from harvester.identifiers import TableName
+from harvester.migrations import migrate
+from harvester.spark import register
+
+PG_DSN = os.environ.get(
+    "HARVESTER_TEST_PG_DSN", "host=127.0.0.1 port=5432 user=harvester password=local-dev-secret dbname=harvester"
+)
+JDBC_URL = "jdbc:postgresql://127.0.0.1:5432/harvester"
+JDBC_DRIVER = "org.postgresql:postgresql:42.7.4"
+COLUMNS = ["kafka_topic", "kafka_key", "kafka_value"]
+
+
+def fresh_outbox(conn: psycopg.Connection[tuple[object, ...]], schema: str, name: str) -> TableName:
+    """A new, empty, migrated outbox table."""
+    table = TableName(schema, name)
+    migrate(conn, table)
+    return table
+
+
+def count(conn: psycopg.Connection[tuple[object, ...]], table: TableName) -> int:
+    """Rows in ``table``: every writer must have written all of them."""
+    row = conn.execute(sql.SQL("SELECT count(*) FROM {}").format(table.ident)).fetchone()
+    return int(str(row[0])) if row else 0
+
+
+def timed(label: str, rows: int, action: Callable[[], None], results: list[tuple[str, float]]) -> None:
+    """Run ``action``, print and record its rate."""
+    start = time.perf_counter()
+    action()
+    seconds = time.perf_counter() - start
+    results.append((label, rows / seconds))
+    print(f"{label:10s} {rows:>9,d} rows in {seconds:6.2f} s = {rows / seconds:>9,.0f} rows/s", flush=True)
+
+
+def main() -> None:
+    """Run every writer once and print the rates side by side."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=1_000_000)
+    parser.add_argument("--partitions", type=int, default=2, help="Spark partitions (parallel COPY streams)")
+    parser.add_argument("--jdbc-rewrite", action="store_true", help="reWriteBatchedInserts=true for the JDBC writer")
+    parser.add_argument("--skip-jdbc", action="store_true")
+    args = parser.parse_args()
+
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    from pyspark.sql import SparkSession
+
+    spark = (
+        SparkSession.builder.master("local[2]")
+        .appName("bench-spark-write")
+        .config("spark.ui.enabled", "false")
+        .config("spark.driver.memory", "2g")
+        .config("spark.jars.packages", JDBC_DRIVER)
+        .getOrCreate()
+    )
+    spark.sparkContext.setLogLevel("ERROR")
+    register(spark)
+    df = spark.range(0, args.rows, 1, args.partitions).selectExpr(
+        "'bench.orders' AS kafka_topic",
+        "concat('key-', id % 1000) AS kafka_key",
+        "concat('{\"order\":', id, ',\"status\":\"created\",\"total\":42.5}') AS kafka_value",
+    )
+    schema = f"bench_{uuid.uuid4().hex[:8]}"
+    results: list[tuple[str, float]] = []
+    with psycopg.connect(PG_DSN, autocommit=True) as conn:
+        try:
+            options = {"dsn": PG_DSN, "topic": "bench.orders", "keyColumn": "kafka_key", "valueColumn": "kafka_value"}
+            warm = fresh_outbox(conn, schema, "warmup")
+            # Untimed: starts a Python worker per core, as a long-running application has them.
+            small = spark.range(0, 2000, 1, 2).selectExpr(
+                "'bench.orders' AS kafka_topic", "cast(id AS string) AS kafka_key", "'{}' AS kafka_value"
+            )
+            small.write.format("outbox").mode("append").options(**options, table=warm.qualified).save()
+
+            table = fresh_outbox(conn, schema, "outbox_ds")
+            writer = df.write.format("outbox").mode("append").options(**options, table=table.qualified)
+            conn.execute("CHECKPOINT")
+            timed("outbox", args.rows, writer.save, results)
+            assert count(conn, table) == args.rows
+
+            arrow = df.toArrow()
+            tuples = list(zip(*(arrow.column(c).to_pylist() for c in COLUMNS), strict=True))
+            table = fresh_outbox(conn, schema, "outbox_rows")
+            copy = sql.SQL("COPY {} (kafka_topic, kafka_key, kafka_value) FROM STDIN")
+
+            def copy_rows(rows: list[tuple[object, ...]] = tuples) -> None:
+                with psycopg.connect(PG_DSN) as c, c.cursor().copy(copy.format(table.ident)) as pipe:
+                    for row in rows:
+                        pipe.write_row(row)
+
+            conn.execute("CHECKPOINT")
+            timed("copy-rows", args.rows, copy_rows, results)
+            assert count(conn, table) == args.rows
+
+            buffer = io.BytesIO()
+            pcsv.write_csv(arrow, buffer, pcsv.WriteOptions(include_header=False))
+            data = buffer.getvalue()
+            csv_table = fresh_outbox(conn, schema, "outbox_csv")
+            csv_copy = sql.SQL("COPY {} (kafka_topic, kafka_key, kafka_value) FROM STDIN (FORMAT csv)")
+
+            def copy_csv() -> None:
+                with psycopg.connect(PG_DSN) as c, c.cursor().copy(csv_copy.format(csv_table.ident)) as pipe:
+                    for start in range(0, len(data), 1 << 20):
+                        pipe.write(data[start : start + (1 << 20)])
+
+            conn.execute("CHECKPOINT")
+            timed("copy-csv", args.rows, copy_csv, results)
+            assert count(conn, csv_table) == args.rows
+
+            if not args.skip_jdbc:
+                table = fresh_outbox(conn, schema, "outbox_jdbc")
+                url = JDBC_URL + ("?reWriteBatchedInserts=true" if args.jdbc_rewrite else "")
+                props = {"user": "harvester", "password": "harvester", "driver": "org.postgresql.Driver"}
+                conn.execute("CHECKPOINT")
+                timed("jdbc", args.rows, lambda: df.write.jdbc(url, table.qualified, "append", props), results)
+                assert count(conn, table) == args.rows
+        finally:
+            conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
+            spark.stop()
+    rates = dict(results)
+    print(f"\noutbox / copy-rows = {rates['outbox'] / rates['copy-rows']:.2f}x (target >= 1)")
+    print(f"outbox / copy-csv  = {rates['outbox'] / rates['copy-csv']:.2f}x")
+    if "jdbc" in rates:
+        print(f"outbox / jdbc      = {rates['outbox'] / rates['jdbc']:.2f}x (target >= 3)")
+
+
+if __name__ == "__main__":
+    main()

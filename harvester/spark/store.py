@@ -1,0 +1,289 @@
+"""The sink's SQL: creating its tables, staging a partition, and the single commit transaction."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from harvester.identifiers import TableName
+from harvester.migrations import _LOCK_KEY, available, render
+from harvester.record import ColumnLimits, RecordError, ValueKind
+from harvester.spark.encode import PartitionEncoder, staging_columns
+from harvester.spark.plan import OutboxColumns, WritePlan
+
+Conn = psycopg.Connection[tuple[Any, ...]]
+
+_MIGRATION = "0005_spark_sink"
+# Name of the temporary view through which commitSql sees the rows being committed.
+BATCH_VIEW = "outbox_batch"
+# How the staged value becomes the outbox column's type; keyed by the catalog's type name, so no
+# type name from the catalog is ever spliced into SQL.
+_VALUE_EXPR = {
+    "varchar": sql.SQL("value_text"),
+    "text": sql.SQL("value_text"),
+    "bpchar": sql.SQL("value_text"),
+    "json": sql.SQL("value_text::json"),
+    "jsonb": sql.SQL("value_text::jsonb"),
+    "bytea": sql.SQL("value_bytes"),
+}
+_VALUE_KIND: dict[str, ValueKind] = {"json": "json", "jsonb": "json", "bytea": "bytes"}
+_TEXT_TYPES = ("varchar", "bpchar")
+
+
+@dataclass(frozen=True, slots=True)
+class SinkTables:
+    """The quoted names of the sink's own tables next to one outbox table."""
+
+    outbox: sql.Composable
+    tasks: sql.Composable
+    staging: sql.Composable
+    commits: sql.Composable
+
+    @classmethod
+    def of(cls, table: TableName) -> SinkTables:
+        """The sink tables that belong to ``table`` (named as in ``sql/0005_spark_sink.sql``)."""
+        return cls(
+            outbox=table.ident,
+            tasks=table.derived("spark_tasks").ident,
+            staging=table.derived("spark_staging").ident,
+            commits=table.derived("spark_commits").ident,
+        )
+
+
+def _regclass(conn: Conn, ident: sql.Composable) -> Any:
+    row = conn.execute("SELECT to_regclass(%s)", (ident.as_string(conn),)).fetchone()
+    return None if row is None else row[0]
+
+
+def ensure_tables(conn: Conn, table: TableName) -> None:
+    """Create the sink's tables if absent, so the data source works without ``reaper migrate``.
+
+    Runs the same migration file under the migrations' advisory lock; every statement in it is
+    idempotent, so a later ``reaper migrate`` that applies it again changes nothing.
+    """
+    names = SinkTables.of(table)
+    if all(_regclass(conn, n) is not None for n in (names.tasks, names.staging, names.commits)):
+        return
+    migration = next(m for m in available() if m.version == _MIGRATION)
+    with conn.transaction():
+        conn.execute("SELECT pg_advisory_xact_lock(%s)", (_LOCK_KEY,))
+        conn.execute(render(migration, table, conn).encode("utf-8"))
+
+
+def describe(conn: Conn, table: TableName) -> OutboxColumns:
+    """Read the outbox's key and value column types from ``pg_attribute``."""
+    if _regclass(conn, table.ident) is None:
+        raise RecordError(f"outbox table {table} does not exist; create it with `reaper migrate`")
+    rows = conn.execute(
+        "SELECT a.attname, t.typname, a.atttypmod FROM pg_attribute a JOIN pg_type t ON t.oid = a.atttypid"
+        " WHERE a.attrelid = to_regclass(%s) AND a.attname IN ('kafka_key', 'kafka_value')"
+        " AND a.attnum > 0 AND NOT a.attisdropped",
+        (table.ident.as_string(conn),),
+    ).fetchall()
+    found = {str(r[0]): (str(r[1]), int(r[2])) for r in rows}
+    if set(found) != {"kafka_key", "kafka_value"}:
+        raise RecordError(f"{table} lacks kafka_key or kafka_value; is it an outbox table?")
+
+    def max_chars(typname: str, typmod: int) -> int | None:
+        # For varchar(n) and char(n) the type modifier is n + 4; -1 means unbounded.
+        return typmod - 4 if typname in _TEXT_TYPES and typmod >= 4 else None
+
+    value_type, value_mod = found["kafka_value"]
+    if value_type not in _VALUE_EXPR:
+        raise RecordError(f"{table}.kafka_value has type {value_type}, which the Spark sink does not support")
+    limits = ColumnLimits(
+        key_max_chars=max_chars(*found["kafka_key"]),
+        value_max_chars=max_chars(value_type, value_mod),
+        value_kind=_VALUE_KIND.get(value_type, "text"),
+    )
+    return OutboxColumns(limits=limits, value_type=value_type)
+
+
+def prepare(dsn: str, table: TableName, retention_seconds: int) -> OutboxColumns:
+    """Driver side, before a write: describe the outbox, create the sink tables if needed, and drop
+    rows staged more than ``retention_seconds`` ago."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        columns = describe(conn, table)
+        ensure_tables(conn, table)
+        clean_stale(conn, table, retention_seconds)
+        return columns
+
+
+def clean_stale(conn: Conn, table: TableName, older_than_seconds: int) -> int:
+    """Delete what tasks staged more than ``older_than_seconds`` ago (crashed or abandoned writes);
+    return the number of task attempts removed."""
+    names = SinkTables.of(table)
+    with conn.transaction():
+        stale = conn.execute(
+            sql.SQL("DELETE FROM {} WHERE started_at < now() - make_interval(secs => %s) RETURNING task_id").format(
+                names.tasks
+            ),
+            (older_than_seconds,),
+        ).fetchall()
+        if stale:
+            conn.execute(
+                sql.SQL("DELETE FROM {} WHERE task_id = ANY(%s)").format(names.staging), ([r[0] for r in stale],)
+            )
+    return len(stale)
+
+
+@dataclass(frozen=True, slots=True)
+class Staged:
+    """What one task attempt staged (``task_id`` is None when its partition was empty)."""
+
+    write_id: str
+    task_id: int | None
+    partition_id: int
+    attempt: int
+    rows: int
+
+
+def stage(plan: WritePlan, batches: Iterator[Any], partition_id: int, attempt: int) -> Staged:
+    """Executor side: COPY one partition into the staging table, in one transaction of its own.
+
+    The connection is opened only once a non-empty batch arrives, so that empty partitions (common
+    in small micro-batches) cost nothing.
+    """
+    encoder = PartitionEncoder(plan, partition_id)
+    first = next((b for b in batches if b.num_rows), None)
+    if first is None:
+        return Staged(plan.write_id, None, partition_id, attempt, 0)
+    names = SinkTables.of(plan.table)
+    copy = sql.SQL("COPY {} ({}) FROM STDIN (FORMAT csv)").format(
+        names.staging, sql.SQL(", ").join(map(sql.Identifier, staging_columns(plan)))
+    )
+    with psycopg.connect(plan.dsn) as conn:
+        row = conn.execute(
+            sql.SQL("INSERT INTO {} (write_id, partition_id, attempt) VALUES (%s, %s, %s) RETURNING task_id").format(
+                names.tasks
+            ),
+            (plan.write_id, partition_id, attempt),
+        ).fetchone()
+        assert row is not None
+        task_id = int(row[0])
+        with conn.cursor().copy(copy) as pipe:
+            pipe.write(encoder.encode(first, task_id))
+            for batch in batches:
+                if batch.num_rows:
+                    pipe.write(encoder.encode(batch, task_id))
+        conn.commit()
+    return Staged(plan.write_id, task_id, partition_id, attempt, encoder.rows)
+
+
+def _batch_view(plan: WritePlan, task_ids: list[int]) -> sql.Composed:
+    names = SinkTables.of(plan.table)
+    topic: sql.Composable = sql.Literal(plan.topic) if plan.topic is not None else sql.SQL("kafka_topic")
+    return sql.SQL(
+        "CREATE TEMP VIEW {view} AS SELECT {topic}::text AS topic, kafka_key AS key, {value} AS value,"
+        " COALESCE(header_keys, '{{}}') AS header_keys, COALESCE(header_values, '{{}}') AS header_values,"
+        " sort_number, sort_text, seq FROM {staging} WHERE task_id = ANY({tasks}::bigint[])"
+    ).format(
+        view=sql.Identifier(BATCH_VIEW),
+        topic=topic,
+        value=_VALUE_EXPR[plan.columns.value_type],
+        staging=names.staging,
+        tasks=sql.Literal(task_ids),
+    )
+
+
+def _order(plan: WritePlan) -> sql.Composable:
+    if plan.sort_kind == "number":
+        return sql.SQL("sort_number, seq")
+    if plan.sort_kind == "text":
+        return sql.SQL("sort_text, seq")
+    return sql.SQL("seq")
+
+
+def publish(plan: WritePlan, messages: Iterable[Staged | None], batch_id: int | None = None) -> int | None:
+    """Driver side: move the staged rows into the outbox in one transaction.
+
+    Exactly one attempt per partition is taken (the ones Spark reported in ``messages``); rows of
+    other attempts are deleted with the write. For a streaming sink, ``(sink_id, batch_id)`` is
+    recorded in the same transaction and a batch already recorded is skipped: the return value is
+    then None, otherwise the number of records inserted.
+    """
+    staged = list(messages)
+    if any(m is None for m in staged):
+        raise RuntimeError("a task reported no commit message; refusing to commit a partial write")
+    done = [m for m in staged if m is not None]
+    task_ids = [m.task_id for m in done if m.task_id is not None]
+    expected = sum(m.rows for m in done)
+    write_ids = sorted({plan.write_id, *(m.write_id for m in done)})
+    names = SinkTables.of(plan.table)
+    with psycopg.connect(plan.dsn) as conn, conn.transaction():
+        # A big ordered INSERT … SELECT: sort in memory, and skip JIT compilation, which costs
+        # more than it saves on this plan.
+        conn.execute("SELECT set_config('work_mem', %s, true), set_config('jit', 'off', true)", (plan.work_mem,))
+        inserted: int | None = None
+        fresh = True
+        if batch_id is not None:
+            row = conn.execute(
+                sql.SQL(
+                    "INSERT INTO {} (sink_id, batch_id, records) VALUES (%s, %s, %s)"
+                    " ON CONFLICT (sink_id, batch_id) DO NOTHING RETURNING batch_id"
+                ).format(names.commits),
+                (plan.sink_id, batch_id, expected),
+            ).fetchone()
+            fresh = row is not None
+        if fresh:
+            conn.execute(_batch_view(plan, task_ids))
+            cur = conn.execute(
+                sql.SQL(
+                    "INSERT INTO {outbox} (kafka_topic, kafka_key, kafka_value, kafka_header_keys, kafka_header_values)"
+                    " SELECT topic, key, value, header_keys, header_values FROM {view} ORDER BY {order}"
+                ).format(outbox=names.outbox, view=sql.Identifier(BATCH_VIEW), order=_order(plan))
+            )
+            inserted = cur.rowcount
+            if inserted != expected:
+                raise RuntimeError(
+                    f"found {inserted} staged rows where the tasks reported {expected}; were they removed as stale "
+                    "(stagingRetentionSeconds)? Nothing was committed"
+                )
+            if plan.commit_sql is not None:
+                conn.execute(plan.commit_sql.encode("utf-8"))
+            conn.execute(sql.SQL("DROP VIEW {}").format(sql.Identifier(BATCH_VIEW)))
+        _delete_writes(conn, names, write_ids)
+    return inserted
+
+
+def _delete_writes(conn: Conn, names: SinkTables, write_ids: list[str]) -> None:
+    if _truncate_if_alone(conn, names, write_ids):
+        return
+    conn.execute(
+        sql.SQL("DELETE FROM {} WHERE task_id IN (SELECT task_id FROM {} WHERE write_id = ANY(%s::uuid[]))").format(
+            names.staging, names.tasks
+        ),
+        (write_ids,),
+    )
+    conn.execute(sql.SQL("DELETE FROM {} WHERE write_id = ANY(%s::uuid[])").format(names.tasks), (write_ids,))
+
+
+def _truncate_if_alone(conn: Conn, names: SinkTables, write_ids: list[str]) -> bool:
+    """TRUNCATE the staging table when it holds nothing but these writes' rows: far cheaper than
+    deleting a million rows. Only if the lock is free at once (no other write is staging or
+    committing); the savepoint keeps a refused lock from aborting the commit transaction."""
+    try:
+        with conn.transaction():
+            conn.execute(sql.SQL("LOCK TABLE {} IN ACCESS EXCLUSIVE MODE NOWAIT").format(names.staging))
+    except psycopg.errors.LockNotAvailable:
+        return False
+    # With the lock held no task can stage; any other write's committed rows show in the tasks table.
+    others = conn.execute(
+        sql.SQL("SELECT EXISTS (SELECT 1 FROM {} WHERE write_id <> ALL(%s::uuid[]))").format(names.tasks), (write_ids,)
+    ).fetchone()
+    if others is None or others[0]:
+        return False
+    conn.execute(sql.SQL("TRUNCATE {}").format(names.staging))
+    conn.execute(sql.SQL("DELETE FROM {} WHERE write_id = ANY(%s::uuid[])").format(names.tasks), (write_ids,))
+    return True
+
+
+def discard(plan: WritePlan, messages: Iterable[Staged | None]) -> None:
+    """Driver side, on abort: delete everything the write staged; the outbox is untouched."""
+    write_ids = sorted({plan.write_id, *(m.write_id for m in messages if m is not None)})
+    with psycopg.connect(plan.dsn) as conn, conn.transaction():
+        _delete_writes(conn, SinkTables.of(plan.table), write_ids)
