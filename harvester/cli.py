@@ -156,7 +156,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _check(settings, args.timeout)
         if args.command == "dlq":
             with _connect_pg(settings, 10) as conn:
-                return dlq_cli.run(args, conn, settings.harvest.table)
+                held = settings.harvest.dead_letter_policy == "hold_key"
+                return dlq_cli.run(args, conn, settings.harvest.table, held_keys=held)
         return _run(settings)
     except SettingsError as exc:
         print(f"reaper: configuration error: {_one_line(str(exc))}", file=sys.stderr)

@@ -141,6 +141,12 @@ class HarvesterConfig(BaseModel):
         description="exactly_once: each batch and its checkpoint commit in one Kafka transaction; consumers "
         "must read with isolation.level=read_committed.",
     )
+    dead_letter_policy: Literal["release", "hold_key"] = Field(
+        default="release",
+        validation_alias=AliasChoices("dead_letter_policy", "deadLetterPolicy"),
+        description="release: a dead letter's key moves on; hold_key: later records of that key wait until "
+        "the dead letter is replayed or purged.",
+    )
     checkpoint_topic: str | None = Field(
         default=None,
         validation_alias=AliasChoices("checkpoint_topic", "checkpointTopic"),

@@ -48,20 +48,34 @@ def show(conn: psycopg.Connection[Any], table: TableName, record_id: int) -> dic
         return cur.execute(sql.SQL("SELECT * FROM {} WHERE id = %s").format(_dlq(table)), (record_id,)).fetchone()
 
 
-def replay(conn: psycopg.Connection[Any], table: TableName, ids: Sequence[int] | None) -> list[int]:
+def replay(
+    conn: psycopg.Connection[Any], table: TableName, ids: Sequence[int] | None, *, held_keys: bool = False
+) -> list[int]:
     """Move dead letters (``None``: all) back into the outbox with new ids, in their original
-    order, so records of one key keep their order relative to each other; return the new ids."""
+    order, so records of one key keep their order relative to each other; return the new ids.
+
+    ``held_keys`` (for ``dead_letter_policy: hold_key``): the records that waited behind each
+    replayed key are moved behind the replayed ones, so the key's order is what it was.
+    """
     if not exists(conn, table):
         return []
     where = sql.SQL("") if ids is None else sql.SQL(" WHERE id = ANY(%s::bigint[])")
     params: tuple[Any, ...] = () if ids is None else (list(ids),)
+    followers = sql.SQL(
+        ", waiting AS (DELETE FROM {t} WHERE kafka_key IN (SELECT kafka_key FROM moved) RETURNING *)"
+        if held_keys
+        else ", waiting AS (SELECT * FROM {t} WHERE false)"
+    ).format(t=table.ident)
+    columns = "kafka_topic, kafka_key, kafka_value, kafka_header_keys, kafka_header_values"
     rows = conn.execute(
         sql.SQL(
-            "WITH moved AS (DELETE FROM {d}{w} RETURNING *) "
-            "INSERT INTO {t} (create_time, kafka_topic, kafka_key, kafka_value, kafka_header_keys, kafka_header_values)"
-            " SELECT now(), kafka_topic, kafka_key, kafka_value, kafka_header_keys, kafka_header_values"
-            " FROM moved ORDER BY id RETURNING id"
-        ).format(d=_dlq(table), w=where, t=table.ident),
+            "WITH moved AS (DELETE FROM {d}{w} RETURNING *){f} "
+            "INSERT INTO {t} (create_time, " + columns + ")"
+            " SELECT create_time, " + columns + " FROM ("
+            " SELECT 0 AS batch, id, now() AS create_time, " + columns + " FROM moved"
+            " UNION ALL SELECT 1, id, create_time, " + columns + " FROM waiting) r"
+            " ORDER BY batch, id RETURNING id"
+        ).format(d=_dlq(table), w=where, f=followers, t=table.ident),
         params,
     ).fetchall()
     return sorted(int(r[0]) for r in rows)

@@ -55,7 +55,7 @@ def _confirm(question: str, yes: bool) -> bool:
     return input(f"{question} [y/N] ").strip().lower() in ("y", "yes")
 
 
-def run(args: argparse.Namespace, conn: psycopg.Connection[Any], table: TableName) -> int:
+def run(args: argparse.Namespace, conn: psycopg.Connection[Any], table: TableName, *, held_keys: bool) -> int:
     """Carry out one ``dlq`` action; return the exit code."""
     if args.dlq_command == "list":
         rows = deadletter.list_dead_letters(conn, table, args.limit)
@@ -81,7 +81,7 @@ def run(args: argparse.Namespace, conn: psycopg.Connection[Any], table: TableNam
         if not _confirm(f"replay {what} into {table}?", args.yes):
             return 1
         with conn.transaction():
-            new_ids = deadletter.replay(conn, table, None if args.all else args.ids)
+            new_ids = deadletter.replay(conn, table, None if args.all else args.ids, held_keys=held_keys)
         print(f"replayed {len(new_ids)} record(s) into {table}" + (f" as ids {new_ids}" if new_ids else ""))
         return 0
     if not _confirm(f"delete dead letters of {table} dead-lettered before {args.before.isoformat()}?", args.yes):

@@ -68,6 +68,7 @@ class Harvester:
             application_name=f"outbox-harvester {config.name}"[:63],
             identity=IdentityHeaders(config.identity_header_prefix),
             producer_name=config.producer_name,
+            hold_dead_letter_keys=config.dead_letter_policy == "hold_key",
         )
         self._elector = elector if elector is not None else neli_elector(config)
         self._engine: Engine | None = None

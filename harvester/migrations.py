@@ -80,6 +80,7 @@ def render(migration: Migration, table: TableName, conn: psycopg.Connection[tupl
         channel_literal=q(sql.Literal(channel)),
         fence=q(fence_table(table).ident),
         dead_letter=q(dead_letter_table(table).ident),
+        dead_letter_key_index=q(sql.Identifier(f"{table.name}_dead_letter_key_idx"[:63])),
         value_type=_value_type(table, conn),
         spark_tasks=q(table.derived("spark_tasks").ident),
         spark_tasks_write_idx=q(sql.Identifier(f"{table.name}_spark_tasks_write_idx"[:63])),

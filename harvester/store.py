@@ -94,6 +94,7 @@ class PostgresStore:
         application_name: str = "outbox-harvester",
         identity: IdentityHeaders | None = None,
         producer_name: str | None = None,
+        hold_dead_letter_keys: bool = False,
     ) -> None:
         self._dsn = dsn
         self._table = table
@@ -103,6 +104,7 @@ class PostgresStore:
         self._epoch = 0
         self._tracks_attempts = False
         self._dead_letter_ready = False
+        self._hold = hold_dead_letter_keys
         self._app = application_name
         self._local = threading.local()
         self._lock = threading.Lock()
@@ -175,15 +177,21 @@ class PostgresStore:
         )
         self._tracks_attempts = int(found[0][0]) == 3
         attempts = _ATTEMPT_COLUMNS if self._tracks_attempts else _NO_ATTEMPT_COLUMNS
+        held: sql.Composable = sql.SQL("")
+        if self._hold:
+            self._ensure_dead_letter()
+            held = sql.SQL(" AND NOT EXISTS (SELECT 1 FROM {d} WHERE {d}.kafka_key = {t}.kafka_key)").format(
+                d=dead_letter_table(self._table).ident, t=self._table.ident
+            )
         # Every change runs in one statement that first share-locks the fence row at this
         # process's epoch: after a newer epoch commits, the CTE is empty and nothing changes.
         guard = "WITH fence AS (SELECT 1 FROM {f} WHERE outbox_table = %s AND epoch = %s FOR SHARE) "
         t, f = self._table.ident, self._fence.ident
         self._mark_sql = sql.SQL(
             guard + "UPDATE {t} SET leader_id = %s WHERE EXISTS (SELECT 1 FROM fence) AND id IN ("
-            "SELECT id FROM {t} WHERE leader_id IS NULL OR leader_id <> %s ORDER BY id LIMIT %s) "
+            "SELECT id FROM {t} WHERE (leader_id IS NULL OR leader_id <> %s){held} ORDER BY id LIMIT %s) "
             "RETURNING " + _RETURNING.format(value=value, attempts=attempts)
-        ).format(t=t, f=f)
+        ).format(t=t, f=f, held=held)
         self._purge_sql = sql.SQL(
             guard + "DELETE FROM {t} WHERE EXISTS (SELECT 1 FROM fence) AND id = ANY(%s::bigint[])"
         ).format(t=t, f=f)
@@ -251,6 +259,16 @@ class PostgresStore:
         )
         self._epoch = int(rows[0][0])
         return self._epoch
+
+    def _ensure_dead_letter(self) -> None:
+        """Create the dead-letter table and its key index if ``reaper migrate`` has not."""
+        if self._dead_letter_ready:
+            return
+        conn = self._conn()
+        for migration in available():
+            if "_dead_letter" in migration.version:
+                self._run(render(migration, self._table, conn), ())
+        self._dead_letter_ready = True
 
     def checkpoint_position(self) -> int:
         """Where exactly-once recovery starts reading the checkpoint topic."""
@@ -342,11 +360,7 @@ class PostgresStore:
         """Move records into the dead-letter table (created on demand) in one statement."""
         if not failures:
             return
-        if not self._dead_letter_ready:
-            conn = self._conn()
-            migration = next(m for m in available() if m.version.endswith("_dead_letter"))
-            self._run(render(migration, self._table, conn), ())
-            self._dead_letter_ready = True
+        self._ensure_dead_letter()
         ids = [f.id for f in failures]
         cur = self._execute(
             self._dead_letter_sql,

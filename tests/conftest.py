@@ -88,6 +88,7 @@ def make_harvester(services: Services, outbox: TableName) -> Iterator[HarvesterF
         elector: Elector | None = None,
         bootstrap: str | None = None,
         producer: dict[str, Any] | None = None,
+        settings: dict[str, Any] | None = None,
         start: bool = True,
         **limits: Any,
     ) -> Harvester:
@@ -97,6 +98,7 @@ def make_harvester(services: Services, outbox: TableName) -> Iterator[HarvesterF
             base_kafka_config={"bootstrap.servers": bootstrap or services.bootstrap},
             producer_kafka_config=producer or {},
             limits=Limits(**{"io_error_backoff": "100ms", **limits}),
+            **(settings or {}),
         )
         h = Harvester(config, elector=elector if elector is not None else ManualElector())
         made.append(h)

@@ -10,6 +10,7 @@ from datetime import UTC, datetime
 
 import psycopg
 import pytest
+from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource
 from psycopg import sql
 
 from harvester import deadletter
@@ -180,3 +181,33 @@ def test_attempt_counts_survive_sigkill_failover(services: Services, outbox: Tab
     assert row is not None
     # Four attempts in all, the first of them under the killed leader: the count was not restarted.
     assert row[0] == 4 and row[1] < killed_at
+
+
+def test_hold_key_policy_keeps_the_key_until_replay(
+    services: Services, outbox: TableName, topics: Callable[..., str], make_harvester: HarvesterFactory
+) -> None:
+    good, small = topics(), topics(**{"max.message.bytes": "1024"})
+    big = "h:1:" + os.urandom(4500).hex()
+    insert(services.pg_dsn, outbox, [(small, "h", "h:0"), (small, "h", big), (small, "h", "h:2"), (small, "h", "h:3")])
+    insert(services.pg_dsn, outbox, [(good, f"g{i % 5}", f"g{i % 5}:{i // 5}") for i in range(50)])
+    make_harvester(settings={"dead_letter_policy": "hold_key"}, max_attempts=2, retry_backoff="10ms")
+    assert len(read_messages(services.bootstrap, [good], 50)) == 50  # other keys flow
+    assert wait_until(lambda: len(dead_letters(services.pg_dsn, outbox)) == 1)
+    time.sleep(1.0)
+    with psycopg.connect(services.pg_dsn) as conn:
+        held = conn.execute(sql.SQL("SELECT kafka_value FROM {} ORDER BY id").format(outbox.ident)).fetchall()
+    assert [r[0] for r in held] == ["h:2", "h:3"]  # held back, not published
+    assert [m.value() for m in read_messages(services.bootstrap, [small], 1, timeout=5)] == [b"h:0"]
+    admin = AdminClient({"bootstrap.servers": services.bootstrap})
+    resource = ConfigResource(
+        ConfigResource.Type.TOPIC,
+        small,
+        incremental_configs=[ConfigEntry("max.message.bytes", "1048576", incremental_operation=AlterConfigOpType.SET)],
+    )
+    for f in admin.incremental_alter_configs([resource]).values():
+        f.result(30)
+    with psycopg.connect(services.pg_dsn) as conn:
+        deadletter.replay(conn, outbox, None, held_keys=True)
+    assert wait_drained(services.pg_dsn, outbox) == 0
+    verdict = check(read_messages(services.bootstrap, [small], 4), {"h": 4})
+    assert verdict.lost == [] and verdict.out_of_order == [] and verdict.duplicates == 0
