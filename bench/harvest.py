@@ -98,6 +98,7 @@ def ceiling_sql(conn: psycopg.Connection[Any], records: int, keys: int, batch: i
     preload(conn, table, "t", records, keys)
     store = PostgresStore(DSN, table)
     leader = uuid.uuid4()
+    store.acquire(leader)
     started = time.perf_counter()
     done = 0
     while True:
