@@ -27,6 +27,7 @@ taken over: leader work stops at once (LeaderFenced) and nothing is retried.
 
 from __future__ import annotations
 
+import functools
 import queue
 import random
 import threading
@@ -113,9 +114,16 @@ class Engine:
         self._acks: queue.SimpleQueue[tuple[MarkedRecord, Exception | None] | None] = queue.SimpleQueue()
         self._stopping = threading.Event()
         self._publisher = publisher_factory(self._on_delivery) if transactions is None else None
+        # Exactly-once: committed batches waiting for their purge, which overlaps the next batch.
+        self._purge_jobs: queue.SimpleQueue[tuple[list[MarkedRecord], int] | None] = queue.SimpleQueue()
+        self._pending_purges = 0
         self._threads = [
             threading.Thread(target=self._mark_loop, name="harvester-mark", daemon=True),
-            threading.Thread(target=self._completion_loop, name="harvester-complete", daemon=True),
+            threading.Thread(
+                target=self._completion_loop if transactions is None else self._purge_loop,
+                name="harvester-complete",
+                daemon=True,
+            ),
         ]
 
     # ------------------------------------------------------------------ lifecycle
@@ -137,7 +145,7 @@ class Engine:
         """Wait up to ``timeout`` until no record is in flight; True if none is."""
         deadline = time.monotonic() + timeout
         with self._cond:
-            while self._in_flight:
+            while self._in_flight or self._pending_purges:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
@@ -152,6 +160,7 @@ class Engine:
         if self._txn is not None:
             self._txn.close(timeout)
         self._acks.put_nowait(None)
+        self._purge_jobs.put_nowait(None)
         for t in self._threads:
             t.join(timeout)
 
@@ -256,6 +265,10 @@ class Engine:
                     continue
                 if self._force_remark:
                     self._discard_waiting()
+                    # A pending purge's records are marked with the current id: let it finish, or
+                    # the refreshed id would mark (and publish) them again.
+                    while self._pending_purges and not self._stopping.is_set():
+                        self._cond.wait(0.05)
                     previous, self._leader_id = self._leader_id, uuid4()
                     self._force_remark = False
                     refreshed = LeaderRefreshed(self._leader_id, previous)
@@ -414,10 +427,11 @@ class Engine:
             else:
                 self._metrics.transactions_committed.inc()
                 self._metrics.published.inc(len(good))
-                ids = [r.id for r in good]
-                if not self._with_retry(lambda done: self._store.purge_checkpointed(done, position), ids):
-                    return
-                self._delivered(good)
+                with self._cond:
+                    while self._pending_purges >= 2 and not self._stopping.is_set():
+                        self._cond.wait(0.05)
+                    self._pending_purges += 1
+                self._purge_jobs.put_nowait((good, position))
         if failures or len(good) < len(batch):
             self._settle(failures)
             with self._cond:
@@ -530,6 +544,23 @@ class Engine:
         delay = min(cap, base * 2**self._retry_round)
         self._retry_round += 1
         self._resume_at = time.monotonic() + delay * random.uniform(0.5, 1.0)
+
+    def _purge_loop(self) -> None:
+        """Exactly-once: purge committed batches (and advance the checkpoint position) in order."""
+        while True:
+            job = self._purge_jobs.get()
+            if job is None:
+                return
+            records, position = job
+            purge = functools.partial(self._purge_checkpointed, position=position)
+            if self._with_retry(purge, [r.id for r in records]):
+                self._delivered(records)
+            with self._cond:
+                self._pending_purges -= 1
+                self._cond.notify_all()
+
+    def _purge_checkpointed(self, ids: Sequence[int], position: int) -> None:
+        self._store.purge_checkpointed(ids, position)
 
     def _count_attempt(self, record: MarkedRecord, error: Exception) -> Failure:
         """This permanent failure's attempt number (from the row, or from memory)."""
