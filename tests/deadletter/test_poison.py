@@ -135,11 +135,14 @@ def test_broker_outage_dead_letters_nothing(
 
 
 def test_attempt_counts_survive_sigkill_failover(services: Services, outbox: TableName) -> None:
+    """The first leader retries a poison record (it never gives up) and is killed; the second one,
+    with max_attempts=4, continues from the stored count: it dead-letters the record at its first
+    own failure, with the count one above what the killed leader left behind."""
     missing = unique("missing")
     [poison] = raw_insert(services.pg_dsn, outbox, [(missing, "p", "p:0", [], [])])
     group = unique("attempts")
 
-    def spec(name: str) -> dict[str, object]:
+    def spec(name: str, max_attempts: int) -> dict[str, object]:
         return {
             "data_source": services.pg_dsn,
             "outbox_table": outbox.qualified,
@@ -148,7 +151,7 @@ def test_attempt_counts_survive_sigkill_failover(services: Services, outbox: Tab
             "leader_group_id": group,
             "name": name,
             "session_timeout": 3.0,
-            "limits": {"heartbeat_timeout": "2s", "max_attempts": 4, "retry_backoff": "10ms"},
+            "limits": {"heartbeat_timeout": "2s", "max_attempts": max_attempts, "retry_backoff": "10ms"},
         }
 
     def attempts() -> int:
@@ -158,14 +161,17 @@ def test_attempt_counts_survive_sigkill_failover(services: Services, outbox: Tab
             ).fetchone()
         return int(row[0]) if row else -1
 
-    a = HarvesterProcess(spec("first"))
+    a = HarvesterProcess(spec("first", 1_000_000))
     b: HarvesterProcess | None = None
     try:
         assert a.wait_for("LeaderAcquired"), a.log
-        b = HarvesterProcess(spec("second"))
-        assert wait_until(lambda: attempts() >= 2, timeout=60)
+        b = HarvesterProcess(spec("second", 4))
+        assert b.wait_for("started"), b.log
+        assert wait_until(lambda: attempts() >= 4, timeout=60), (attempts(), a.log[-20:])
         os.kill(a.proc.pid, signal.SIGKILL)
         killed_at = datetime.now(UTC)
+        time.sleep(0.5)  # a statement of the killed leader's may still be committing
+        left_behind = attempts()
         assert b.wait_for("LeaderAcquired", timeout=30), b.log
         assert wait_until(lambda: poison in dead_letters(services.pg_dsn, outbox), timeout=60)
     finally:
@@ -179,8 +185,8 @@ def test_attempt_counts_survive_sigkill_failover(services: Services, outbox: Tab
             (poison,),
         ).fetchone()
     assert row is not None
-    # Four attempts in all, the first of them under the killed leader: the count was not restarted.
-    assert row[0] == 4 and row[1] < killed_at
+    # In-memory counting would have started again at 1 and given up only at 4.
+    assert row[0] == left_behind + 1 and row[1] < killed_at
 
 
 def test_hold_key_policy_keeps_the_key_until_replay(
