@@ -232,3 +232,17 @@ class PrivatePostgres:
 
     def restart(self) -> None:
         self._run("restart-postgres")
+
+
+def set_topic_config(bootstrap: str, topic: str, name: str, value: str) -> None:
+    """Change one topic configuration on the broker (e.g. raise max.message.bytes)."""
+    from confluent_kafka.admin import AlterConfigOpType, ConfigEntry, ConfigResource
+
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    resource = ConfigResource(
+        ConfigResource.Type.TOPIC,
+        topic,
+        incremental_configs=[ConfigEntry(name, value, incremental_operation=AlterConfigOpType.SET)],
+    )
+    for f in admin.incremental_alter_configs([resource]).values():
+        f.result(30)

@@ -10,15 +10,23 @@ from datetime import UTC, datetime
 
 import psycopg
 import pytest
-from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource
 from psycopg import sql
 
 from harvester import deadletter
 from harvester.identifiers import TableName
 from harvester.migrations import dead_letter_table
 from tests.engine.workload import check, insert, wait_drained, wait_until
-from tests.proc.processes import HarvesterProcess
-from tests.support import HarvesterFactory, PrivateKafka, Services, create_topics, delete_topics, read_messages, unique
+from tests.proc.processes import HarvesterProcess, harvester_spec
+from tests.support import (
+    HarvesterFactory,
+    PrivateKafka,
+    Services,
+    create_topics,
+    delete_topics,
+    read_messages,
+    set_topic_config,
+    unique,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -143,16 +151,15 @@ def test_attempt_counts_survive_sigkill_failover(services: Services, outbox: Tab
     group = unique("attempts")
 
     def spec(name: str, max_attempts: int) -> dict[str, object]:
-        return {
-            "data_source": services.pg_dsn,
-            "outbox_table": outbox.qualified,
-            "base_kafka_config": {"bootstrap.servers": services.bootstrap},
-            "producer_kafka_config": FAST,
-            "leader_group_id": group,
-            "name": name,
-            "session_timeout": 3.0,
-            "limits": {"heartbeat_timeout": "2s", "max_attempts": max_attempts, "retry_backoff": "10ms"},
-        }
+        return harvester_spec(
+            services.pg_dsn,
+            services.bootstrap,
+            outbox,
+            group,
+            name,
+            producer_kafka_config=FAST,
+            limits={"max_attempts": max_attempts, "retry_backoff": "10ms"},
+        )
 
     def attempts() -> int:
         with psycopg.connect(services.pg_dsn) as conn:
@@ -204,14 +211,7 @@ def test_hold_key_policy_keeps_the_key_until_replay(
         held = conn.execute(sql.SQL("SELECT kafka_value FROM {} ORDER BY id").format(outbox.ident)).fetchall()
     assert [r[0] for r in held] == ["h:2", "h:3"]  # held back, not published
     assert [m.value() for m in read_messages(services.bootstrap, [small], 1, timeout=5)] == [b"h:0"]
-    admin = AdminClient({"bootstrap.servers": services.bootstrap})
-    resource = ConfigResource(
-        ConfigResource.Type.TOPIC,
-        small,
-        incremental_configs=[ConfigEntry("max.message.bytes", "1048576", incremental_operation=AlterConfigOpType.SET)],
-    )
-    for f in admin.incremental_alter_configs([resource]).values():
-        f.result(30)
+    set_topic_config(services.bootstrap, small, "max.message.bytes", "1048576")
     with psycopg.connect(services.pg_dsn) as conn:
         deadletter.replay(conn, outbox, None, held_keys=True)
     assert wait_drained(services.pg_dsn, outbox) == 0

@@ -19,7 +19,7 @@ from harvester.dedup import DedupReader
 from harvester.identifiers import TableName
 from tests.dedup.kafka import consumer, ends, read_to
 from tests.engine.workload import insert, wait_drained, wait_until
-from tests.proc.processes import HarvesterProcess
+from tests.proc.processes import HarvesterProcess, harvester_spec
 from tests.support import Services, delete_topics, end_offsets, unique
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -47,15 +47,7 @@ def test_sigkill_before_purge_duplicates_are_dropped_by_the_reader(
     )
 
     def spec(name: str) -> dict[str, object]:
-        return {
-            "data_source": services.pg_dsn,
-            "outbox_table": outbox.qualified,
-            "base_kafka_config": {"bootstrap.servers": services.bootstrap},
-            "leader_group_id": group,
-            "name": name,
-            "session_timeout": 3.0,
-            "limits": {"heartbeat_timeout": "2s"},
-        }
+        return harvester_spec(services.pg_dsn, services.bootstrap, outbox, group, name)
 
     doomed = HarvesterProcess(spec("doomed"))
     standby: HarvesterProcess | None = None

@@ -9,11 +9,19 @@ from collections.abc import Callable
 
 import psycopg
 import pytest
-from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource
+from confluent_kafka.admin import AdminClient
 
 from harvester.identifiers import TableName
-from tests.engine.workload import check, insert, wait_drained, wait_until, write_concurrently
-from tests.support import HarvesterFactory, PrivateKafka, Services, create_topics, read_messages, unique
+from tests.engine.workload import check, insert, wait_drained, wait_until, write_concurrently, writing
+from tests.support import (
+    HarvesterFactory,
+    PrivateKafka,
+    Services,
+    create_topics,
+    read_messages,
+    set_topic_config,
+    unique,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -52,14 +60,7 @@ def test_record_too_large_for_topic_holds_its_key_until_accepted(
     # The key's later record must not overtake the failing one.
     early = read_messages(services.bootstrap, [small], 1, timeout=5)
     assert [m.value() for m in early] == [b"c:0"]
-    admin = AdminClient({"bootstrap.servers": services.bootstrap})
-    resource = ConfigResource(
-        ConfigResource.Type.TOPIC,
-        small,
-        incremental_configs=[ConfigEntry("max.message.bytes", "1048576", incremental_operation=AlterConfigOpType.SET)],
-    )
-    for f in admin.incremental_alter_configs([resource]).values():
-        f.result(30)
+    set_topic_config(services.bootstrap, small, "max.message.bytes", "1048576")
     assert wait_drained(services.pg_dsn, outbox) == 0
     verdict = check(read_messages(services.bootstrap, [small], 3), {"c": 3})
     assert verdict.lost == [] and verdict.out_of_order == []
@@ -115,12 +116,7 @@ def test_broker_restart_mid_run(
     topic = unique("restart")
     create_topics(private_kafka.bootstrap, [topic], partitions=2)
     make_harvester(bootstrap=private_kafka.bootstrap, mark_query_records=20, max_in_flight_records=20)
-    writer = threading.Thread(
-        target=write_concurrently,
-        args=(services.pg_dsn, outbox, topic),
-        kwargs={"keys": 40, "per_key": 50, "writers": 4, "per_txn": 2},
-    )
-    writer.start()
+    writer = writing(services.pg_dsn, outbox, topic, keys=40, per_key=50, writers=4, per_txn=2)
     time.sleep(1.0)
     private_kafka.restart()
     writer.join()

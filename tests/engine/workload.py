@@ -106,3 +106,10 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 30.0) -> bool:
             return True
         time.sleep(0.05)
     return predicate()
+
+
+def writing(dsn: str, table: TableName, topic: str, **kwargs: int) -> threading.Thread:
+    """Start :func:`write_concurrently` in the background; join the returned thread to wait."""
+    thread = threading.Thread(target=write_concurrently, args=(dsn, table, topic), kwargs=kwargs)
+    thread.start()
+    return thread

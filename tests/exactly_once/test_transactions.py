@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -19,8 +18,8 @@ from harvester.protocols import ProducerFencedError
 from harvester.publisher import producer_config
 from harvester.record import MarkedRecord
 from harvester.transactional import KafkaTransactionalPublisher, ensure_topic, read_checkpoints
-from tests.engine.workload import check, insert, wait_drained, write_concurrently
-from tests.proc.processes import HarvesterProcess
+from tests.engine.workload import check, insert, wait_drained, write_concurrently, writing
+from tests.proc.processes import HarvesterProcess, harvester_spec
 from tests.support import ManualElector, Services, delete_topics, read_messages, unique
 
 pytestmark = pytest.mark.integration
@@ -113,28 +112,22 @@ def test_sigkill_failover_delivers_exactly_once(
     topic, group = topics(partitions=2), unique("eos")
 
     def spec(name: str) -> dict[str, object]:
-        return {
-            "data_source": services.pg_dsn,
-            "outbox_table": outbox.qualified,
-            "base_kafka_config": {"bootstrap.servers": services.bootstrap},
-            "leader_group_id": group,
-            "name": name,
-            "session_timeout": 3.0,
-            "delivery": "exactly_once",
-            "limits": {"heartbeat_timeout": "2s", "mark_query_records": 20},
-        }
+        return harvester_spec(
+            services.pg_dsn,
+            services.bootstrap,
+            outbox,
+            group,
+            name,
+            delivery="exactly_once",
+            limits={"mark_query_records": 20},
+        )
 
     a = HarvesterProcess(spec("first"))
     b: HarvesterProcess | None = None
     try:
         assert a.wait_for("LeaderAcquired"), a.log
         b = HarvesterProcess(spec("second"))
-        writer = threading.Thread(
-            target=write_concurrently,
-            args=(services.pg_dsn, outbox, topic),
-            kwargs={"keys": 40, "per_key": 40, "writers": 4, "per_txn": 1},
-        )
-        writer.start()
+        writer = writing(services.pg_dsn, outbox, topic, keys=40, per_key=40, writers=4, per_txn=1)
         time.sleep(1.5)
         os.kill(a.proc.pid, signal.SIGKILL)
         assert b.wait_for("LeaderAcquired", timeout=30), b.log

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 from collections.abc import Callable
 
@@ -14,8 +13,8 @@ import pytest
 from psycopg import sql
 
 from harvester.identifiers import TableName
-from tests.engine.workload import check, wait_drained, write_concurrently
-from tests.proc.processes import HarvesterProcess
+from tests.engine.workload import check, wait_drained, writing
+from tests.proc.processes import HarvesterProcess, harvester_spec
 from tests.support import Services, read_messages, unique
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -45,15 +44,14 @@ def test_sigstopped_leader_changes_nothing_after_takeover(
     group = unique("zombie")
 
     def spec(name: str) -> dict[str, object]:
-        return {
-            "data_source": services.pg_dsn,
-            "outbox_table": outbox.qualified,
-            "base_kafka_config": {"bootstrap.servers": services.bootstrap},
-            "leader_group_id": group,
-            "name": name,
-            "session_timeout": 3.0,
-            "limits": {"heartbeat_timeout": "2s", "mark_query_records": 10, "max_in_flight_records": 50},
-        }
+        return harvester_spec(
+            services.pg_dsn,
+            services.bootstrap,
+            outbox,
+            group,
+            name,
+            limits={"mark_query_records": 10, "max_in_flight_records": 50},
+        )
 
     a = HarvesterProcess(spec("zombie-a"))
     b: HarvesterProcess | None = None
@@ -61,12 +59,7 @@ def test_sigstopped_leader_changes_nothing_after_takeover(
         assert a.wait_for("LeaderAcquired"), a.log
         b = HarvesterProcess(spec("standby-b"))
         assert b.wait_for("started")
-        writer = threading.Thread(
-            target=write_concurrently,
-            args=(services.pg_dsn, outbox, topic),
-            kwargs={"keys": 30, "per_key": 60, "writers": 3, "per_txn": 1},
-        )
-        writer.start()
+        writer = writing(services.pg_dsn, outbox, topic, keys=30, per_key=60, writers=3, per_txn=1)
         time.sleep(1.5)
         os.kill(a.proc.pid, signal.SIGSTOP)
         assert b.wait_for("LeaderAcquired", timeout=30), b.log

@@ -9,6 +9,7 @@ import threading
 import time
 from typing import Any
 
+from harvester.identifiers import TableName
 from tests.support import ROOT
 
 
@@ -62,3 +63,21 @@ class HarvesterProcess:
                 self.proc.wait()
         self._reader.join(5)
         return next((e for e in self.events if e["event"] == "exit"), None)
+
+
+def harvester_spec(
+    dsn: str, bootstrap: str, table: TableName, group: str, name: str, **settings: Any
+) -> dict[str, Any]:
+    """A run_harvester spec with the short failover timings the process tests use; ``settings``
+    (HarvesterConfig fields; ``limits`` is merged) override it."""
+    limits = {"heartbeat_timeout": "2s", **settings.pop("limits", {})}
+    return {
+        "data_source": dsn,
+        "outbox_table": table.qualified,
+        "base_kafka_config": {"bootstrap.servers": bootstrap},
+        "leader_group_id": group,
+        "name": name,
+        "session_timeout": 3.0,
+        "limits": limits,
+        **settings,
+    }
