@@ -467,7 +467,18 @@ class Engine:
                     self._acks.put_nowait(None)
                     break
                 items.append(item)
-            self._complete(items)
+            try:
+                self._complete(items)
+            except Exception:
+                # Never let the completion thread die: its records would hold their keys for good.
+                # A remark re-publishes whatever was not purged.
+                log.exception("completion_failed", records=len(items))
+                with self._cond:
+                    for record, _ in items:
+                        self._in_flight.pop(record.id, None)
+                        self._busy.discard(record.key)
+                    self._force_remark = True
+                    self._cond.notify_all()
 
     def _complete(self, items: list[tuple[MarkedRecord, Exception | None]]) -> None:
         delivered = [r for r, err in items if err is None]
@@ -553,11 +564,16 @@ class Engine:
                 return
             records, position = job
             purge = functools.partial(self._purge_checkpointed, position=position)
-            if self._with_retry(purge, [r.id for r in records]):
-                self._delivered(records)
-            with self._cond:
-                self._pending_purges -= 1
-                self._cond.notify_all()
+            try:
+                if self._with_retry(purge, [r.id for r in records]):
+                    self._delivered(records)
+            except Exception:
+                # The records stay marked; the next term's recovery purges them from the checkpoint.
+                log.exception("purge_failed", records=len(records))
+            finally:
+                with self._cond:
+                    self._pending_purges -= 1
+                    self._cond.notify_all()
 
     def _purge_checkpointed(self, ids: Sequence[int], position: int) -> None:
         self._store.purge_checkpointed(ids, position)
@@ -598,6 +614,6 @@ class Engine:
                 self._fenced(exc)
                 return False
             except StoreError as exc:
-                log.warning("store_retry", op=op.__name__, records=len(ids), error=str(exc))
+                log.warning("store_retry", op=getattr(op, "__name__", "purge"), records=len(ids), error=str(exc))
                 time.sleep(self._limits.io_error_backoff.total_seconds())
         return True

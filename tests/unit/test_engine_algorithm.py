@@ -14,7 +14,7 @@ import pytest
 from harvester import Engine, Limits
 from harvester.events import Event, LeaderRefreshed
 from harvester.metrics import HarvesterMetrics
-from harvester.protocols import DeliveryCallback
+from harvester.protocols import DeliveryCallback, StoreError
 from harvester.record import Failure, MarkedRecord
 from tests.support import ManualElector
 
@@ -194,4 +194,60 @@ def test_record_queued_past_queue_timeout_forces_a_remark() -> None:
     ManualElector().start(engine.on_leader_event)
     wait_for(lambda: any(isinstance(e, LeaderRefreshed) for e in events))  # a0 is never acknowledged
     assert pub.values()[:2] == ["a0", "b0"] and "a1" not in pub.values()  # order still holds
+    engine.close(1)
+
+
+class FlakyCheckpointStore(MemoryStore):
+    """Exactly-once purges fail once with a database error, as when PostgreSQL restarts."""
+
+    def __init__(self, rows: Sequence[tuple[str, str]]) -> None:
+        super().__init__(rows)
+        self.failures_left = 1
+
+    def checkpoint_position(self) -> int:
+        return 0
+
+    def purge_checkpointed(self, ids: Sequence[int], position: int) -> None:
+        if ids and self.failures_left:  # not the recovery's purge: the one after a commit
+            self.failures_left -= 1
+            raise StoreError("database error: 57P01")
+        self.purge(ids)
+
+
+class CommittingPublisher:
+    """A transactional publisher that commits every batch."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[str]] = []
+
+    def init(self) -> None:
+        pass
+
+    def publish_batch(self, records: Sequence[MarkedRecord], epoch: int) -> int:
+        self.batches.append([(r.value or b"").decode() for r in records])
+        return len(self.batches)
+
+    def recover(self, position: int) -> tuple[list[int], int]:
+        return [], position
+
+    def close(self, timeout: float) -> None:
+        pass
+
+
+def test_exactly_once_purge_error_is_retried_not_fatal() -> None:
+    store = FlakyCheckpointStore([("a", "a0"), ("b", "b0"), ("a", "a1")])
+    txn = CommittingPublisher()
+    engine = Engine(
+        store,  # type: ignore[arg-type]
+        HandPublisher,
+        Limits(io_error_backoff="10ms"),
+        HarvesterMetrics(),
+        lambda e: None,
+        listen_notify=False,
+        transactions=txn,
+    )
+    engine.start()
+    ManualElector().start(engine.on_leader_event)
+    wait_for(lambda: not store.rows)  # the failed purge was retried, and marking went on
+    assert [v for batch in txn.batches for v in batch] == ["a0", "b0", "a1"]  # each once, in order
     engine.close(1)
