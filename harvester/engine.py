@@ -341,7 +341,20 @@ class Engine:
         log.info("checkpoints_recovered", purged=len(ids), position=end, seconds=seconds)
 
     def _fenced(self, error: FencedError) -> None:
-        """A newer leader owns the outbox: drop leader work now and report it; never retry."""
+        """A newer epoch or producer fenced this process. If the elector says another process leads,
+        drop leader work now and report it, never retrying. If this process still leads, the fence
+        came from a stale instance (one that was paused during its own term start and finished it
+        late): start the term again, which fences that instance in turn."""
+        if self._still_leader() and not self._stopping.is_set():
+            with self._cond:
+                if self._leader_id is not None:
+                    self._fenced_term = 0
+                    self._force_remark = True
+                    self._discard_waiting()
+                    self._cond.notify_all()
+                    self._metrics.fenced_statements.inc()
+                    log.warning("fence_taken_back", error=str(error))
+                    return
         with self._cond:
             leader_id, self._leader_id = self._leader_id, None
             self._discard_waiting()

@@ -78,25 +78,34 @@ def test_bump_waits_for_a_running_statement_and_fences_the_next(services: Servic
     old.close()
 
 
-def test_engine_drops_leader_work_when_fenced(
-    services: Services, outbox: TableName, topics: Callable[..., str]
-) -> None:
-    topic = topics()
-    events: list[Event] = []
+def run_engine(
+    services: Services, outbox: TableName, events: list[Event], leads: list[bool]
+) -> tuple[Engine, PostgresStore, HarvesterMetrics]:
     store = PostgresStore(services.pg_dsn, outbox)
     metrics = HarvesterMetrics()
 
     def publisher(cb: DeliveryCallback) -> KafkaPublisher:
         return KafkaPublisher(producer_config({"bootstrap.servers": services.bootstrap}, {}), cb)
 
-    engine = Engine(store, publisher, Limits(), metrics, events.append)
+    engine = Engine(store, publisher, Limits(), metrics, events.append, still_leader=lambda: leads[0])
     engine.start()
     ManualElector().start(engine.on_leader_event)
+    return engine, store, metrics
+
+
+def test_engine_drops_leader_work_when_a_newer_leader_fenced_it(
+    services: Services, outbox: TableName, topics: Callable[..., str]
+) -> None:
+    topic = topics()
+    events: list[Event] = []
+    leads = [True]
+    engine, store, metrics = run_engine(services, outbox, events, leads)
     insert(services.pg_dsn, outbox, [(topic, "k", "k:0")])
     assert len(read_messages(services.bootstrap, [topic], 1)) == 1
     assert wait_until(lambda: snapshot(services.pg_dsn, outbox) == [])
+    leads[0] = False  # the elector no longer sees its heartbeats ...
     intruder = PostgresStore(services.pg_dsn, outbox)
-    intruder.acquire(uuid.uuid4())  # a newer leader takes over the outbox
+    intruder.acquire(uuid.uuid4())  # ... and a newer leader takes over the outbox
     insert(services.pg_dsn, outbox, [(topic, "k", "k:1")])
     assert wait_until(lambda: any(isinstance(e, LeaderFenced) for e in events))
     assert engine.leader_id is None
@@ -106,3 +115,28 @@ def test_engine_drops_leader_work_when_fenced(
     engine.close(5)
     store.close()
     intruder.close()
+
+
+def test_leader_takes_the_fence_back_from_a_stale_instance(
+    services: Services, outbox: TableName, topics: Callable[..., str]
+) -> None:
+    """A paused instance finishing its term start late bumps the epoch while this process still
+    leads: the leader bumps it again and goes on; the stale instance is the one fenced."""
+    topic = topics()
+    events: list[Event] = []
+    engine, store, metrics = run_engine(services, outbox, events, [True])
+    insert(services.pg_dsn, outbox, [(topic, "k", "k:0")])
+    assert len(read_messages(services.bootstrap, [topic], 1)) == 1
+    stale = PostgresStore(services.pg_dsn, outbox)
+    stale_leader = uuid.uuid4()
+    stale.acquire(stale_leader)
+    insert(services.pg_dsn, outbox, [(topic, "k", "k:1")])
+    assert wait_until(lambda: snapshot(services.pg_dsn, outbox) == [])  # k:1 harvested after all
+    assert [m.value() for m in read_messages(services.bootstrap, [topic], 2)] == [b"k:0", b"k:1"]
+    assert not any(isinstance(e, LeaderFenced) for e in events) and engine.leader_id is not None
+    assert metrics.fenced_statements._value.get() >= 1
+    with pytest.raises(FencedError):
+        stale.mark(stale_leader, 10)
+    engine.close(5)
+    store.close()
+    stale.close()
