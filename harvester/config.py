@@ -12,111 +12,87 @@ import socket
 from datetime import timedelta
 from typing import Annotated, Any, Literal
 
-from pydantic import AliasChoices, BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+from pydantic import AliasChoices, AliasGenerator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+from pydantic.alias_generators import to_camel
 
 from harvester.durations import parse_duration
 from harvester.identifiers import TableName
 
 Duration = Annotated[timedelta, BeforeValidator(parse_duration)]
 
+# Every field also accepts its camelCase spelling (goharvest's); irregular ones are spelled out.
+_BOTH_SPELLINGS = ConfigDict(
+    extra="forbid",
+    frozen=True,
+    populate_by_name=True,
+    alias_generator=AliasGenerator(validation_alias=lambda name: AliasChoices(name, to_camel(name))),
+)
 
 
 class Limits(BaseModel):
     """Tuning of the MP/R loop and of leader election."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    model_config = _BOTH_SPELLINGS
 
-    io_error_backoff: Duration = Field(
-        default=timedelta(milliseconds=500), validation_alias=AliasChoices("io_error_backoff", "ioErrorBackoff")
-    )
-    poll_duration: Duration = Field(
-        default=timedelta(milliseconds=1), validation_alias=AliasChoices("poll_duration", "pollDuration")
-    )
+    io_error_backoff: Duration = Field(default=timedelta(milliseconds=500))
+    poll_duration: Duration = Field(default=timedelta(milliseconds=1))
     min_poll_interval: Duration = Field(
         default=timedelta(milliseconds=100),
-        validation_alias=AliasChoices("min_poll_interval", "minPollInterval"),
     )
-    max_poll_interval: Duration = Field(
-        default=timedelta(minutes=5), validation_alias=AliasChoices("max_poll_interval", "maxPollInterval")
-    )
-    heartbeat_timeout: Duration = Field(
-        default=timedelta(seconds=5), validation_alias=AliasChoices("heartbeat_timeout", "heartbeatTimeout")
-    )
-    drain_interval: Duration = Field(
-        default=timedelta(minutes=1), validation_alias=AliasChoices("drain_interval", "drainInterval")
-    )
-    queue_timeout: Duration = Field(
-        default=timedelta(seconds=30), validation_alias=AliasChoices("queue_timeout", "queueTimeout")
-    )
-    mark_backoff: Duration = Field(
-        default=timedelta(milliseconds=10), validation_alias=AliasChoices("mark_backoff", "markBackoff")
-    )
+    max_poll_interval: Duration = Field(default=timedelta(minutes=5))
+    heartbeat_timeout: Duration = Field(default=timedelta(seconds=5))
+    drain_interval: Duration = Field(default=timedelta(minutes=1))
+    queue_timeout: Duration = Field(default=timedelta(seconds=30))
+    mark_backoff: Duration = Field(default=timedelta(milliseconds=10))
     max_mark_backoff: Duration = Field(
         default=timedelta(milliseconds=500),
-        validation_alias=AliasChoices("max_mark_backoff", "maxMarkBackoff"),
         description="Ceiling of the adaptive back-off while the outbox stays empty.",
     )
-    max_in_flight_records: int = Field(
-        default=1000, ge=1, validation_alias=AliasChoices("max_in_flight_records", "maxInFlightRecords")
-    )
+    max_in_flight_records: int = Field(default=1000, ge=1)
     max_queued_records: int = Field(
         default=10000,
         ge=1,
-        validation_alias=AliasChoices("max_queued_records", "maxQueuedRecords"),
         description="Bound on marked records waiting behind a busy key (memory bound of the key FIFOs).",
     )
     min_metrics_interval: Duration = Field(
         default=timedelta(seconds=5),
-        validation_alias=AliasChoices("min_metrics_interval", "minMetricsInterval"),
     )
     send_concurrency: int = Field(
         default=8,
         ge=1,
-        validation_alias=AliasChoices("send_concurrency", "sendConcurrency"),
         description="Accepted for goharvest compatibility; one librdkafka producer already sends concurrently.",
     )
-    send_buffer: int = Field(
-        default=10, ge=0, validation_alias=AliasChoices("send_buffer", "sendBuffer")
-    )
+    send_buffer: int = Field(default=10, ge=0)
     max_attempts: int = Field(
         default=3,
         ge=1,
-        validation_alias=AliasChoices("max_attempts", "maxAttempts"),
         description="Permanent delivery failures of a record before it is dead-lettered.",
     )
     retry_backoff: Duration = Field(
         default=timedelta(milliseconds=100),
-        validation_alias=AliasChoices("retry_backoff", "retryBackoff"),
         description="First back-off after a retriable delivery failure; doubles (with jitter) per round.",
     )
     max_retry_backoff: Duration = Field(
         default=timedelta(seconds=10),
-        validation_alias=AliasChoices("max_retry_backoff", "maxRetryBackoff"),
         description="Ceiling of the retriable-failure back-off.",
     )
-    mark_query_records: int = Field(
-        default=100, ge=1, validation_alias=AliasChoices("mark_query_records", "markQueryRecords")
-    )
+    mark_query_records: int = Field(default=100, ge=1)
 
 
 class HarvesterConfig(BaseModel):
     """Everything a :class:`harvester.Harvester` needs."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    model_config = _BOTH_SPELLINGS
 
     data_source: str = Field(
         default="host=127.0.0.1 port=5432 user=harvester password=local-dev-secret dbname=harvester",
-        validation_alias=AliasChoices("data_source", "dataSource"),
         description="libpq connection string (key=value or URL).",
     )
-    outbox_table: str = Field(default="outbox", validation_alias=AliasChoices("outbox_table", "outboxTable"))
+    outbox_table: str = Field(default="outbox")
     base_kafka_config: dict[str, Any] = Field(
         default_factory=lambda: {"bootstrap.servers": "127.0.0.1:9092"},
-        validation_alias=AliasChoices("base_kafka_config", "baseKafkaConfig"),
     )
-    producer_kafka_config: dict[str, Any] = Field(
-        default_factory=dict, validation_alias=AliasChoices("producer_kafka_config", "producerKafkaConfig")
-    )
+    producer_kafka_config: dict[str, Any] = Field(default_factory=dict)
     leader_group_id: str | None = Field(
         default=None,
         validation_alias=AliasChoices("leader_group_id", "leaderGroupID", "leaderGroupId"),
@@ -124,7 +100,6 @@ class HarvesterConfig(BaseModel):
     )
     leader_topic: str | None = Field(
         default=None,
-        validation_alias=AliasChoices("leader_topic", "leaderTopic"),
         description="Topic whose partition 0 decides leadership; default: '<leader_group_id>.neli'.",
     )
     name: str = Field(
@@ -133,7 +108,6 @@ class HarvesterConfig(BaseModel):
     )
     listen_notify: bool = Field(
         default=True,
-        validation_alias=AliasChoices("listen_notify", "listenNotify"),
         description="Wake up on NOTIFY from the outbox trigger (installed by migration) when idle.",
     )
     delivery: Literal["at_least_once", "exactly_once"] = Field(
@@ -143,24 +117,20 @@ class HarvesterConfig(BaseModel):
     )
     dead_letter_policy: Literal["release", "hold_key"] = Field(
         default="release",
-        validation_alias=AliasChoices("dead_letter_policy", "deadLetterPolicy"),
         description="release: a dead letter's key moves on; hold_key: later records of that key wait until "
         "the dead letter is replayed or purged.",
     )
     checkpoint_topic: str | None = Field(
         default=None,
-        validation_alias=AliasChoices("checkpoint_topic", "checkpointTopic"),
         description="Exactly-once checkpoints; default '<leader_group_id>.checkpoints'.",
     )
     identity_header_prefix: str = Field(
         default="outbox-",
         pattern=r"^[A-Za-z0-9._-]{1,64}$",
-        validation_alias=AliasChoices("identity_header_prefix", "identityHeaderPrefix"),
         description="Prefix of the identity headers (<prefix>id, <prefix>epoch, <prefix>producer).",
     )
     producer_name: str | None = Field(
         default=None,
-        validation_alias=AliasChoices("producer_name", "producerName"),
         description="Stable producer name in the identity headers; default '<db system id>/<table>'.",
     )
     limits: Limits = Field(default_factory=Limits)
@@ -190,5 +160,3 @@ class HarvesterConfig(BaseModel):
     def topic(self) -> str:
         """The leader topic, defaulted from the group id."""
         return self.leader_topic or f"{self.group_id}.neli"
-
-
