@@ -627,6 +627,6 @@ class Engine:
                 self._fenced(exc)
                 return False
             except StoreError as exc:
-                log.warning("store_retry", op=getattr(op, "__name__", "purge"), records=len(ids), error=str(exc))
+                log.warning("store_retry", records=len(ids), error=str(exc))
                 time.sleep(self._limits.io_error_backoff.total_seconds())
         return True

@@ -84,7 +84,7 @@ class Harvester:
 
     def start(self) -> None:
         """Check the outbox table, then start competing for leadership and harvesting."""
-        self._store.limits  # noqa: B018 - fails fast on a missing or unsupported table
+        self._store.prepare()  # fails fast on a missing or unsupported table
         cfg = self.config
         kafka = producer_config(cfg.base_kafka_config, cfg.producer_kafka_config)
 

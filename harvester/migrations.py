@@ -81,7 +81,8 @@ def render(migration: Migration, table: TableName, conn: psycopg.Connection[tupl
         fence=q(fence_table(table).ident),
         dead_letter=q(dead_letter_table(table).ident),
         dead_letter_key_index=q(sql.Identifier(f"{table.name}_dead_letter_key_idx"[:63])),
-        value_type=_value_type(table, conn),
+        # Only the dead-letter migration needs it: spare the other migrations the catalog query.
+        value_type=_value_type(table, conn) if "${value_type}" in migration.text else "",
         spark_tasks=q(table.derived("spark_tasks").ident),
         spark_tasks_write_idx=q(sql.Identifier(f"{table.name}_spark_tasks_write_idx"[:63])),
         spark_staging=q(table.derived("spark_staging").ident),

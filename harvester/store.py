@@ -168,6 +168,11 @@ class PostgresStore:
             self._build_statements(self._limits)
         return self._limits
 
+    def prepare(self) -> ColumnLimits:
+        """Read the table's columns from the catalog and build the statements (once); raises
+        :class:`OutboxMissingError` or :class:`StoreError` on a missing or unsupported table."""
+        return self.limits
+
     def _build_statements(self, limits: ColumnLimits) -> None:
         value = "kafka_value::text" if limits.value_kind == "json" else "kafka_value"
         found = self._run(
@@ -235,7 +240,7 @@ class PostgresStore:
 
     def acquire(self, leader_id: UUID) -> int:
         """Bump the fence epoch (creating the fence table if absent) and run under the new epoch."""
-        self.limits  # noqa: B018 - builds the statements
+        self.prepare()
         f = self._fence.ident
         self._run(
             sql.SQL(
@@ -340,7 +345,7 @@ class PostgresStore:
     @property
     def tracks_attempts(self) -> bool:
         """Whether the table has the optional attempt columns (``reaper migrate`` adds them)."""
-        self.limits  # noqa: B018 - reads the catalog
+        self.prepare()
         return self._tracks_attempts
 
     def fail(self, failures: Sequence[Failure]) -> None:
@@ -397,7 +402,7 @@ class PostgresStore:
 
     def head(self) -> tuple[int, float | None]:
         """A cheap backlog sample: (max id - min id + 1, age in seconds of the oldest record)."""
-        self.limits  # noqa: B018 - builds the statements
+        self.prepare()
         rows = self._run(self._head_sql, ())
         lo, hi, oldest = rows[0]
         if lo is None:
