@@ -5,11 +5,15 @@
 Writers, each into a fresh goharvest-layout outbox in a throwaway schema, all with the same rows
 (topic, key ``key-<n % 1000>``, a ~45 character JSON value):
 
-- ``outbox``: ``df.write.format("outbox")``: parallel COPY into staging, one INSERT … SELECT at commit.
+- ``outbox``: ``df.write.format("outbox")``: parallel COPY into staging, then one COPY into the outbox
+  in the commit transaction.
 - ``copy-rows``: one connection, ``COPY … FROM STDIN`` fed row by row through psycopg (the rows are
   collected to the driver first, untimed).
 - ``copy-csv``: one connection, ``COPY`` of CSV that Arrow wrote in C++ (collected and encoded untimed):
   what PostgreSQL alone can ingest on one connection.
+- ``parallel``: each Spark task COPYs its partition straight into the outbox, with the sink's encoder:
+  no staging, not atomic, no order across partitions. Not a usable writer: the most any Spark writer
+  gets into this table on this machine, where PostgreSQL and Spark share the cores.
 - ``jdbc``: Spark's built-in JDBC writer with the PostgreSQL driver from Maven Central
   (``--jdbc-rewrite`` adds ``reWriteBatchedInserts=true`` to its URL).
 
@@ -27,16 +31,21 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import psycopg
+import pyarrow as pa
 import pyarrow.csv as pcsv
 from psycopg import sql
+from pyspark.sql.datasource import DataSource, DataSourceArrowWriter, WriterCommitMessage
+from pyspark.sql.types import StructType
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from harvester.identifiers import TableName
 from harvester.migrations import migrate
 from harvester.spark import register
+from harvester.spark.encode import text_lines
 
 PG_DSN = os.environ.get(
     "HARVESTER_TEST_PG_DSN", "host=127.0.0.1 port=5432 user=harvester password=local-dev-secret dbname=harvester"
@@ -57,6 +66,34 @@ def count(conn: psycopg.Connection[tuple[object, ...]], table: TableName) -> int
     """Rows in ``table``: every writer must have written all of them."""
     row = conn.execute(sql.SQL("SELECT count(*) FROM {}").format(table.ident)).fetchone()
     return int(str(row[0])) if row else 0
+
+
+class ParallelCopyWriter(DataSourceArrowWriter):
+    """Every task COPYs its rows into the table in its own transaction (the bench rows need no escapes)."""
+
+    def __init__(self, dsn: str, table: str) -> None:
+        self.dsn, self.table = dsn, table
+
+    def write(self, iterator: Any) -> WriterCommitMessage:
+        """COPY this partition."""
+        copy = f"COPY {self.table} (kafka_topic, kafka_key, kafka_value) FROM STDIN"
+        with psycopg.connect(self.dsn) as conn, conn.cursor().copy(copy) as pipe:
+            for batch in iterator:
+                pipe.write(text_lines([c.cast(pa.large_string()) for c in batch.columns]))
+        return WriterCommitMessage()
+
+
+class ParallelCopy(DataSource):
+    """The ``parallel`` writer as a data source (options ``dsn`` and ``table``)."""
+
+    @classmethod
+    def name(cls) -> str:
+        """The format name."""
+        return "bench_parallel_copy"
+
+    def writer(self, schema: StructType, overwrite: bool) -> ParallelCopyWriter:
+        """A writer for one job."""
+        return ParallelCopyWriter(self.options["dsn"], self.options["table"])
 
 
 def timed(label: str, rows: int, action: Callable[[], None], results: list[tuple[str, float]]) -> None:
@@ -90,6 +127,7 @@ def main() -> None:
     )
     spark.sparkContext.setLogLevel("ERROR")
     register(spark)
+    spark.dataSource.register(ParallelCopy)
     df = spark.range(0, args.rows, 1, args.partitions).selectExpr(
         "'bench.orders' AS kafka_topic",
         "concat('key-', id % 1000) AS kafka_key",
@@ -142,6 +180,13 @@ def main() -> None:
             timed("copy-csv", args.rows, copy_csv, results)
             assert count(conn, csv_table) == args.rows
 
+            table = fresh_outbox(conn, schema, "outbox_parallel")
+            parallel = df.write.format("bench_parallel_copy").mode("append")
+            parallel = parallel.options(dsn=PG_DSN, table=table.quoted)
+            conn.execute("CHECKPOINT")
+            timed("parallel", args.rows, parallel.save, results)
+            assert count(conn, table) == args.rows
+
             if not args.skip_jdbc:
                 table = fresh_outbox(conn, schema, "outbox_jdbc")
                 url = JDBC_URL + ("?reWriteBatchedInserts=true" if args.jdbc_rewrite else "")
@@ -155,6 +200,7 @@ def main() -> None:
     rates = dict(results)
     print(f"\noutbox / copy-rows = {rates['outbox'] / rates['copy-rows']:.2f}x (target >= 1)")
     print(f"outbox / copy-csv  = {rates['outbox'] / rates['copy-csv']:.2f}x")
+    print(f"parallel / copy-rows = {rates['parallel'] / rates['copy-rows']:.2f}x (ceiling of any Spark writer)")
     if "jdbc" in rates:
         print(f"outbox / jdbc      = {rates['outbox'] / rates['jdbc']:.2f}x (target >= 3)")
 

@@ -50,6 +50,9 @@ class OutboxColumns:
     limits: ColumnLimits
     # PostgreSQL type name of kafka_value: decides how staged values are cast at commit.
     value_type: str
+    # Both header columns have defaults, so a write without headers can leave them out of its COPY
+    # (goharvest's own layout declares them NOT NULL without one).
+    header_defaults: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,6 +32,8 @@ _VALUE_EXPR = {
 }
 _VALUE_KIND: dict[str, ValueKind] = {"json": "json", "jsonb": "json", "bytea": "bytes"}
 _TEXT_TYPES = ("varchar", "bpchar")
+# How much of the staged rows' COPY output the commit gathers per write into the outbox's COPY.
+_PUMP_BYTES = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,13 +81,15 @@ def describe(conn: Conn, table: TableName) -> OutboxColumns:
     if _regclass(conn, table.ident) is None:
         raise RecordError(f"outbox table {table} does not exist; create it with `reaper migrate`")
     rows = conn.execute(
-        "SELECT a.attname, t.typname, a.atttypmod FROM pg_attribute a JOIN pg_type t ON t.oid = a.atttypid"
-        " WHERE a.attrelid = to_regclass(%s) AND a.attname IN ('kafka_key', 'kafka_value')"
+        "SELECT a.attname, t.typname, a.atttypmod, a.atthasdef FROM pg_attribute a"
+        " JOIN pg_type t ON t.oid = a.atttypid WHERE a.attrelid = to_regclass(%s)"
+        " AND a.attname IN ('kafka_key', 'kafka_value', 'kafka_header_keys', 'kafka_header_values')"
         " AND a.attnum > 0 AND NOT a.attisdropped",
         (table.ident.as_string(conn),),
     ).fetchall()
     found = {str(r[0]): (str(r[1]), int(r[2])) for r in rows}
-    if set(found) != {"kafka_key", "kafka_value"}:
+    defaults = {str(r[0]) for r in rows if r[3]}
+    if not {"kafka_key", "kafka_value"} <= set(found):
         raise RecordError(f"{table} lacks kafka_key or kafka_value; is it an outbox table?")
 
     def max_chars(typname: str, typmod: int) -> int | None:
@@ -100,7 +104,8 @@ def describe(conn: Conn, table: TableName) -> OutboxColumns:
         value_max_chars=max_chars(value_type, value_mod),
         value_kind=_VALUE_KIND.get(value_type, "text"),
     )
-    return OutboxColumns(limits=limits, value_type=value_type)
+    header_defaults = {"kafka_header_keys", "kafka_header_values"} <= defaults
+    return OutboxColumns(limits=limits, value_type=value_type, header_defaults=header_defaults)
 
 
 def prepare(dsn: str, table: TableName, retention_seconds: int) -> OutboxColumns:
@@ -153,7 +158,7 @@ def stage(plan: WritePlan, batches: Iterator[Any], partition_id: int, attempt: i
     if first is None:
         return Staged(plan.write_id, None, partition_id, attempt, 0)
     names = SinkTables.of(plan.table)
-    copy = sql.SQL("COPY {} ({}) FROM STDIN (FORMAT csv)").format(
+    copy = sql.SQL("COPY {} ({}) FROM STDIN").format(
         names.staging, sql.SQL(", ").join(map(sql.Identifier, staging_columns(plan)))
     )
     with psycopg.connect(plan.dsn) as conn:
@@ -198,6 +203,56 @@ def _order(plan: WritePlan) -> sql.Composable:
     return sql.SQL("seq")
 
 
+def _copy_pair(plan: WritePlan, task_ids: list[int]) -> tuple[sql.Composed, sql.Composed]:
+    """``COPY … TO STDOUT`` of the staged rows in commit order, and the ``COPY … FROM STDIN`` of
+    the outbox that takes its output as it is (both in the text format)."""
+    names = SinkTables.of(plan.table)
+    columns = ["kafka_topic", "kafka_key", "kafka_value"]
+    # Without headers, the columns' defaults are far cheaper than parsing '{}' twice per row.
+    headers = ""
+    if plan.headers_column is not None or not plan.columns.header_defaults:
+        columns += ["kafka_header_keys", "kafka_header_values"]
+        headers = ", COALESCE(header_keys, '{}'), COALESCE(header_values, '{}')"
+    source = sql.SQL(
+        "COPY (SELECT {topic}, kafka_key, {value}{headers} FROM {staging}"
+        " WHERE task_id = ANY({tasks}::bigint[]) ORDER BY {order}) TO STDOUT"
+    ).format(
+        topic=sql.Literal(plan.topic) if plan.topic is not None else sql.SQL("kafka_topic"),
+        value=sql.SQL("value_bytes" if plan.columns.limits.value_kind == "bytes" else "value_text"),
+        headers=sql.SQL(headers),
+        staging=names.staging,
+        tasks=sql.Literal(task_ids),
+        order=_order(plan),
+    )
+    sink = sql.SQL("COPY {} ({}) FROM STDIN").format(names.outbox, sql.SQL(", ").join(map(sql.Identifier, columns)))
+    return source, sink
+
+
+def _move_staged(conn: Conn, plan: WritePlan, task_ids: list[int]) -> int:
+    """Stream the staged rows, sorted by a second connection, into the outbox through ``conn``'s
+    transaction; return the number of rows inserted.
+
+    COPY in, rather than ``INSERT … SELECT``, because PostgreSQL inserts COPY's rows in batches and
+    an ``INSERT … SELECT``'s one at a time. The reader runs in autocommit, so its lock on the
+    staging table is gone when its COPY ends.
+    """
+    source, sink = _copy_pair(plan, task_ids)
+    with psycopg.connect(plan.dsn, autocommit=True) as reader:
+        # The sort of the whole write happens here: in memory, and without JIT, which costs more
+        # than it saves on this plan.
+        reader.execute("SELECT set_config('work_mem', %s, false), set_config('jit', 'off', false)", (plan.work_mem,))
+        with reader.cursor().copy(source) as rows, conn.cursor() as cur:
+            with cur.copy(sink) as outbox:
+                pending = bytearray()
+                for chunk in rows:
+                    pending += chunk
+                    if len(pending) >= _PUMP_BYTES:
+                        outbox.write(pending)
+                        pending = bytearray()
+                outbox.write(pending)
+            return cur.rowcount
+
+
 def publish(plan: WritePlan, messages: Iterable[Staged | None], batch_id: int | None = None) -> int | None:
     """Driver side: move the staged rows into the outbox in one transaction.
 
@@ -215,9 +270,6 @@ def publish(plan: WritePlan, messages: Iterable[Staged | None], batch_id: int | 
     write_ids = sorted({plan.write_id, *(m.write_id for m in done)})
     names = SinkTables.of(plan.table)
     with psycopg.connect(plan.dsn) as conn, conn.transaction():
-        # A big ordered INSERT … SELECT: sort in memory, and skip JIT compilation, which costs
-        # more than it saves on this plan.
-        conn.execute("SELECT set_config('work_mem', %s, true), set_config('jit', 'off', true)", (plan.work_mem,))
         inserted: int | None = None
         fresh = True
         if batch_id is not None:
@@ -230,22 +282,16 @@ def publish(plan: WritePlan, messages: Iterable[Staged | None], batch_id: int | 
             ).fetchone()
             fresh = row is not None
         if fresh:
-            conn.execute(_batch_view(plan, task_ids))
-            cur = conn.execute(
-                sql.SQL(
-                    "INSERT INTO {outbox} (kafka_topic, kafka_key, kafka_value, kafka_header_keys, kafka_header_values)"
-                    " SELECT topic, key, value, header_keys, header_values FROM {view} ORDER BY {order}"
-                ).format(outbox=names.outbox, view=sql.Identifier(BATCH_VIEW), order=_order(plan))
-            )
-            inserted = cur.rowcount
+            inserted = _move_staged(conn, plan, task_ids) if task_ids else 0
             if inserted != expected:
                 raise RuntimeError(
                     f"found {inserted} staged rows where the tasks reported {expected}; were they removed as stale "
                     "(stagingRetentionSeconds)? Nothing was committed"
                 )
             if plan.commit_sql is not None:
+                conn.execute(_batch_view(plan, task_ids))
                 conn.execute(plan.commit_sql.encode("utf-8"))
-            conn.execute(sql.SQL("DROP VIEW {}").format(sql.Identifier(BATCH_VIEW)))
+                conn.execute(sql.SQL("DROP VIEW {}").format(sql.Identifier(BATCH_VIEW)))
         _delete_writes(conn, names, write_ids)
     return inserted
 

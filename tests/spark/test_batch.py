@@ -128,6 +128,38 @@ def test_topic_and_headers_from_columns(
     ]
 
 
+# Everything PostgreSQL's text COPY format escapes or treats specially, in every column.
+AWKWARD = ["tab\there", "line\nbreak", "carriage\rreturn", "back\\slash", "\\N", "\\x41", 'quote"s', "{br,ace}", "é ✓"]
+
+
+def test_special_characters_arrive_unchanged(
+    spark: SparkSession, sink: dict[str, str], pg: Conn, outbox: TableName
+) -> None:
+    rows = [(f"k{i}-{text}", text, {text: text}) for i, text in enumerate(AWKWARD)]
+    df = spark.createDataFrame(rows, "key string, value string, headers map<string,string>").coalesce(1)
+    df.write.format("outbox").mode("append").options(**sink, topic="t", headersColumn="headers").save()
+    assert records(pg, outbox) == [("t", key, value, [value], [value]) for key, value, _ in rows]
+
+
+def test_binary_values_with_every_byte_arrive_unchanged_in_a_bytea_outbox(
+    spark: SparkSession, services: Any, pg: Conn, schema: str
+) -> None:
+    table = TableName(schema, "outbox_bytes")
+    pg.execute(
+        sql.SQL(
+            "CREATE TABLE {} (id BIGSERIAL PRIMARY KEY, kafka_topic VARCHAR(249) NOT NULL,"
+            " kafka_key VARCHAR(100) NOT NULL, kafka_value BYTEA, kafka_header_keys TEXT[] NOT NULL,"
+            " kafka_header_values TEXT[] NOT NULL, leader_id UUID)"
+        ).format(table.ident)
+    )
+    values = [bytes(range(256)), b"\\N", b"", None]
+    df = spark.createDataFrame([(f"k{i}", v) for i, v in enumerate(values)], "key string, value binary")
+    df.coalesce(1).write.format("outbox").mode("append").options(
+        dsn=services.pg_dsn, table=table.qualified, topic="t"
+    ).save()
+    assert [row[2] for row in records(pg, table)] == values
+
+
 def test_header_pairs_and_binary_values_into_bytea_and_jsonb_outboxes(
     spark: SparkSession, services: Any, pg: Conn, schema: str
 ) -> None:
