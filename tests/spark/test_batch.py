@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import psycopg
+import pyarrow as pa
 import pytest
 from psycopg import sql
 from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql.types import StringType, StructField, StructType
 
 from harvester.identifiers import TableName
+from harvester.spark import store
+from harvester.spark.plan import resolve
 from harvester.spark.store import SinkTables, clean_stale
 
 pytestmark = pytest.mark.integration
@@ -64,6 +69,26 @@ def test_retried_task_commits_each_row_once_in_dataframe_order(
     for _, key, value, _, _ in got:
         by_key[key].append(int(value))
     assert all(values == sorted(values) for values in by_key.values())
+    assert leftovers(pg, outbox) == (0, 0)
+
+
+def test_speculative_attempt_that_also_staged_its_rows_contributes_nothing(
+    sink: dict[str, str], pg: Conn, outbox: TableName
+) -> None:
+    # Local mode never launches speculative copies (one host), so both attempts of partition 0 run
+    # the executor code by hand: each stages successfully, and Spark reports only the winner.
+    schema = StructType([StructField("key", StringType()), StructField("value", StringType())])
+    plan = resolve({**sink, "topic": "t"}, schema, store.prepare, streaming=False)
+
+    def batches(value: str) -> Iterator[pa.RecordBatch]:
+        yield pa.RecordBatch.from_pydict({"key": ["k", "k"], "value": [f"{value}-1", f"{value}-2"]})
+
+    loser = store.stage(plan, batches("original"), partition_id=0, attempt=0)
+    winner = store.stage(plan, batches("speculative"), partition_id=0, attempt=1)
+    other = store.stage(plan, batches("other"), partition_id=1, attempt=0)
+    assert loser.rows == winner.rows == 2 and leftovers(pg, outbox) == (6, 3)
+    assert store.publish(plan, [winner, other]) == 4
+    assert [v for _, _, v, _, _ in records(pg, outbox)] == ["speculative-1", "speculative-2", "other-1", "other-2"]
     assert leftovers(pg, outbox) == (0, 0)
 
 
