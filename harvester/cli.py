@@ -338,7 +338,8 @@ class _HealthCache:
                 return
 
     def liveness(self) -> tuple[bool, Mapping[str, object]]:
-        return True, {}
+        alive = self._harvester.alive
+        return alive, {"threads_alive": alive}
 
     def readiness(self) -> tuple[bool, Mapping[str, object]]:
         with self._lock:

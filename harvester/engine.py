@@ -62,6 +62,18 @@ _COMPLETION_BATCH = 5000
 _T = TypeVar("_T")
 
 
+def _logged(loop: Callable[[], None]) -> Callable[[], None]:
+    """``loop``, logging the error that ends it: the thread is gone then (see :attr:`Engine.alive`)."""
+
+    def run() -> None:
+        try:
+            loop()
+        except Exception:
+            log.exception("thread_died", thread=threading.current_thread().name)
+
+    return run
+
+
 class Engine:
     """MP/R over a :class:`Store` and a :class:`Publisher`, driven by leadership events."""
 
@@ -118,9 +130,9 @@ class Engine:
         self._purge_jobs: queue.SimpleQueue[tuple[list[MarkedRecord], int] | None] = queue.SimpleQueue()
         self._pending_purges = 0
         self._threads = [
-            threading.Thread(target=self._mark_loop, name="harvester-mark", daemon=True),
+            threading.Thread(target=_logged(self._mark_loop), name="harvester-mark", daemon=True),
             threading.Thread(
-                target=self._completion_loop if transactions is None else self._purge_loop,
+                target=_logged(self._completion_loop if transactions is None else self._purge_loop),
                 name="harvester-complete",
                 daemon=True,
             ),
@@ -165,6 +177,12 @@ class Engine:
             t.join(timeout)
 
     # ------------------------------------------------------------------ state
+
+    @property
+    def alive(self) -> bool:
+        """False when a worker thread died while the engine should run: a bug, which only a restart
+        of the process repairs (the reaper's liveness probe reports it)."""
+        return self._stopping.is_set() or all(t.is_alive() for t in self._threads)
 
     @property
     def leader_id(self) -> UUID | None:

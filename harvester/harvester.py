@@ -72,6 +72,8 @@ class Harvester:
         )
         self._elector = elector if elector is not None else neli_elector(config)
         self._engine: Engine | None = None
+        self._started = threading.Event()
+        self._stopping = threading.Event()
         self._stopped = threading.Event()
         self._meter = threading.Thread(target=self._meter_loop, name="harvester-meter", daemon=True)
 
@@ -109,12 +111,14 @@ class Harvester:
         self._engine.start()
         self._elector.start(self._engine.on_leader_event)
         self._meter.start()
+        self._started.set()
         log.info("harvester_started", table=cfg.table.qualified, group=cfg.group_id, topic=cfg.topic)
 
     def stop(self, timeout: float | None = None) -> None:
         """Stop gracefully: finish in-flight work (up to ``timeout``), then leave the group."""
         if self._stopped.is_set():
             return
+        self._stopping.set()
         budget = self.config.limits.drain_interval.total_seconds() if timeout is None else timeout
         engine = self._engine
         if engine is not None:
@@ -133,6 +137,15 @@ class Harvester:
         return self._stopped.wait(timeout)
 
     # ------------------------------------------------------------------ state
+
+    @property
+    def alive(self) -> bool:
+        """False when one of the harvester's threads (marking, completion, election, metering) died
+        while it should run; such a process harvests no more and should be restarted."""
+        engine = self._engine
+        if engine is None or not self._started.is_set() or self._stopping.is_set():
+            return True
+        return engine.alive and self._elector.running and self._meter.is_alive()
 
     @property
     def is_leader(self) -> bool:

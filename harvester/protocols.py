@@ -138,3 +138,8 @@ class Elector(Protocol):
     def status(self) -> LeaderStatus:
         """The current view of leadership."""
         ...
+
+    @property
+    def running(self) -> bool:
+        """Whether the elector is competing (after ``start``, before ``close``)."""
+        ...

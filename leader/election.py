@@ -156,6 +156,12 @@ class NeliElector:
         with self._lock:
             return self._state.status(self._clock())
 
+    @property
+    def running(self) -> bool:
+        """Whether the election thread runs: False before :meth:`start`, after :meth:`close`, and
+        after an unexpected error ended it."""
+        return self._thread is not None and self._thread.is_alive()
+
     def start(self, on_event: Callable[[LeaderEvent], None]) -> None:
         """Ensure the leader topic exists, join the group and start the election thread.
 

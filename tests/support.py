@@ -211,6 +211,10 @@ class ManualElector:
     def status(self) -> Any:
         return self._status_type(self._leader_id is not None, self._leader_id, None)
 
+    @property
+    def running(self) -> bool:
+        return self._on_event is not None
+
 
 class PrivatePostgres:
     """A PostgreSQL cluster of its own (own port and data directory) for tests that restart the

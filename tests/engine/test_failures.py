@@ -124,3 +124,24 @@ def test_broker_restart_mid_run(
     expected = {f"k{i}": 50 for i in range(40)}
     verdict = check(read_messages(private_kafka.bootstrap, [topic], 2000), expected)
     assert verdict.lost == [] and verdict.out_of_order == [] and verdict.unexpected == 0
+
+
+def test_a_dead_marking_thread_makes_the_harvester_not_alive(
+    services: Services, outbox: TableName, topics: Callable[..., str], make_harvester: HarvesterFactory,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    topic = topics()
+    h = make_harvester()
+    insert(services.pg_dsn, outbox, [(topic, "k", "k:0")])
+    assert wait_drained(services.pg_dsn, outbox) == 0
+    assert h.alive
+
+    def bug(*_: object) -> None:
+        raise RuntimeError("a bug, not a database error")
+
+    # Not a StoreError: nothing retries it, the thread ends, and only a restart would help.
+    monkeypatch.setattr(h._store, "mark", bug)
+    insert(services.pg_dsn, outbox, [(topic, "k", "k:1")])
+    assert wait_until(lambda: not h.alive)
+    h.stop()
+    assert h.alive  # a stopped harvester is not a dead one
