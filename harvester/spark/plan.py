@@ -48,11 +48,11 @@ class OutboxColumns:
     """The outbox table's column types, as read from the catalog."""
 
     limits: ColumnLimits
-    # PostgreSQL type name of kafka_value: decides how staged values are cast at commit.
+    # PostgreSQL type name of kafka_value: decides how the commitSql view casts staged values.
     value_type: str
     # Both header columns have defaults, so a write without headers can leave them out of its COPY
     # (goharvest's own layout declares them NOT NULL without one).
-    header_defaults: bool = False
+    header_defaults: bool
 
 
 @dataclass(frozen=True, slots=True)
