@@ -30,6 +30,11 @@ _NEWLINE = pa.scalar("\n", pa.large_string())
 _NOTHING = pa.scalar("", pa.large_string())
 
 
+def staged_value_column(plan: WritePlan) -> str:
+    """The staging column that holds the values of ``plan``: bytes for a BYTEA outbox, else text."""
+    return "value_bytes" if plan.columns.limits.value_kind == "bytes" else "value_text"
+
+
 def staging_columns(plan: WritePlan) -> list[str]:
     """The staging columns the executors' COPY fills for ``plan``, in line order."""
     columns = ["task_id", "seq"]
@@ -37,7 +42,7 @@ def staging_columns(plan: WritePlan) -> list[str]:
         columns.append("sort_number" if plan.sort_kind == "number" else "sort_text")
     if plan.topic_column is not None:
         columns.append("kafka_topic")
-    columns += ["kafka_key", "value_bytes" if plan.columns.limits.value_kind == "bytes" else "value_text"]
+    columns += ["kafka_key", staged_value_column(plan)]
     if plan.headers_column is not None:
         columns += ["header_keys", "header_values"]
     return columns

@@ -12,7 +12,7 @@ from psycopg import sql
 from harvester.identifiers import TableName
 from harvester.migrations import _LOCK_KEY, available, render
 from harvester.record import ColumnLimits, RecordError, ValueKind
-from harvester.spark.encode import PartitionEncoder, staging_columns
+from harvester.spark.encode import PartitionEncoder, staged_value_column, staging_columns
 from harvester.spark.plan import OutboxColumns, WritePlan
 
 Conn = psycopg.Connection[tuple[Any, ...]]
@@ -20,8 +20,8 @@ Conn = psycopg.Connection[tuple[Any, ...]]
 _MIGRATION = "0005_spark_sink"
 # Name of the temporary view through which commitSql sees the rows being committed.
 BATCH_VIEW = "outbox_batch"
-# How the staged value becomes the outbox column's type; keyed by the catalog's type name, so no
-# type name from the catalog is ever spliced into SQL.
+# The outbox value types the sink supports, and how the commitSql view shows a staged value as
+# that type; keyed by the catalog's type name, so no type name from the catalog is spliced into SQL.
 _VALUE_EXPR = {
     "varchar": sql.SQL("value_text"),
     "text": sql.SQL("value_text"),
@@ -218,7 +218,7 @@ def _copy_pair(plan: WritePlan, task_ids: list[int]) -> tuple[sql.Composed, sql.
         " WHERE task_id = ANY({tasks}::bigint[]) ORDER BY {order}) TO STDOUT"
     ).format(
         topic=sql.Literal(plan.topic) if plan.topic is not None else sql.SQL("kafka_topic"),
-        value=sql.SQL("value_bytes" if plan.columns.limits.value_kind == "bytes" else "value_text"),
+        value=sql.Identifier(staged_value_column(plan)),
         headers=sql.SQL(headers),
         staging=names.staging,
         tasks=sql.Literal(task_ids),
