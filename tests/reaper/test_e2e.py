@@ -239,6 +239,9 @@ def test_reapers_drain_hand_over_and_lose_nothing(
         b.signal(signal.SIGTERM, signal.SIGINT)
         assert b.exit_code(30) in (128 + signal.SIGINT, 128 + signal.SIGTERM)
         c = spawn(config, "reaper-c")
+        # B may have purged everything before its exit, so an empty outbox alone does not show that C
+        # is up; signalled before it installs its handlers, C would die of the SIGTERM.
+        wait_for("reaper-c to lead", c.is_leader)
         wait_for("the outbox to drain after the immediate exit", lambda: outbox_count(pg, table) == 0)
         c.signal(signal.SIGTERM)
         assert c.exit_code(30) == 0
