@@ -52,7 +52,7 @@ from typing import Any
 
 import psycopg
 import structlog
-from confluent_kafka import Consumer, Message, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 from prometheus_client import CollectorRegistry, Counter
 from psycopg import sql
 from psycopg.types.json import Jsonb
@@ -186,6 +186,8 @@ class DedupReader:
     Messages without identity headers, and error events, pass through untouched. Use one reader per
     consumer, from one thread. For exactly-once processing, disable ``enable.auto.commit`` and
     store the reader's :meth:`checkpoint` in the transaction that applies the messages' effects.
+    Pass ``cooperative=True`` when the consumer subscribes with cooperative rebalancing (see
+    :meth:`on_assign`).
     """
 
     def __init__(
@@ -197,8 +199,10 @@ class DedupReader:
         depth: int = DEFAULT_DEPTH,
         terms: int = DEFAULT_TERMS,
         registry: CollectorRegistry | None = None,
+        cooperative: bool = False,
     ) -> None:
         self.consumer = consumer
+        self.cooperative = cooperative
         self.headers = headers
         self.registry = registry if registry is not None else CollectorRegistry()
         self._dropped_metric = Counter(
@@ -300,9 +304,28 @@ class DedupReader:
         return out
 
     def on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        """``on_assign`` callback for ``Consumer.subscribe`` (eager rebalancing): starts each partition
-        this reader has a position for (read or restored) there, the others where the group would."""
-        consumer.assign(self._with_offsets(partitions))
+        """``on_assign`` callback for ``Consumer.subscribe``: starts each partition this reader has a
+        position for (read or restored) there, the others where the group would.
+
+        With eager rebalancing (the default assignors) ``partitions`` replace the assignment; a reader
+        made with ``cooperative=True`` adds them to it instead, as the ``cooperative-sticky``
+        assignor and ``group.protocol=consumer`` require.
+        """
+        started = self._with_offsets(partitions)
+        try:
+            if self.cooperative:
+                consumer.incremental_assign(started)
+            else:
+                consumer.assign(started)
+        except KafkaException as e:
+            if e.args[0].code() != KafkaError._STATE:
+                raise
+            # librdkafka refuses the call that does not match the group's rebalance protocol.
+            wanted = "False" if self.cooperative else "True"
+            raise RuntimeError(
+                f"the consumer's rebalance protocol does not match DedupReader(cooperative={self.cooperative}):"
+                f" create the reader with cooperative={wanted}"
+            ) from e
 
     def assign(self, partitions: list[TopicPartition]) -> None:
         """Assign ``partitions`` to the consumer, starting each at this reader's position if it has one."""

@@ -7,6 +7,7 @@ end-to-end test in test_harvester.py has a real harvester produce the duplicates
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -72,8 +73,18 @@ def test_induced_duplicates_each_record_once_in_key_order(services: Services, to
     assert registry.get_sample_value("harvester_dedup_duplicates_dropped_total") == dropped
 
 
+# The rebalance protocols a subscribed reader meets: eager, cooperative (KIP-429) and the
+# broker-driven consumer protocol (KIP-848); the last two add partitions incrementally.
+PROTOCOLS = {
+    "eager": {},
+    "cooperative-sticky": {"partition.assignment.strategy": "cooperative-sticky"},
+    "consumer-protocol": {"group.protocol": "consumer"},
+}
+
+
+@pytest.mark.parametrize("protocol", list(PROTOCOLS))
 def test_restart_from_checkpoint_still_exactly_once(
-    services: Services, topics: Callable[..., str], pg: psycopg.Connection[Any], schema: str
+    services: Services, topics: Callable[..., str], pg: psycopg.Connection[Any], schema: str, protocol: str
 ) -> None:
     topic = topics(partitions=2)
     received = sql.Identifier(schema, "received")
@@ -109,10 +120,10 @@ def test_restart_from_checkpoint_still_exactly_once(
 
     # A new process, a new consumer group starting at "latest": only the checkpoint says where to resume.
     with (
-        consumer(services, **{"auto.offset.reset": "latest"}) as c,
+        consumer(services, **{"auto.offset.reset": "latest"}, **PROTOCOLS[protocol]) as c,
         psycopg.connect(services.pg_dsn, autocommit=True) as conn,
     ):
-        second = DedupReader.load(conn, "orders", c, table=table)
+        second = DedupReader.load(conn, "orders", c, table=table, cooperative=protocol != "eager")
         c.subscribe([topic], on_assign=second.on_assign)
         with conn.transaction():
             apply(conn, second, read_to(second, ends(c, topic, 2)))
@@ -126,3 +137,17 @@ def test_restart_from_checkpoint_still_exactly_once(
     for key, value in rows:
         got[str(key)].append(str(value))
     assert dict(got) == expected(before + after)
+
+
+@pytest.mark.parametrize(("protocol", "cooperative"), [("eager", True), ("cooperative-sticky", False)])
+def test_a_reader_that_mismatches_the_rebalance_protocol_says_how_to_fix_it(
+    services: Services, topics: Callable[..., str], protocol: str, cooperative: bool
+) -> None:
+    topic = topics(partitions=1)
+    with consumer(services, **PROTOCOLS[protocol]) as c:
+        reader = DedupReader(c, cooperative=cooperative)
+        c.subscribe([topic], on_assign=reader.on_assign)
+        with pytest.raises(RuntimeError, match=f"create the reader with cooperative={not cooperative}"):
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                reader.poll(0.5)
