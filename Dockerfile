@@ -33,7 +33,8 @@ ENV PATH=/opt/reaper/bin:$PATH \
     REAPER_CONFIG=/etc/reaper/reaper.yaml
 USER 10001:10001
 EXPOSE 9090
-# /healthz answers while the process is alive; the port follows REAPER_HTTP__PORT when that is set.
+# /healthz answers 200 while every harvester thread runs, 503 once one has died; the port follows
+# REAPER_HTTP__PORT when that is set.
 HEALTHCHECK --interval=15s --timeout=5s --start-period=30s --retries=3 \
   CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/healthz' % os.environ.get('REAPER_HTTP__PORT', '9090'), timeout=4)"]
 ENTRYPOINT ["reaper"]
