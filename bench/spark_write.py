@@ -163,20 +163,25 @@ def main() -> None:
     spark.sparkContext.setLogLevel("ERROR")
     register(spark)
     spark.dataSource.register(ParallelCopy)
-    df = spark.range(0, args.rows, 1, args.partitions).selectExpr(
-        "'bench.orders' AS kafka_topic",
-        "concat('key-', id % 1000) AS kafka_key",
-        "concat('{\"order\":', id, ',\"status\":\"created\",\"total\":42.5}') AS kafka_value",
-    )
+
+    def frame(rows: int) -> Any:
+        """The bench's rows, ``rows`` of them, in ``--partitions`` partitions."""
+        return spark.range(0, rows, 1, args.partitions).selectExpr(
+            "'bench.orders' AS kafka_topic",
+            "concat('key-', id % 1000) AS kafka_key",
+            "concat('{\"order\":', id, ',\"status\":\"created\",\"total\":42.5}') AS kafka_value",
+        )
+
+    df = frame(args.rows)
     schema = f"bench_{uuid.uuid4().hex[:8]}"
     rates: dict[str, list[float]] = {}
     with psycopg.connect(PG_DSN, autocommit=True) as conn:
         try:
             # Untimed: starts a Python worker per core and compiles the DataFrame's code, as in a
-            # long-running application; then every writer writes a few rows, so that none pays
-            # for its first use in round 1.
+            # long-running application; then every writer writes a few rows, in as many partitions
+            # as the timed writes so that every Python worker has loaded what its writer needs.
             df.write.format("noop").mode("overwrite").save()
-            for label, write in writers(df.limit(2000), args).items():
+            for label, write in writers(frame(2000), args).items():
                 write(fresh_outbox(conn, schema, f"warm_{label.replace('-', '_')}"))
             candidates = writers(df, args)
             for round_no in range(1, args.rounds + 1):
