@@ -321,10 +321,9 @@ class DedupReader:
             if e.args[0].code() != KafkaError._STATE:
                 raise
             # librdkafka refuses the call that does not match the group's rebalance protocol.
-            wanted = "False" if self.cooperative else "True"
             raise RuntimeError(
                 f"the consumer's rebalance protocol does not match DedupReader(cooperative={self.cooperative}):"
-                f" create the reader with cooperative={wanted}"
+                f" create the reader with cooperative={not self.cooperative}"
             ) from e
 
     def assign(self, partitions: list[TopicPartition]) -> None:
