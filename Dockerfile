@@ -13,7 +13,6 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
 WORKDIR /src
 # README.md is left out on purpose: the image needs no long description, and the build must not depend on it.
 COPY pyproject.toml ./
-COPY sql/ sql/
 COPY leader/ leader/
 COPY harvester/ harvester/
 # confluent-kafka and psycopg[binary] ship manylinux wheels (librdkafka and libpq inside): no compiler needed.

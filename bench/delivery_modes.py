@@ -18,11 +18,15 @@ import harvest
 import psycopg
 
 from harvester import Engine, Limits, PostgresStore, TableName
-from harvester.metrics import HarvesterMetrics
-from harvester.protocols import DeliveryCallback
-from harvester.publisher import KafkaPublisher, producer_config
-from harvester.record import MarkedRecord
-from harvester.transactional import KafkaTransactionalPublisher, ensure_topic
+from harvester.core.at_least_once import at_least_once
+from harvester.core.dispatch import DispatcherFactory
+from harvester.core.exactly_once import exactly_once
+from harvester.core.metrics import HarvesterMetrics
+from harvester.core.protocols import DeliveryCallback
+from harvester.core.records import MarkedRecord
+from harvester.kafka.publisher import KafkaPublisher, producer_config
+from harvester.kafka.topics import ensure_topic
+from harvester.kafka.transactions import KafkaTransactionalPublisher
 from leader.events import LeaderAcquired
 
 
@@ -42,13 +46,9 @@ class TimedTransactions(KafkaTransactionalPublisher):
 
 
 def start(table: TableName, limits: Limits, mode: str, acked: dict[int, float]) -> tuple[Engine, PostgresStore]:
-    store = PostgresStore(harvest.DSN, table)
+    store = PostgresStore.open(harvest.DSN, table)
     config = producer_config({"bootstrap.servers": harvest.BOOTSTRAP}, {})
-    transactions = None
-    if mode == "exactly_once":
-        group = f"bench_{uuid.uuid4().hex[:8]}"
-        ensure_topic(config, f"{group}.checkpoints")
-        transactions = TimedTransactions(acked, config, f"{group}.harvester", f"{group}.checkpoints")
+    dispatcher: DispatcherFactory
 
     def factory(cb: DeliveryCallback) -> KafkaPublisher:
         def timed(record: MarkedRecord, error: Exception | None) -> None:
@@ -58,7 +58,14 @@ def start(table: TableName, limits: Limits, mode: str, acked: dict[int, float]) 
 
         return KafkaPublisher(config, timed)
 
-    engine = Engine(store, factory, limits, HarvesterMetrics(), lambda e: None, transactions=transactions)
+    if mode == "exactly_once":
+        group = f"bench_{uuid.uuid4().hex[:8]}"
+        ensure_topic(config, f"{group}.checkpoints")
+        transactions = TimedTransactions(acked, config, f"{group}.harvester", f"{group}.checkpoints")
+        dispatcher = exactly_once(store, transactions)
+    else:
+        dispatcher = at_least_once(store, factory)
+    engine = Engine(store, dispatcher, limits, HarvesterMetrics(), lambda e: None)
     engine.start()
     engine.on_leader_event(LeaderAcquired(uuid.uuid4()))
     return engine, store

@@ -27,10 +27,11 @@ from confluent_kafka.admin import AdminClient, NewTopic
 from psycopg import sql
 
 from harvester import Engine, Limits, PostgresStore, TableName, migrate
-from harvester.metrics import HarvesterMetrics
-from harvester.protocols import DeliveryCallback
-from harvester.publisher import KafkaPublisher, producer_config
-from harvester.record import MarkedRecord
+from harvester.core.at_least_once import at_least_once
+from harvester.core.metrics import HarvesterMetrics
+from harvester.core.protocols import DeliveryCallback
+from harvester.core.records import MarkedRecord
+from harvester.kafka.publisher import KafkaPublisher, producer_config
 from leader.events import LeaderAcquired
 
 DSN = os.environ.get(
@@ -96,7 +97,7 @@ def ceiling_producer(records: int, keys: int) -> float:
 def ceiling_sql(conn: psycopg.Connection[Any], records: int, keys: int, batch: int) -> float:
     table = fresh_outbox(conn)
     preload(conn, table, "t", records, keys)
-    store = PostgresStore(DSN, table)
+    store = PostgresStore.open(DSN, table)
     leader = uuid.uuid4()
     store.acquire(leader)
     started = time.perf_counter()
@@ -126,14 +127,14 @@ class TimedPublisher(KafkaPublisher):
 
 
 def run_engine(table: TableName, limits: Limits, acked: dict[int, float] | None = None) -> tuple[Engine, PostgresStore]:
-    store = PostgresStore(DSN, table)
+    store = PostgresStore.open(DSN, table)
     config = producer_config({"bootstrap.servers": BOOTSTRAP}, {})
     sink: dict[int, float] = acked if acked is not None else {}
 
     def factory(cb: DeliveryCallback) -> KafkaPublisher:
         return TimedPublisher(config, cb, sink)
 
-    engine = Engine(store, factory, limits, HarvesterMetrics(), lambda e: None)
+    engine = Engine(store, at_least_once(store, factory), limits, HarvesterMetrics(), lambda e: None)
     engine.start()
     engine.on_leader_event(LeaderAcquired(uuid.uuid4()))
     return engine, store
@@ -223,11 +224,11 @@ def latency(conn: psycopg.Connection[Any], keys: int, rate: float, seconds: floa
 
 def idle_queries(conn: psycopg.Connection[Any], limits: Limits, seconds: float = 5.0) -> float:
     table = fresh_outbox(conn)
-    store = PostgresStore(DSN, table)
+    store = PostgresStore.open(DSN, table)
     metrics = HarvesterMetrics()
     engine = Engine(
         store,
-        lambda cb: KafkaPublisher(producer_config({"bootstrap.servers": BOOTSTRAP}, {}), cb),
+        at_least_once(store, lambda cb: KafkaPublisher(producer_config({"bootstrap.servers": BOOTSTRAP}, {}), cb)),
         limits,
         metrics,
         lambda e: None,

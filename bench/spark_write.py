@@ -45,8 +45,8 @@ from pyspark.sql.types import StructType
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from harvester.identifiers import TableName
-from harvester.migrations import migrate
+from harvester.postgres.identifiers import TableName
+from harvester.postgres.migrations import migrate
 from harvester.spark import register
 from harvester.spark.encode import text_lines
 

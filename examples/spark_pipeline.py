@@ -31,8 +31,6 @@ from pathlib import Path
 
 import psycopg
 from confluent_kafka import Producer
-from confluent_kafka.admin import AdminClient
-from confluent_kafka.cimpl import NewTopic
 from psycopg import sql
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as f
@@ -40,8 +38,9 @@ from pyspark.sql import functions as f
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from harvester import Harvester, HarvesterConfig
-from harvester.identifiers import TableName
-from harvester.migrations import migrate
+from harvester.kafka.topics import ensure_topic
+from harvester.postgres.identifiers import TableName
+from harvester.postgres.migrations import migrate
 from harvester.spark import register
 
 # The newest Kafka connector on Maven Central; Spark 4.3 runs the 4.2 connector unchanged.
@@ -52,15 +51,6 @@ DEFAULT_DSN = "host=127.0.0.1 port=5432 user=harvester password=local-dev-secret
 def order(n: int, customers: int) -> dict[str, int | str]:
     """The n-th sample order; deterministic, so a test can compute the expected totals."""
     return {"order": n, "customer": f"c{n % customers}", "amount": (n * 37) % 100 + 1}
-
-
-def ensure_topics(bootstrap: str, names: list[str]) -> None:
-    """Create the topics that do not exist yet (the local broker does not auto-create them)."""
-    admin = AdminClient({"bootstrap.servers": bootstrap})
-    existing = set(admin.list_topics(timeout=30).topics)
-    missing = [NewTopic(n, num_partitions=1, replication_factor=1) for n in names if n not in existing]
-    for future in admin.create_topics(missing).values() if missing else ():
-        future.result(30)
 
 
 def produce_orders(bootstrap: str, topic: str, events: int, customers: int) -> None:
@@ -168,7 +158,8 @@ def stream_totals(spark: SparkSession, args: argparse.Namespace, table: TableNam
 def run(spark: SparkSession, args: argparse.Namespace) -> None:
     """Set up, run the streaming query, wait for the harvester to publish everything, stop."""
     table = TableName.parse(args.table)
-    ensure_topics(args.bootstrap, [args.input_topic, args.output_topic])
+    for topic in (args.input_topic, args.output_topic):
+        ensure_topic({"bootstrap.servers": args.bootstrap}, topic)
     upsert = prepare_tables(args.dsn, table)
     if args.events:
         produce_orders(args.bootstrap, args.input_topic, args.events, args.customers)

@@ -1,21 +1,61 @@
 """Transactional outbox harvester for PostgreSQL and Apache Kafka.
 
-Applications write :class:`OutboxRecord` s in their own transactions (see :mod:`harvester.stasher`);
-a :class:`Harvester` drains the outbox into Kafka with mark-purge/reset while it leads its group.
+Applications write :class:`OutboxRecord` s in their own transactions with a :class:`Stasher`
+(:mod:`harvester.client`); a :class:`Harvester` drains the outbox into Kafka with mark-purge/reset
+while it leads its group. The package's layers are described in ``docs/architecture.md``.
+
+Names are imported on first use, so an application that only stashes records never loads the
+engine, confluent-kafka or pyspark.
 """
 
-from harvester.config import HarvesterConfig, Limits
-from harvester.dedup import DedupReader, DedupState
-from harvester.engine import Engine
-from harvester.events import Event, LeaderAcquired, LeaderFenced, LeaderRefreshed, LeaderRevoked, MeterRead
-from harvester.harvester import Harvester
-from harvester.identifiers import IdentifierError, TableName
-from harvester.migrations import migrate
-from harvester.record import ColumnLimits, MarkedRecord, OutboxRecord, RecordError
-from harvester.stasher import Stasher, stash
-from harvester.store import OutboxMissingError, PostgresStore, StoreError
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from harvester.client.dedup import DedupReader, DedupState
+    from harvester.client.stasher import Stasher, stash
+    from harvester.config import HarvesterConfig
+    from harvester.core.engine import Engine
+    from harvester.core.events import Event, LeaderAcquired, LeaderFenced, LeaderRefreshed, LeaderRevoked, MeterRead
+    from harvester.core.limits import Limits
+    from harvester.core.records import ColumnLimits, MarkedRecord, OutboxRecord, RecordError
+    from harvester.harvester import Harvester
+    from harvester.postgres.catalog import OutboxMissingError
+    from harvester.postgres.identifiers import IdentifierError, TableName
+    from harvester.postgres.migrations import migrate
+    from harvester.postgres.store import PostgresStore, StoreError
 
 __version__ = "0.1.0"
+
+# Public name -> the module that defines it.
+_EXPORTS = {
+    "ColumnLimits": "harvester.core.records",
+    "DedupReader": "harvester.client.dedup",
+    "DedupState": "harvester.client.dedup",
+    "Engine": "harvester.core.engine",
+    "Event": "harvester.core.events",
+    "Harvester": "harvester.harvester",
+    "HarvesterConfig": "harvester.config",
+    "IdentifierError": "harvester.postgres.identifiers",
+    "LeaderAcquired": "harvester.core.events",
+    "LeaderFenced": "harvester.core.events",
+    "LeaderRefreshed": "harvester.core.events",
+    "LeaderRevoked": "harvester.core.events",
+    "Limits": "harvester.core.limits",
+    "MarkedRecord": "harvester.core.records",
+    "MeterRead": "harvester.core.events",
+    "OutboxMissingError": "harvester.postgres.catalog",
+    "OutboxRecord": "harvester.core.records",
+    "PostgresStore": "harvester.postgres.store",
+    "RecordError": "harvester.core.records",
+    "Stasher": "harvester.client.stasher",
+    "StoreError": "harvester.postgres.store",
+    "TableName": "harvester.postgres.identifiers",
+    "migrate": "harvester.postgres.migrations",
+    "stash": "harvester.client.stasher",
+}
 
 __all__ = [
     "ColumnLimits",
@@ -44,3 +84,16 @@ __all__ = [
     "migrate",
     "stash",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'harvester' has no attribute {name!r}")
+    value = getattr(import_module(module), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

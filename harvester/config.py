@@ -1,4 +1,4 @@
-"""Configuration of a harvester: the outbox, Kafka, leader election and the MP/R limits.
+"""Configuration of an embedded harvester: the outbox, Kafka, leader election, delivery, and the limits.
 
 Field names are snake_case; every field also accepts goharvest's camelCase spelling, so a goharvest
 ``harvest:`` block validates unchanged. Durations accept Go-style strings (``100ms``, ``5s``).
@@ -9,80 +9,18 @@ from __future__ import annotations
 
 import os
 import socket
-from datetime import timedelta
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import AliasChoices, AliasGenerator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator
-from pydantic.alias_generators import to_camel
+from pydantic import AliasChoices, BaseModel, Field, field_validator
 
-from harvester.durations import parse_duration
-from harvester.identifiers import TableName
-
-Duration = Annotated[timedelta, BeforeValidator(parse_duration)]
-
-# Every field also accepts its camelCase spelling (goharvest's); irregular ones are spelled out.
-_BOTH_SPELLINGS = ConfigDict(
-    extra="forbid",
-    frozen=True,
-    populate_by_name=True,
-    alias_generator=AliasGenerator(validation_alias=lambda name: AliasChoices(name, to_camel(name))),
-)
-
-
-class Limits(BaseModel):
-    """Tuning of the MP/R loop and of leader election."""
-
-    model_config = _BOTH_SPELLINGS
-
-    io_error_backoff: Duration = Field(default=timedelta(milliseconds=500))
-    poll_duration: Duration = Field(default=timedelta(milliseconds=1))
-    min_poll_interval: Duration = Field(
-        default=timedelta(milliseconds=100),
-    )
-    max_poll_interval: Duration = Field(default=timedelta(minutes=5))
-    heartbeat_timeout: Duration = Field(default=timedelta(seconds=5))
-    drain_interval: Duration = Field(default=timedelta(minutes=1))
-    queue_timeout: Duration = Field(default=timedelta(seconds=30))
-    mark_backoff: Duration = Field(default=timedelta(milliseconds=10))
-    max_mark_backoff: Duration = Field(
-        default=timedelta(milliseconds=500),
-        description="Ceiling of the adaptive back-off while the outbox stays empty.",
-    )
-    max_in_flight_records: int = Field(default=1000, ge=1)
-    max_queued_records: int = Field(
-        default=10000,
-        ge=1,
-        description="Bound on marked records waiting behind a busy key (memory bound of the key FIFOs).",
-    )
-    min_metrics_interval: Duration = Field(
-        default=timedelta(seconds=5),
-    )
-    send_concurrency: int = Field(
-        default=8,
-        ge=1,
-        description="Accepted for goharvest compatibility; one librdkafka producer already sends concurrently.",
-    )
-    send_buffer: int = Field(default=10, ge=0)
-    max_attempts: int = Field(
-        default=3,
-        ge=1,
-        description="Permanent delivery failures of a record before it is dead-lettered.",
-    )
-    retry_backoff: Duration = Field(
-        default=timedelta(milliseconds=100),
-        description="First back-off after a retriable delivery failure; doubles (with jitter) per round.",
-    )
-    max_retry_backoff: Duration = Field(
-        default=timedelta(seconds=10),
-        description="Ceiling of the retriable-failure back-off.",
-    )
-    mark_query_records: int = Field(default=100, ge=1)
+from harvester.core.limits import BOTH_SPELLINGS, Limits
+from harvester.postgres.identifiers import TableName
 
 
 class HarvesterConfig(BaseModel):
     """Everything a :class:`harvester.Harvester` needs."""
 
-    model_config = _BOTH_SPELLINGS
+    model_config = BOTH_SPELLINGS
 
     data_source: str = Field(
         default="host=127.0.0.1 port=5432 user=harvester password=local-dev-secret dbname=harvester",

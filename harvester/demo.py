@@ -19,23 +19,15 @@ from pathlib import Path
 
 import psycopg
 from confluent_kafka import Consumer, KafkaError
-from confluent_kafka.admin import AdminClient
-from confluent_kafka.cimpl import NewTopic
 
-from harvester.record import OutboxRecord
-from harvester.stasher import Stasher
+from harvester.client.stasher import Stasher
+from harvester.core.records import OutboxRecord
+from harvester.kafka.topics import ensure_topic
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "deploy" / "local" / "reaper.yaml"
 DSN = "host=127.0.0.1 port=5432 user=harvester password=local-dev-secret dbname=harvester"
 BOOTSTRAP = "127.0.0.1:9092"
 TOPIC = "demo.orders"
-
-
-def _ensure_topic(admin: AdminClient) -> None:
-    if TOPIC in admin.list_topics(timeout=10).topics:
-        return
-    for f in admin.create_topics([NewTopic(TOPIC, num_partitions=3, replication_factor=1)]).values():
-        f.result(30)
 
 
 def main() -> int:
@@ -44,13 +36,12 @@ def main() -> int:
     parser.add_argument("--records", type=int, default=10, help="how many records to write (default 10)")
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="reaper.yaml to run with")
     args = parser.parse_args()
-    reaper = [sys.executable, "-m", "harvester.cli"]
+    reaper = [sys.executable, "-m", "harvester.daemon.cli"]
 
     print(f"1. migrating the outbox: reaper migrate -f {args.config}")
     subprocess.run([*reaper, "migrate", "-f", str(args.config)], check=True)
 
-    admin = AdminClient({"bootstrap.servers": BOOTSTRAP})
-    _ensure_topic(admin)
+    ensure_topic({"bootstrap.servers": BOOTSTRAP}, TOPIC, partitions=3)
     consumer = Consumer(
         {"bootstrap.servers": BOOTSTRAP, "group.id": f"demo-{uuid.uuid4().hex[:8]}", "auto.offset.reset": "latest"}
     )

@@ -13,14 +13,18 @@ from confluent_kafka.admin import AdminClient
 from prometheus_client import CollectorRegistry
 
 from harvester.config import HarvesterConfig
-from harvester.engine import Engine
-from harvester.events import Event, MeterRead
-from harvester.identity import IdentityHeaders
-from harvester.metrics import HarvesterMetrics
-from harvester.protocols import DeliveryCallback, Elector
-from harvester.publisher import KafkaPublisher, producer_config
-from harvester.store import PostgresStore, StoreError
-from harvester.transactional import KafkaTransactionalPublisher, ensure_topic
+from harvester.core.at_least_once import at_least_once
+from harvester.core.dispatch import DispatcherFactory
+from harvester.core.engine import Engine
+from harvester.core.events import Event, MeterRead
+from harvester.core.exactly_once import exactly_once
+from harvester.core.identity import IdentityHeaders
+from harvester.core.metrics import HarvesterMetrics
+from harvester.core.protocols import DeliveryCallback, Elector, StoreError
+from harvester.kafka.publisher import KafkaPublisher, producer_config
+from harvester.kafka.topics import ensure_topic
+from harvester.kafka.transactions import KafkaTransactionalPublisher
+from harvester.postgres.store import PostgresStore
 
 log = structlog.get_logger("harvester")
 
@@ -86,33 +90,39 @@ class Harvester:
 
     def start(self) -> None:
         """Check the outbox table, then start competing for leadership and harvesting."""
-        self._store.prepare()  # fails fast on a missing or unsupported table
+        columns = self._store.prepare()  # fails fast on a missing or unsupported table
+        if not columns.tracks_attempts:
+            log.warning("attempts_in_memory", hint="run 'reaper migrate' so attempt counts survive failover")
         cfg = self.config
-        kafka = producer_config(cfg.base_kafka_config, cfg.producer_kafka_config)
-
-        def publisher(callback: DeliveryCallback) -> KafkaPublisher:
-            return KafkaPublisher(kafka, callback)
-
         elector = self._elector
-        transactions = None
-        if cfg.delivery == "exactly_once":
-            ensure_topic(cfg.base_kafka_config, cfg.checkpoints)
-            transactions = KafkaTransactionalPublisher(kafka, f"{cfg.group_id}.harvester", cfg.checkpoints)
         self._engine = Engine(
             self._store,
-            publisher,
+            self._dispatcher(),
             cfg.limits,
             self.metrics,
             self._dispatch,
             listen_notify=cfg.listen_notify,
             still_leader=lambda: elector.status.is_leader,
-            transactions=transactions,
         )
         self._engine.start()
         self._elector.start(self._engine.on_leader_event)
         self._meter.start()
         self._started.set()
         log.info("harvester_started", table=cfg.table.qualified, group=cfg.group_id, topic=cfg.topic)
+
+    def _dispatcher(self) -> DispatcherFactory:
+        """The configured delivery mode's dispatcher, over this harvester's store and Kafka."""
+        cfg = self.config
+        kafka = producer_config(cfg.base_kafka_config, cfg.producer_kafka_config)
+        if cfg.delivery == "exactly_once":
+            ensure_topic(cfg.base_kafka_config, cfg.checkpoints)
+            transactions = KafkaTransactionalPublisher(kafka, f"{cfg.group_id}.harvester", cfg.checkpoints)
+            return exactly_once(self._store, transactions)
+
+        def publisher(callback: DeliveryCallback) -> KafkaPublisher:
+            return KafkaPublisher(kafka, callback)
+
+        return at_least_once(self._store, publisher)
 
     def stop(self, timeout: float | None = None) -> None:
         """Stop gracefully: finish in-flight work (up to ``timeout``), then leave the group."""

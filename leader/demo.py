@@ -125,7 +125,6 @@ class Competitor:
         root = str(Path(__file__).resolve().parent.parent)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
         self.settings = settings
-        self.started_at = time.monotonic()
         self.ended_at: float | None = None
         self.stderr: list[str] = []
         self._lines: list[Line] = []

@@ -8,7 +8,6 @@ protocol. See :mod:`leader.state` for the rules and ``docs/leader.md`` for tunin
 
 from __future__ import annotations
 
-import logging
 import os
 import socket
 import threading
@@ -17,15 +16,16 @@ from collections.abc import Callable
 from typing import Any
 from uuid import UUID
 
+import structlog
 from confluent_kafka import OFFSET_END, Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
-from confluent_kafka.cimpl import NewTopic
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 
+from harvester.kafka.topics import ensure_topic
 from leader.events import LeaderEvent, LeaderStatus
 from leader.state import NeliState, decode_heartbeat, encode_heartbeat
 
-log = logging.getLogger(__name__)
+log = structlog.get_logger("leader")
 
 # Properties that decide the election; the typed ElectorConfig fields set them, so kafka_config must not.
 MANAGED_KAFKA_KEYS = frozenset(
@@ -123,7 +123,7 @@ class ElectorConfig(BaseModel):
 
 
 class NeliElector:
-    """Competes for leadership of ``config.group_id``; implements :class:`harvester.protocols.Elector`.
+    """Competes for leadership of ``config.group_id``; implements :class:`harvester.core.protocols.Elector`.
 
     A background thread owns the consumer: it polls at most every ``min_poll_interval`` and delivers
     events to the listener. ``LeaderRevoked`` handlers may block (partition 0 is released after they
@@ -228,33 +228,33 @@ class NeliElector:
 
     def _ensure_topic(self) -> None:
         c = self._config
-        timeout = c.startup_timeout
-        admin = AdminClient(self._common())
-        try:
-            meta = admin.list_topics(topic=c.topic, timeout=timeout)
-        except KafkaException as e:
-            raise LeaderTopicError(f"cannot look up leader topic {c.topic!r}: {e.args[0]}") from e
-        found = meta.topics.get(c.topic)
-        if found is not None and found.error is None:
-            return
         if not c.create_topic:
-            raise LeaderTopicError(
-                f"leader topic {c.topic!r} does not exist and create_topic is off; create it (one partition)"
-            )
-        # Heartbeats are worthless after seconds; keep an hour for inspection.
-        new = NewTopic(c.topic, num_partitions=1, config={"retention.ms": _HOUR_MS, "segment.ms": _HOUR_MS})
-        future = admin.create_topics([new], request_timeout=timeout)[c.topic]
+            self._require_topic()
+            return
         try:
-            future.result(timeout)
+            # Heartbeats are worthless after seconds; keep an hour for inspection.
+            hour = {"retention.ms": _HOUR_MS, "segment.ms": _HOUR_MS}
+            created = ensure_topic(self._common(), c.topic, config=hour, timeout=c.startup_timeout)
         except KafkaException as e:
             err: KafkaError = e.args[0]
-            if err.code() == KafkaError.TOPIC_ALREADY_EXISTS:
-                return
             raise LeaderTopicError(
                 f"leader topic {c.topic!r} does not exist and could not be created ({err.str()}); "
                 "create it with one partition, or allow this client to create topics"
             ) from e
-        log.info("created leader topic %s", c.topic)
+        if created:
+            log.info("leader_topic_created", topic=c.topic)
+
+    def _require_topic(self) -> None:
+        c = self._config
+        try:
+            meta = AdminClient(self._common()).list_topics(topic=c.topic, timeout=c.startup_timeout)
+        except KafkaException as e:
+            raise LeaderTopicError(f"cannot look up leader topic {c.topic!r}: {e.args[0]}") from e
+        found = meta.topics.get(c.topic)
+        if found is None or found.error is not None:
+            raise LeaderTopicError(
+                f"leader topic {c.topic!r} does not exist and create_topic is off; create it (one partition)"
+            )
 
     # -- election thread -----------------------------------------------------------------------------
 
@@ -266,7 +266,7 @@ class NeliElector:
                 try:
                     self._pulse()
                 except KafkaException as e:
-                    log.error("leader election poll failed: %s", e.args[0])
+                    log.error("election_poll_failed", error=str(e.args[0]))
                 self._stopping.wait(max(0.0, interval - (self._clock() - began)))
         finally:
             self._shutdown()
@@ -298,7 +298,7 @@ class NeliElector:
                 self._config.topic, partition=0, value=encode_heartbeat(beat_id, self._seq, self._config.name)
             )
         except (BufferError, KafkaException) as e:
-            log.warning("could not enqueue heartbeat: %s", e)
+            log.warning("heartbeat_not_enqueued", error=str(e))
             return
         self._beat_id, self._next_beat = beat_id, now + self._config.heartbeat_interval
 
@@ -307,7 +307,7 @@ class NeliElector:
         err = message.error()
         if err is not None:
             if err.code() != KafkaError._PARTITION_EOF:
-                log.warning("leader topic consumer: %s", err)
+                log.warning("leader_topic_consumer_error", error=str(err))
             return
         sender = decode_heartbeat(message.value()) if message.partition() == 0 else None
         if sender is None:
@@ -324,7 +324,7 @@ class NeliElector:
         try:
             self._consumer.commit(offsets=[TopicPartition(self._config.topic, 0, offset + 1)], asynchronous=True)
         except KafkaException as e:
-            log.info("cannot confirm group membership yet: %s", e.args[0])
+            log.info("membership_unconfirmed", error=str(e.args[0]))
 
     def _on_commit(self, err: KafkaError | None, partitions: list[TopicPartition]) -> None:
         probe = self._confirming
@@ -332,7 +332,7 @@ class NeliElector:
             return
         failure = err or next((p.error for p in partitions if p.error is not None), None)
         if failure is not None:
-            log.info("group membership not confirmed: %s", failure)
+            log.info("membership_unconfirmed", error=str(failure))
             return
         with self._lock:
             event = self._state.confirmed(probe, self._clock())
@@ -374,7 +374,7 @@ class NeliElector:
         try:
             self._consumer.close()
         except KafkaException as e:
-            log.warning("closing the leader consumer: %s", e.args[0])
+            log.warning("leader_consumer_close_failed", error=str(e.args[0]))
         # Unsent heartbeats are moot once we left; serving their purge reports lets the client end quietly.
         self._producer.purge()
         self._producer.flush(1.0)
@@ -382,13 +382,13 @@ class NeliElector:
     def _emit(self, event: LeaderEvent | None) -> None:
         if event is None:
             return
-        log.info("%s leader_id=%s member=%s", type(event).__name__, event.leader_id, self._config.name)
+        log.info("leader_event", kind=type(event).__name__, leader_id=str(event.leader_id), member=self._config.name)
         try:
             self._on_event(event)
         except Exception:
-            log.exception("leader event handler failed on %s", event)
+            log.exception("leader_event_handler_failed", kind=type(event).__name__)
 
 
 def _log_kafka_error(err: KafkaError) -> None:
     # librdkafka retries everything but fatal errors by itself (and logs to stderr): keep those quiet.
-    log.log(logging.ERROR if err.fatal() else logging.INFO, "kafka: %s", err)
+    (log.error if err.fatal() else log.info)("kafka_error", error=str(err))

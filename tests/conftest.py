@@ -10,9 +10,9 @@ import pytest
 from psycopg import sql
 
 from harvester import Harvester, HarvesterConfig, Limits
-from harvester.identifiers import TableName
-from harvester.migrations import migrate
-from harvester.protocols import Elector
+from harvester.core.protocols import Elector
+from harvester.postgres.identifiers import TableName
+from harvester.postgres.migrations import migrate
 from tests.support import (
     HarvesterFactory,
     ManualElector,

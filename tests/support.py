@@ -60,13 +60,14 @@ def _testcontainers() -> Services:
     from testcontainers.kafka import KafkaContainer
     from testcontainers.postgres import PostgresContainer
 
-    pg = PostgresContainer("postgres:16", username="harvester", password="harvester", dbname="harvester")
+    password = "local-dev-secret"  # the same as the local services', so one DSN shape serves both
+    pg = PostgresContainer("postgres:16", username="harvester", password=password, dbname="harvester")
     kafka = KafkaContainer("confluentinc/cp-kafka:7.6.0").with_kraft()
     pg.start()
     kafka.start()
     host, port = pg.get_container_host_ip(), pg.get_exposed_port(5432)
     return Services(
-        f"host={host} port={port} user=harvester password=local-dev-secret dbname=harvester",
+        f"host={host} port={port} user=harvester password={password} dbname=harvester",
         kafka.get_bootstrap_server(),
     )
 

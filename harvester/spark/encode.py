@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from harvester.record import RecordError
+from harvester.core.records import RecordError
 from harvester.spark.plan import WritePlan
 
 # Row numbers within a partition take the low 40 bits of seq, the partition id the rest, so that

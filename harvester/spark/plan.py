@@ -30,8 +30,9 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
-from harvester.identifiers import TableName
-from harvester.record import ColumnLimits, RecordError, check_topic
+from harvester.core.records import RecordError, check_topic
+from harvester.postgres.catalog import OutboxColumns
+from harvester.postgres.identifiers import TableName
 
 SortKind = Literal["number", "text"]
 HeadersKind = Literal["map", "pairs"]
@@ -41,18 +42,6 @@ _WORK_MEM = re.compile(r"^[1-9][0-9]{0,6}(kB|MB|GB)$")
 
 class SinkConfigError(ValueError):
     """The ``outbox`` data source's options are missing or inconsistent."""
-
-
-@dataclass(frozen=True, slots=True)
-class OutboxColumns:
-    """The outbox table's column types, as read from the catalog."""
-
-    limits: ColumnLimits
-    # PostgreSQL type name of kafka_value: decides how the commitSql view casts staged values.
-    value_type: str
-    # Both header columns have defaults, so a write without headers can leave them out of its COPY
-    # (goharvest's own layout declares them NOT NULL without one).
-    header_defaults: bool
 
 
 @dataclass(frozen=True, slots=True)

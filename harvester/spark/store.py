@@ -1,4 +1,5 @@
-"""The sink's SQL: creating its tables, staging a partition, and the single commit transaction."""
+"""The sink's SQL: its tables (through the migrations' ledger), staging a partition, and the single commit
+transaction."""
 
 from __future__ import annotations
 
@@ -9,19 +10,18 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from harvester.identifiers import TableName
-from harvester.migrations import _LOCK_KEY, available, render
-from harvester.record import ColumnLimits, RecordError, ValueKind
+from harvester.postgres import catalog, migrations
+from harvester.postgres.catalog import OutboxColumns
+from harvester.postgres.identifiers import TableName
 from harvester.spark.encode import PartitionEncoder, staged_value_column, staging_columns
-from harvester.spark.plan import OutboxColumns, WritePlan
+from harvester.spark.plan import WritePlan
 
 Conn = psycopg.Connection[tuple[Any, ...]]
 
-_MIGRATION = "0005_spark_sink"
 # Name of the temporary view through which commitSql sees the rows being committed.
 BATCH_VIEW = "outbox_batch"
-# The outbox value types the sink supports, and how the commitSql view shows a staged value as
-# that type; keyed by the catalog's type name, so no type name from the catalog is spliced into SQL.
+# How the commitSql view shows a staged value as the outbox's value type (every type the catalog
+# accepts); keyed by the catalog's type name, so no type name from the catalog is spliced into SQL.
 _VALUE_EXPR = {
     "varchar": sql.SQL("value_text"),
     "text": sql.SQL("value_text"),
@@ -30,8 +30,6 @@ _VALUE_EXPR = {
     "jsonb": sql.SQL("value_text::jsonb"),
     "bytea": sql.SQL("value_bytes"),
 }
-_VALUE_KIND: dict[str, ValueKind] = {"json": "json", "jsonb": "json", "bytea": "bytes"}
-_TEXT_TYPES = ("varchar", "bpchar")
 # How much of the staged rows' COPY output the commit gathers per write into the outbox's COPY.
 _PUMP_BYTES = 1 << 20
 
@@ -56,64 +54,13 @@ class SinkTables:
         )
 
 
-def _regclass(conn: Conn, ident: sql.Composable) -> Any:
-    row = conn.execute("SELECT to_regclass(%s)", (ident.as_string(conn),)).fetchone()
-    return None if row is None else row[0]
-
-
-def ensure_tables(conn: Conn, table: TableName) -> None:
-    """Create the sink's tables if absent, so the data source works without ``reaper migrate``.
-
-    Runs the same migration file under the migrations' advisory lock; every statement in it is
-    idempotent, so a later ``reaper migrate`` that applies it again changes nothing.
-    """
-    names = SinkTables.of(table)
-    if all(_regclass(conn, n) is not None for n in (names.tasks, names.staging, names.commits)):
-        return
-    migration = next(m for m in available() if m.version == _MIGRATION)
-    with conn.transaction():
-        conn.execute("SELECT pg_advisory_xact_lock(%s)", (_LOCK_KEY,))
-        conn.execute(render(migration, table, conn).encode("utf-8"))
-
-
-def describe(conn: Conn, table: TableName) -> OutboxColumns:
-    """Read the outbox's key and value column types from ``pg_attribute``."""
-    if _regclass(conn, table.ident) is None:
-        raise RecordError(f"outbox table {table} does not exist; create it with `reaper migrate`")
-    rows = conn.execute(
-        "SELECT a.attname, t.typname, a.atttypmod, a.atthasdef FROM pg_attribute a"
-        " JOIN pg_type t ON t.oid = a.atttypid WHERE a.attrelid = to_regclass(%s)"
-        " AND a.attname IN ('kafka_key', 'kafka_value', 'kafka_header_keys', 'kafka_header_values')"
-        " AND a.attnum > 0 AND NOT a.attisdropped",
-        (table.ident.as_string(conn),),
-    ).fetchall()
-    found = {str(r[0]): (str(r[1]), int(r[2])) for r in rows}
-    defaults = {str(r[0]) for r in rows if r[3]}
-    if not {"kafka_key", "kafka_value"} <= set(found):
-        raise RecordError(f"{table} lacks kafka_key or kafka_value; is it an outbox table?")
-
-    def max_chars(typname: str, typmod: int) -> int | None:
-        # For varchar(n) and char(n) the type modifier is n + 4; -1 means unbounded.
-        return typmod - 4 if typname in _TEXT_TYPES and typmod >= 4 else None
-
-    value_type, value_mod = found["kafka_value"]
-    if value_type not in _VALUE_EXPR:
-        raise RecordError(f"{table}.kafka_value has type {value_type}, which the Spark sink does not support")
-    limits = ColumnLimits(
-        key_max_chars=max_chars(*found["kafka_key"]),
-        value_max_chars=max_chars(value_type, value_mod),
-        value_kind=_VALUE_KIND.get(value_type, "text"),
-    )
-    header_defaults = {"kafka_header_keys", "kafka_header_values"} <= defaults
-    return OutboxColumns(limits=limits, value_type=value_type, header_defaults=header_defaults)
-
-
 def prepare(dsn: str, table: TableName, retention_seconds: int) -> OutboxColumns:
     """Driver side, before a write: describe the outbox, create the sink tables if needed, and drop
     rows staged more than ``retention_seconds`` ago."""
     with psycopg.connect(dsn, autocommit=True) as conn:
-        columns = describe(conn, table)
-        ensure_tables(conn, table)
+        columns = catalog.read(conn, table)
+        # Applied through the ledger, so the data source works without ``reaper migrate``.
+        migrations.ensure(conn, table, "spark_sink")
         clean_stale(conn, table, retention_seconds)
         return columns
 

@@ -31,10 +31,10 @@ from confluent_kafka import Consumer, KafkaError, Message, TopicPartition
 from psycopg import errors, sql
 
 from harvester import HarvesterConfig, OutboxRecord, Stasher
-from harvester.dedup import DedupReader
-from harvester.identifiers import TableName
-from harvester.identity import Identity
-from harvester.migrations import migrate
+from harvester.client.dedup import DedupReader
+from harvester.core.identity import Identity
+from harvester.postgres.identifiers import TableName
+from harvester.postgres.migrations import migrate
 from tests.engine.workload import check, wait_drained
 from tests.proc.processes import HarvesterProcess, harvester_spec
 from tests.support import ROOT, PrivateKafka, PrivatePostgres, create_topics, delete_topics, unique
@@ -503,7 +503,7 @@ def read_all(
 ) -> list[Message]:
     """Every message of ``topics`` from the beginning, as a ``read_committed`` consumer sees them
     (partition by partition in offset order, partitions interleaved), up to each partition's end;
-    with ``dedup``, through :class:`harvester.dedup.DedupReader`, which drops re-deliveries."""
+    with ``dedup``, through :class:`harvester.client.dedup.DedupReader`, which drops re-deliveries."""
     consumer = Consumer(
         {
             "bootstrap.servers": bootstrap,
@@ -572,7 +572,7 @@ class Findings:
     # Duplicates left after dropping every repeated identity: not 0 means one record was written
     # twice under different outbox ids (a writer bug), which no reader could undo.
     left_by_identity: int = 0
-    dedup_dropped: int = 0  # messages harvester.dedup.DedupReader dropped
+    dedup_dropped: int = 0  # messages harvester.client.dedup.DedupReader dropped
     dedup_left: int = 0  # duplicates it let through
     dedup_damage: list[str] = field(default_factory=list)  # keys it lost or reordered
     dedup_missed: dict[str, list[str]] = field(default_factory=dict)  # value let through twice -> key history
@@ -684,9 +684,9 @@ class ChaosReport:
         if f.left_by_identity:
             out.append(f"{f.left_by_identity} duplicates under different identities (written twice?)")
         if f.dedup_left:
-            out.append(f"{f.dedup_left} duplicates left after harvester.dedup.DedupReader")
+            out.append(f"{f.dedup_left} duplicates left after harvester.client.dedup.DedupReader")
         if f.dedup_damage:
-            out.append(f"harvester.dedup.DedupReader lost or reordered records of keys {f.dedup_damage[:10]}")
+            out.append(f"harvester.client.dedup.DedupReader lost or reordered records of keys {f.dedup_damage[:10]}")
         if f.unidentified:
             out.append(f"{f.unidentified} messages without identity headers")
         if self.left_in_outbox:
@@ -721,8 +721,8 @@ class ChaosReport:
             ("records left in outbox", self.left_in_outbox),
             ("keys out of order", len(f.out_of_order)),
             ("duplicates (read_committed)", f.duplicates),
-            ("dropped by harvester.dedup", f.dedup_dropped),
-            ("duplicates after harvester.dedup", f.dedup_left),
+            ("dropped by DedupReader", f.dedup_dropped),
+            ("duplicates after DedupReader", f.dedup_left),
             ("drain time", f"{self.drain_seconds:.1f}s"),
             ("harvester crashes", len(self.crashes)),
             ("verdict", "FAIL" if self.violations() else "PASS"),

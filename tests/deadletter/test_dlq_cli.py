@@ -15,8 +15,8 @@ import yaml
 from psycopg import sql
 
 from harvester import PostgresStore
-from harvester.identifiers import TableName
-from harvester.record import Failure
+from harvester.core.records import Failure
+from harvester.postgres.identifiers import TableName
 from tests.engine.workload import insert
 from tests.support import Services
 
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.integration
 
 def reaper(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "harvester.cli", *args, "-f", str(config)],
+        [sys.executable, "-m", "harvester.daemon.cli", *args, "-f", str(config)],
         check=False,
         capture_output=True,
         text=True,
@@ -36,7 +36,7 @@ def reaper(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 def test_dlq_commands(services: Services, outbox: TableName, tmp_path: Path) -> None:
     insert(services.pg_dsn, outbox, [("t", "k", f"k:{i}") for i in range(3)])
-    store = PostgresStore(services.pg_dsn, outbox)
+    store = PostgresStore.open(services.pg_dsn, outbox)
     leader = uuid.uuid4()
     store.acquire(leader)
     marked = store.mark(leader, 10)

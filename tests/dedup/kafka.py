@@ -10,8 +10,8 @@ from typing import Any
 
 from confluent_kafka import Consumer, Message, Producer, TopicPartition
 
-from harvester.dedup import DedupReader
-from harvester.identity import IdentityHeaders
+from harvester.client.dedup import DedupReader
+from harvester.core.identity import IdentityHeaders
 from tests.dedup.model import Copy, first_copies
 from tests.support import Services, unique
 

@@ -1,6 +1,6 @@
 """A model of what the harvester's engine writes to one partition, duplicates included.
 
-It follows the MP/R rules of :mod:`harvester.engine` for a handful of keys: ids are taken at insert
+It follows the MP/R rules of :mod:`harvester.core.engine` for a handful of keys: ids are taken at insert
 and become visible at commit (so a key's ids can be published out of id order); a leader marks
 visible, unpurged records in id order into per-key FIFOs; at most one record per key is in flight;
 a key's next record is sent only after the previous one was acknowledged and purged. Faults:

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import pytest
 from confluent_kafka import TopicPartition
 
-from harvester.dedup import DedupReader
-from harvester.identity import IdentityHeaders
+from harvester.client.dedup import DedupReader
+from harvester.core.identity import IdentityHeaders
 
 pytestmark = pytest.mark.unit
 

@@ -18,7 +18,7 @@ from confluent_kafka import OFFSET_BEGINNING, Message, Producer, TopicPartition
 from prometheus_client import CollectorRegistry
 from psycopg import sql
 
-from harvester.dedup import DedupReader
+from harvester.client.dedup import DedupReader
 from tests.dedup.kafka import by_key, consumer, ends, expected, produce, read_to
 from tests.dedup.model import Copy, first_copies, random_stream
 from tests.support import Services

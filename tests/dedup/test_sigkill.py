@@ -15,8 +15,8 @@ import pytest
 from confluent_kafka import OFFSET_BEGINNING, TopicPartition
 from psycopg import sql
 
-from harvester.dedup import DedupReader
-from harvester.identifiers import TableName
+from harvester.client.dedup import DedupReader
+from harvester.postgres.identifiers import TableName
 from tests.dedup.kafka import consumer, ends, read_to
 from tests.engine.workload import insert, wait_drained, wait_until
 from tests.proc.processes import HarvesterProcess, harvester_spec

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from harvester.dedup import DedupState
-from harvester.identity import Identity
+from harvester.client.dedup import DedupState
+from harvester.core.identity import Identity
 from tests.dedup.model import ACTIONS, Copy, first_copies, run
 
 pytestmark = pytest.mark.unit

@@ -12,12 +12,13 @@ import pytest
 from psycopg import sql
 
 from harvester import Engine, Harvester, Limits, OutboxRecord, PostgresStore, Stasher
-from harvester.identifiers import TableName
-from harvester.identity import Identity
-from harvester.metrics import HarvesterMetrics
-from harvester.protocols import DeliveryCallback
-from harvester.publisher import KafkaPublisher, producer_config
-from harvester.record import MarkedRecord
+from harvester.core.at_least_once import at_least_once
+from harvester.core.identity import Identity
+from harvester.core.metrics import HarvesterMetrics
+from harvester.core.protocols import DeliveryCallback
+from harvester.core.records import MarkedRecord
+from harvester.kafka.publisher import KafkaPublisher, producer_config
+from harvester.postgres.identifiers import TableName
 from tests.engine.workload import check, insert, wait_drained, wait_until, write_concurrently
 from tests.support import HarvesterFactory, ManualElector, Services, read_messages
 
@@ -57,8 +58,10 @@ def test_throttle_bound_never_exceeded_on_real_services(
         made.append(CountingPublisher(producer_config({"bootstrap.servers": services.bootstrap}, {}), cb))
         return made[0]
 
-    store = PostgresStore(services.pg_dsn, outbox)
-    engine = Engine(store, factory, Limits(max_in_flight_records=25), HarvesterMetrics(), lambda e: None)
+    store = PostgresStore.open(services.pg_dsn, outbox)
+    engine = Engine(
+        store, at_least_once(store, factory), Limits(max_in_flight_records=25), HarvesterMetrics(), lambda e: None
+    )
     engine.start()
     ManualElector().start(engine.on_leader_event)
     try:

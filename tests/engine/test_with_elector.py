@@ -8,8 +8,8 @@ from collections.abc import Callable
 import pytest
 
 from harvester import Harvester, HarvesterConfig, Limits
-from harvester.events import Event, LeaderAcquired
-from harvester.identifiers import TableName
+from harvester.core.events import Event, LeaderAcquired
+from harvester.postgres.identifiers import TableName
 from tests.engine.workload import check, wait_drained, wait_until, write_concurrently
 from tests.support import Services, read_messages, unique
 

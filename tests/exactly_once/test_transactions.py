@@ -13,11 +13,12 @@ from datetime import UTC, datetime
 import pytest
 
 from harvester import Harvester, HarvesterConfig, Limits, PostgresStore
-from harvester.identifiers import TableName
-from harvester.protocols import ProducerFencedError
-from harvester.publisher import producer_config
-from harvester.record import MarkedRecord
-from harvester.transactional import KafkaTransactionalPublisher, ensure_topic, read_checkpoints
+from harvester.core.protocols import ProducerFencedError
+from harvester.core.records import MarkedRecord
+from harvester.kafka.publisher import producer_config
+from harvester.kafka.topics import ensure_topic
+from harvester.kafka.transactions import KafkaTransactionalPublisher, read_checkpoints
+from harvester.postgres.identifiers import TableName
 from tests.engine.workload import check, insert, wait_drained, write_concurrently, writing
 from tests.proc.processes import HarvesterProcess, harvester_spec
 from tests.support import ManualElector, Services, delete_topics, read_messages, unique
@@ -66,7 +67,7 @@ def test_new_leader_purges_committed_batch_before_marking(
     insert(services.pg_dsn, outbox, [(topic, f"k{i}", f"k{i}:0") for i in range(5)])
     kafka = producer_config({"bootstrap.servers": services.bootstrap}, {})
     ensure_topic(kafka, f"{group}.checkpoints")
-    crashed = PostgresStore(services.pg_dsn, outbox)
+    crashed = PostgresStore.open(services.pg_dsn, outbox)
     leader = uuid.uuid4()
     crashed.acquire(leader)
     batch: list[MarkedRecord] = crashed.mark(leader, 3)  # the "dead" leader's batch: k0..k2

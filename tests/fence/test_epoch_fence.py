@@ -11,11 +11,12 @@ import pytest
 from psycopg import sql
 
 from harvester import Engine, Limits, PostgresStore
-from harvester.events import Event, LeaderFenced
-from harvester.identifiers import TableName
-from harvester.metrics import HarvesterMetrics
-from harvester.protocols import DeliveryCallback, FencedError
-from harvester.publisher import KafkaPublisher, producer_config
+from harvester.core.at_least_once import at_least_once
+from harvester.core.events import Event, LeaderFenced
+from harvester.core.metrics import HarvesterMetrics
+from harvester.core.protocols import DeliveryCallback, FencedError
+from harvester.kafka.publisher import KafkaPublisher, producer_config
+from harvester.postgres.identifiers import TableName
 from tests.engine.workload import insert, wait_until
 from tests.support import ManualElector, Services, read_messages
 
@@ -29,7 +30,7 @@ def snapshot(dsn: str, table: TableName) -> list[tuple[object, ...]]:
 
 def test_older_epoch_cannot_mark_purge_or_reset(services: Services, outbox: TableName) -> None:
     insert(services.pg_dsn, outbox, [("t", f"k{i}", "v") for i in range(10)])
-    old, new = PostgresStore(services.pg_dsn, outbox), PostgresStore(services.pg_dsn, outbox)
+    old, new = PostgresStore.open(services.pg_dsn, outbox), PostgresStore.open(services.pg_dsn, outbox)
     try:
         old_leader = uuid.uuid4()
         assert old.acquire(old_leader) == 1
@@ -53,7 +54,7 @@ def test_bump_waits_for_a_running_statement_and_fences_the_next(services: Servic
     """The share lock: a bump queued behind an old-epoch transaction commits after it; from then on
     the old epoch is refused."""
     insert(services.pg_dsn, outbox, [("t", "k", "v")])
-    old = PostgresStore(services.pg_dsn, outbox)
+    old = PostgresStore.open(services.pg_dsn, outbox)
     leader = uuid.uuid4()
     epoch = old.acquire(leader)
     fence = sql.SQL("SELECT 1 FROM {} WHERE outbox_table = %s AND epoch = %s FOR SHARE").format(
@@ -64,7 +65,7 @@ def test_bump_waits_for_a_running_statement_and_fences_the_next(services: Servic
         holder.execute(fence, (outbox.qualified, epoch))  # an old-epoch transaction in progress
 
         def bump() -> None:
-            PostgresStore(services.pg_dsn, outbox).acquire(uuid.uuid4())
+            PostgresStore.open(services.pg_dsn, outbox).acquire(uuid.uuid4())
             bumped.set()
 
         t = threading.Thread(target=bump)
@@ -81,13 +82,14 @@ def test_bump_waits_for_a_running_statement_and_fences_the_next(services: Servic
 def run_engine(
     services: Services, outbox: TableName, events: list[Event], leads: list[bool]
 ) -> tuple[Engine, PostgresStore, HarvesterMetrics]:
-    store = PostgresStore(services.pg_dsn, outbox)
+    store = PostgresStore.open(services.pg_dsn, outbox)
     metrics = HarvesterMetrics()
 
     def publisher(cb: DeliveryCallback) -> KafkaPublisher:
         return KafkaPublisher(producer_config({"bootstrap.servers": services.bootstrap}, {}), cb)
 
-    engine = Engine(store, publisher, Limits(), metrics, events.append, still_leader=lambda: leads[0])
+    mode = at_least_once(store, publisher)
+    engine = Engine(store, mode, Limits(), metrics, events.append, still_leader=lambda: leads[0])
     engine.start()
     ManualElector().start(engine.on_leader_event)
     return engine, store, metrics
@@ -104,7 +106,7 @@ def test_engine_drops_leader_work_when_a_newer_leader_fenced_it(
     assert len(read_messages(services.bootstrap, [topic], 1)) == 1
     assert wait_until(lambda: snapshot(services.pg_dsn, outbox) == [])
     leads[0] = False  # the elector no longer sees its heartbeats ...
-    intruder = PostgresStore(services.pg_dsn, outbox)
+    intruder = PostgresStore.open(services.pg_dsn, outbox)
     intruder.acquire(uuid.uuid4())  # ... and a newer leader takes over the outbox
     insert(services.pg_dsn, outbox, [(topic, "k", "k:1")])
     assert wait_until(lambda: any(isinstance(e, LeaderFenced) for e in events))
@@ -127,7 +129,7 @@ def test_leader_takes_the_fence_back_from_a_stale_instance(
     engine, store, metrics = run_engine(services, outbox, events, [True])
     insert(services.pg_dsn, outbox, [(topic, "k", "k:0")])
     assert len(read_messages(services.bootstrap, [topic], 1)) == 1
-    stale = PostgresStore(services.pg_dsn, outbox)
+    stale = PostgresStore.open(services.pg_dsn, outbox)
     stale_leader = uuid.uuid4()
     stale.acquire(stale_leader)
     insert(services.pg_dsn, outbox, [(topic, "k", "k:1")])

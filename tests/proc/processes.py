@@ -9,7 +9,7 @@ import threading
 import time
 from typing import Any
 
-from harvester.identifiers import TableName
+from harvester.postgres.identifiers import TableName
 from tests.support import ROOT
 
 

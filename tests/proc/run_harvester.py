@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from harvester import Harvester, HarvesterConfig
-from harvester.events import Event, MeterRead
+from harvester.core.events import Event, MeterRead
 from leader import ElectorConfig, NeliElector
 
 

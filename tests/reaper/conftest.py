@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from harvester import logs
+from harvester.daemon import logs
 
 
 @pytest.fixture(autouse=True)

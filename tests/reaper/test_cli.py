@@ -11,8 +11,8 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from harvester.cli import main
-from harvester.identifiers import TableName
+from harvester.daemon.cli import main
+from harvester.postgres.identifiers import TableName
 from tests.support import Services, unique
 
 REAPER = str(Path(sys.executable).parent / "reaper")

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import yaml
 
-from harvester.settings import ReaperSettings, load
+from harvester.daemon.settings import ReaperSettings, load
 from tests.support import ROOT
 
 pytestmark = pytest.mark.unit

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from harvester.http import HttpServer
-from harvester.settings import HttpSettings
+from harvester.daemon.http import HttpServer
+from harvester.daemon.settings import HttpSettings
 from tests.support import ROOT
 
 DOCKERFILE = ROOT / "Dockerfile"
@@ -99,7 +99,7 @@ def test_copied_sources_exist_and_are_not_ignored() -> None:
         assert (ROOT / src).exists(), f"COPY source {src} is missing"
         assert not ignored(src), f"COPY source {src} is excluded by .dockerignore"
     # Everything the package needs at run time is copied.
-    assert {"pyproject.toml", "sql/", "leader/", "harvester/"} <= set(sources)
+    assert {"pyproject.toml", "leader/", "harvester/"} <= set(sources)
 
 
 @pytest.mark.integration

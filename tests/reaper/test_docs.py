@@ -6,8 +6,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 from pydantic import AliasChoices, BaseModel
 
-from harvester.metrics import HarvesterMetrics
-from harvester.settings import ReaperSettings, iter_env_names
+from harvester.core.metrics import HarvesterMetrics
+from harvester.daemon.settings import ReaperSettings, iter_env_names
 from tests.support import ROOT
 
 pytestmark = pytest.mark.unit

@@ -10,7 +10,7 @@ from collections.abc import Iterator, Mapping
 import pytest
 from prometheus_client import CollectorRegistry, Counter
 
-from harvester.http import HttpServer
+from harvester.daemon.http import HttpServer
 
 pytestmark = pytest.mark.unit
 

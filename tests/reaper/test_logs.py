@@ -10,8 +10,8 @@ from collections.abc import Iterator
 import pytest
 import structlog
 
-from harvester import logs
-from harvester.logs import Redactor
+from harvester.daemon import logs
+from harvester.daemon.logs import Redactor
 
 pytestmark = pytest.mark.unit
 

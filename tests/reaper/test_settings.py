@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from harvester.settings import ReaperSettings, SettingsError, load, secret_values
+from harvester.daemon.settings import ReaperSettings, SettingsError, load, secret_values
 
 pytestmark = pytest.mark.unit
 

@@ -11,7 +11,7 @@ from pyspark import cloudpickle
 from pyspark.sql import SparkSession
 
 from examples.spark_pipeline import KAFKA_PACKAGE
-from harvester.identifiers import TableName
+from harvester.postgres.identifiers import TableName
 from harvester.spark import register
 from tests.spark import faults
 from tests.support import Services

@@ -10,7 +10,7 @@ import pytest
 from psycopg import sql
 from pyspark.sql import SparkSession
 
-from harvester.identifiers import TableName
+from harvester.postgres.identifiers import TableName
 from harvester.spark.store import SinkTables
 from tests.spark.test_batch import leftovers, records
 from tests.support import unique

@@ -12,10 +12,12 @@ from uuid import UUID
 import pytest
 
 from harvester import Engine, Limits
-from harvester.events import Event, LeaderRefreshed
-from harvester.metrics import HarvesterMetrics
-from harvester.protocols import DeliveryCallback, StoreError
-from harvester.record import Failure, MarkedRecord
+from harvester.core.at_least_once import at_least_once
+from harvester.core.events import Event, LeaderRefreshed
+from harvester.core.exactly_once import exactly_once
+from harvester.core.metrics import HarvesterMetrics
+from harvester.core.protocols import DeliveryCallback, StoreError
+from harvester.core.records import Failure, MarkedRecord
 from tests.support import ManualElector
 
 pytestmark = pytest.mark.unit
@@ -106,7 +108,8 @@ def build(rows: Sequence[tuple[str, str]], **limits: object) -> tuple[Engine, Me
         made.append(HandPublisher(cb))
         return made[0]
 
-    engine = Engine(store, factory, Limits(**limits), HarvesterMetrics(), events.append, listen_notify=False)  # type: ignore[arg-type]
+    mode = at_least_once(store, factory)
+    engine = Engine(store, mode, Limits(**limits), HarvesterMetrics(), events.append, listen_notify=False)  # type: ignore[arg-type]
     engine.start()
     return engine, store, made[0], events
 
@@ -238,13 +241,12 @@ def test_exactly_once_purge_error_is_retried_not_fatal() -> None:
     store = FlakyCheckpointStore([("a", "a0"), ("b", "b0"), ("a", "a1")])
     txn = CommittingPublisher()
     engine = Engine(
-        store,  # type: ignore[arg-type]
-        HandPublisher,
+        store,
+        exactly_once(store, txn),
         Limits(io_error_backoff="10ms"),
         HarvesterMetrics(),
         lambda e: None,
         listen_notify=False,
-        transactions=txn,
     )
     engine.start()
     ManualElector().start(engine.on_leader_event)

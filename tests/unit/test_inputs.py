@@ -8,8 +8,8 @@ import pytest
 from pydantic import ValidationError
 
 from harvester import HarvesterConfig, IdentifierError, OutboxRecord, RecordError, TableName
-from harvester.durations import parse_duration
-from harvester.record import ColumnLimits
+from harvester.core.durations import parse_duration
+from harvester.core.records import ColumnLimits
 
 pytestmark = pytest.mark.unit
 

@@ -29,14 +29,12 @@ def check_topic(topic: str) -> None:
 
 @dataclass(frozen=True, slots=True)
 class ColumnLimits:
-    """What the outbox table's columns accept, read from the catalog (see ``Store.describe``)."""
+    """What the outbox table's columns accept, read from the catalog (:mod:`harvester.postgres.catalog`);
+    the defaults are goharvest's layout."""
 
     key_max_chars: int | None = 100
     value_max_chars: int | None = 10000
     value_kind: ValueKind = "text"
-
-
-GOHARVEST_LIMITS = ColumnLimits()
 
 
 class OutboxRecord(BaseModel):

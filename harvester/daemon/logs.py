@@ -5,7 +5,7 @@ adds the instance name and, while this instance leads, the leader id; turns exce
 redacts secrets; and renders JSON lines (not a terminal) or readable console output (a terminal).
 
 Redaction has two layers: the literal secret values the configuration holds (see
-:func:`harvester.settings.secret_values`), and patterns for secrets the configuration never saw
+:func:`harvester.daemon.settings.secret_values`), and patterns for secrets the configuration never saw
 (``password=...`` in a DSN, ``user:password@`` in a URL, ``sasl.password=...``).
 """
 

@@ -14,8 +14,8 @@ import psycopg
 from psycopg import sql
 from psycopg.rows import dict_row
 
-from harvester.identifiers import TableName
-from harvester.migrations import dead_letter_table
+from harvester.postgres.identifiers import TableName
+from harvester.postgres.migrations import dead_letter_table
 
 _SUMMARY = "id, kafka_topic, kafka_key, reason, attempts, first_failure, last_failure, dead_lettered_at"
 

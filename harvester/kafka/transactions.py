@@ -16,12 +16,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
-from confluent_kafka.admin import AdminClient
-from confluent_kafka.cimpl import NewTopic
 
-from harvester.protocols import ProducerFencedError, TransactionAbortedError
-from harvester.publisher import DeliveryError
-from harvester.record import MarkedRecord
+from harvester.core.protocols import ProducerFencedError, TransactionAbortedError
+from harvester.core.records import MarkedRecord
+from harvester.kafka.publisher import DeliveryError
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,23 +30,8 @@ class Checkpoint:
     epoch: int
 
 
-def ensure_topic(config: Mapping[str, Any], topic: str) -> None:
-    """Create a one-partition topic if absent (the checkpoint topic)."""
-    admin = AdminClient(dict(config))
-    meta = admin.list_topics(timeout=10).topics.get(topic)
-    if meta is not None and meta.error is None:
-        return
-    futures = admin.create_topics([NewTopic(topic, num_partitions=1, replication_factor=-1)])
-    for f in futures.values():
-        try:
-            f.result(30)
-        except KafkaException as exc:
-            if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
-                raise
-
-
 class KafkaTransactionalPublisher:
-    """:class:`harvester.protocols.TransactionalPublisher` over confluent-kafka."""
+    """:class:`harvester.core.protocols.TransactionalPublisher` over confluent-kafka."""
 
     def __init__(self, config: Mapping[str, Any], transactional_id: str, checkpoint_topic: str) -> None:
         self._config = {

@@ -24,8 +24,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from harvester.config import Duration, HarvesterConfig
-from harvester.logs import SECRET_NAME
+from harvester.config import HarvesterConfig
+from harvester.core.limits import Duration
+from harvester.daemon.logs import SECRET_NAME
 
 ENV_PREFIX = "REAPER_"
 CONFIG_ENV = "REAPER_CONFIG"

@@ -2,7 +2,9 @@
 
 Each file is a template over the outbox table's name; applied versions are recorded per table in
 ``harvester_migrations`` (in the outbox's schema), under an advisory lock so concurrent runs are
-safe. Existing data is never touched: migrations only create what is absent.
+safe. Existing data is never touched: migrations only create what is absent. ``reaper migrate``
+applies them all; a feature that needs some of them on a table never migrated applies those
+through the same ledger (:func:`ensure`), never at the start of a leadership term.
 """
 
 from __future__ import annotations
@@ -10,13 +12,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 from importlib import resources
 from string import Template
+from typing import Literal
 
 import psycopg
 from psycopg import sql
 
-from harvester.identifiers import TableName
+from harvester.postgres.identifiers import TableName
 
 _LOCK_KEY = 0x6F7574626F78  # "outbox": serialises concurrent migrations of any table
+
+Feature = Literal["fence", "dead_letter", "spark_sink"]
+# The migrations each optional feature needs; :func:`ensure` applies them on first use.
+FEATURES: dict[Feature, tuple[str, ...]] = {
+    "fence": ("0003_fence", "0007_checkpoint"),
+    "dead_letter": ("0006_dead_letter", "0008_dead_letter_key_index"),
+    "spark_sink": ("0005_spark_sink",),
+}
 
 
 class _SqlTemplate(Template):
@@ -59,7 +70,7 @@ def _value_type(table: TableName, conn: psycopg.Connection[tuple[object, ...]]) 
 
 def available() -> list[Migration]:
     """The migrations shipped with the package, in order."""
-    root = resources.files("harvester") / "sql"
+    root = resources.files("harvester.postgres") / "sql"
     files = sorted((p for p in root.iterdir() if p.name.endswith(".sql")), key=lambda p: p.name)
     return [Migration(p.name.removesuffix(".sql"), p.read_text("utf-8")) for p in files]
 
@@ -96,8 +107,18 @@ def _ledger(table: TableName) -> sql.Composable:
     return sql.Identifier("harvester_migrations")
 
 
-def migrate(conn: psycopg.Connection[tuple[object, ...]], table: TableName) -> list[str]:
-    """Apply every migration not yet recorded for ``table``; return the versions applied now."""
+def _recorded(conn: psycopg.Connection[tuple[object, ...]], table: TableName) -> set[str]:
+    """The versions the ledger records for ``table`` (none when there is no ledger yet)."""
+    ledger = _ledger(table)
+    exists = conn.execute("SELECT to_regclass(%s)", (ledger.as_string(conn),)).fetchone()
+    if exists is None or exists[0] is None:
+        return set()
+    rows = conn.execute(sql.SQL("SELECT version FROM {} WHERE table_name = %s").format(ledger), (table.qualified,))
+    return {str(r[0]) for r in rows}
+
+
+def _apply(conn: psycopg.Connection[tuple[object, ...]], table: TableName, wanted: list[Migration]) -> list[str]:
+    """Apply those of ``wanted`` the ledger does not record, in order, under the advisory lock."""
     applied_now: list[str] = []
     with conn.transaction():
         conn.execute("SELECT pg_advisory_xact_lock(%s)", (_LOCK_KEY,))
@@ -109,12 +130,8 @@ def migrate(conn: psycopg.Connection[tuple[object, ...]], table: TableName) -> l
                 " applied_at TIMESTAMPTZ NOT NULL DEFAULT now(), PRIMARY KEY (table_name, version))"
             ).format(_ledger(table))
         )
-        rows = conn.execute(
-            sql.SQL("SELECT version FROM {} WHERE table_name = %s").format(_ledger(table)),
-            (table.qualified,),
-        ).fetchall()
-        done = {str(r[0]) for r in rows}
-        for m in available():
+        done = _recorded(conn, table)
+        for m in wanted:
             if m.version in done:
                 continue
             conn.execute(render(m, table, conn).encode("utf-8"))
@@ -124,3 +141,23 @@ def migrate(conn: psycopg.Connection[tuple[object, ...]], table: TableName) -> l
             )
             applied_now.append(m.version)
     return applied_now
+
+
+def migrate(conn: psycopg.Connection[tuple[object, ...]], table: TableName) -> list[str]:
+    """Apply every migration not yet recorded for ``table``; return the versions applied now."""
+    return _apply(conn, table, available())
+
+
+def ensure(conn: psycopg.Connection[tuple[object, ...]], table: TableName, feature: Feature) -> list[str]:
+    """Apply the migrations ``feature`` needs unless the ledger already records them (then this is
+    one catalog query and no DDL), so a feature works on a table ``reaper migrate`` never touched
+    (goharvest's) while the schema changes only through the migrations and their ledger."""
+    versions = FEATURES[feature]
+    if set(versions) <= _recorded(conn, table):
+        return []
+    return _apply(conn, table, [m for m in available() if m.version in versions])
+
+
+def applied(conn: psycopg.Connection[tuple[object, ...]], table: TableName) -> list[str]:
+    """The versions applied to ``table``, in order (for ``reaper check``)."""
+    return sorted(_recorded(conn, table))

@@ -1,8 +1,9 @@
-"""What the MP/R engine needs from its collaborators.
+"""What the engine needs from its collaborators, one small protocol per role.
 
-The engine depends only on these protocols; PostgreSQL (``store``), Kafka (``publisher``) and NELI
-(``leader``) live behind them, so the algorithm is testable on its own and each adapter is
-replaceable.
+The engine core and its dispatchers depend only on these; PostgreSQL (:mod:`harvester.postgres`),
+Kafka (:mod:`harvester.kafka`) and NELI (:mod:`leader`) live behind them, so the algorithm is
+testable on its own and each adapter is replaceable. One store object usually plays every
+store role; each part of the engine names only the roles it uses.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 from uuid import UUID
 
-from harvester.record import Failure, MarkedRecord
+from harvester.core.records import Failure, MarkedRecord
 from leader.events import LeaderEvent, LeaderStatus
 
 
@@ -23,8 +24,8 @@ class FencedError(StoreError):
     """A newer leader bumped the fence epoch: this process must stop leader work, not retry."""
 
 
-class Store(Protocol):
-    """The outbox table, guarded by an epoch fence."""
+class MarkSource(Protocol):
+    """The engine core's view of the outbox: terms under an epoch fence, and marking."""
 
     def acquire(self, leader_id: UUID) -> int:
         """Bump the fence epoch for a new leadership term; later statements run under it."""
@@ -36,21 +37,21 @@ class Store(Protocol):
         Raises :class:`FencedError` when the epoch was superseded."""
         ...
 
-    def purge(self, ids: Sequence[int]) -> None:
-        """Delete delivered records (one statement for all ids)."""
-        ...
-
-    def reset(self, ids: Sequence[int]) -> None:
-        """Clear the leader id of records whose delivery failed, so they are marked again."""
-        ...
-
     def wait_for_insert(self, timeout: float) -> bool:
         """Block until new records may be available (True) or ``timeout`` passes (False)."""
         ...
 
+
+class FailedRecords(Protocol):
+    """Where failed deliveries go: back to the outbox, with an attempt counted, or dead-lettered."""
+
     @property
     def tracks_attempts(self) -> bool:
         """Whether attempt counts are kept in the table (else the engine keeps them in memory)."""
+        ...
+
+    def reset(self, ids: Sequence[int]) -> None:
+        """Clear the leader id of records whose delivery failed, so they are marked again."""
         ...
 
     def fail(self, failures: Sequence[Failure]) -> None:
@@ -61,16 +62,24 @@ class Store(Protocol):
         """Move records out of the outbox into the dead-letter table, in one transaction."""
         ...
 
+
+class Purger(Protocol):
+    """At-least-once completion: delivered records leave the outbox."""
+
+    def purge(self, ids: Sequence[int]) -> None:
+        """Delete delivered records (one statement for all ids)."""
+        ...
+
+
+class CheckpointStore(Protocol):
+    """Exactly-once completion: purges move together with the checkpoint position."""
+
     def checkpoint_position(self) -> int:
         """Where exactly-once recovery starts reading the checkpoint topic."""
         ...
 
     def purge_checkpointed(self, ids: Sequence[int], position: int) -> None:
         """Purge records of committed transactions and advance the checkpoint position, atomically."""
-        ...
-
-    def close(self) -> None:
-        """Release connections."""
         ...
 
 
@@ -87,6 +96,9 @@ class Publisher(Protocol):
     def close(self, timeout: float) -> None:
         """Flush outstanding records (bounded by ``timeout``) and release the client."""
         ...
+
+
+PublisherFactory = Callable[[DeliveryCallback], Publisher]
 
 
 class ProducerFencedError(Exception):

@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 from psycopg import sql
 
-from harvester.identifiers import TableName
-from harvester.record import ColumnLimits, OutboxRecord
-from harvester.store import DESCRIBE_SQL, describe, limits_from_catalog
+from harvester.core.records import ColumnLimits, OutboxRecord
+from harvester.postgres import catalog
+from harvester.postgres.identifiers import TableName
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection as SAConnection
@@ -49,7 +49,7 @@ class Stasher:
         if not batch:
             return 0
         if self._limits is None:
-            self._limits = describe(conn, self.table)
+            self._limits = catalog.read(conn, self.table).limits
         rows = self._checked(batch, self._limits)
         if len(rows) >= _COPY_THRESHOLD:
             created = conn.execute("SELECT now()").fetchone()
@@ -74,8 +74,8 @@ class Stasher:
         if not batch:
             return 0
         if self._limits is None:
-            found = target.execute(text(DESCRIBE_SQL.replace("%s", ":t")), {"t": self.table.quoted}).all()
-            self._limits = limits_from_catalog(self.table, [tuple(r) for r in found])
+            found = target.execute(text(catalog.CATALOG_SQL.replace("%s", ":t")), {"t": self.table.quoted}).all()
+            self._limits = catalog.columns_from_rows(self.table, [tuple(r) for r in found]).limits
         rows = self._checked(batch, self._limits)
         target.execute(
             text(

@@ -14,18 +14,35 @@ from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
-from harvester.protocols import DeliveryCallback
-from harvester.record import MarkedRecord
+from harvester.core.failures import PublishError
+from harvester.core.protocols import DeliveryCallback
+from harvester.core.records import MarkedRecord
+
+# Errors that concern the record itself, so that publishing it again cannot succeed (too large,
+# invalid, unknown or forbidden topic); every other error is waited out.
+_PERMANENT_NAMES = (
+    "MSG_SIZE_TOO_LARGE",
+    "RECORD_LIST_TOO_LARGE",
+    "INVALID_RECORD",
+    "TOPIC_EXCEPTION",
+    "_UNKNOWN_TOPIC",
+    "UNKNOWN_TOPIC_OR_PART",
+    "TOPIC_AUTHORIZATION_FAILED",
+    "POLICY_VIOLATION",
+    "UNSUPPORTED_FOR_MESSAGE_FORMAT",
+    "_INVALID_ARG",
+    "_BAD_MSG",
+)
+PERMANENT_CODES = frozenset(getattr(KafkaError, n) for n in _PERMANENT_NAMES if hasattr(KafkaError, n))
 
 
-class DeliveryError(Exception):
-    """Kafka did not accept a record. ``retriable`` tells a transient fault from a permanent one."""
+class DeliveryError(PublishError):
+    """Kafka did not accept a record; its error code decides whether that is permanent."""
 
     def __init__(self, error: KafkaError) -> None:
-        super().__init__(error.str())
+        label = error.name().lower().lstrip("_")
+        super().__init__(error.str(), reason=label, permanent=error.code() in PERMANENT_CODES)
         self.code: int = error.code()
-        self.name: str = error.name()
-        self.retriable: bool = bool(error.retriable())
 
 
 def producer_config(base: Mapping[str, Any], producer: Mapping[str, Any]) -> dict[str, Any]:
@@ -41,7 +58,7 @@ def producer_config(base: Mapping[str, Any], producer: Mapping[str, Any]) -> dic
 
 
 class KafkaPublisher:
-    """:class:`harvester.protocols.Publisher` backed by one idempotent producer."""
+    """:class:`harvester.core.protocols.Publisher` backed by one idempotent producer."""
 
     def __init__(self, config: Mapping[str, Any], on_delivery: DeliveryCallback) -> None:
         self._producer = Producer(dict(config))

@@ -10,9 +10,9 @@ from typing import Any
 
 import psycopg
 
-from harvester import deadletter
-from harvester.identifiers import TableName
-from harvester.migrations import dead_letter_table
+from harvester.postgres import deadletter
+from harvester.postgres.identifiers import TableName
+from harvester.postgres.migrations import dead_letter_table
 
 
 def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:

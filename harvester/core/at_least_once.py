@@ -1,0 +1,249 @@
+"""At-least-once delivery: records go out one by one behind per-key barriers; a completion thread
+purges what Kafka acknowledged and resets what failed.
+
+Per-key order: at most one record of a key is in flight. A record whose key is busy waits in that
+key's FIFO while records of other keys keep flowing (no head-of-line blocking); when the in-flight
+record of a key completes, the completion thread hands the next record of that key to the
+publisher at once. A key's barrier is lowered only after its record's purge committed, so a
+re-publish after a crash can repeat the last record of a key but never reorder it.
+
+A failed delivery resets its record and forces a remark: queued records are discarded and the
+leader id is refreshed, so the next mark picks up everything unacknowledged, in id order. A record
+that waited behind its key longer than ``queue_timeout`` (usually a lost delivery report) forces a
+remark too, as goharvest does.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from uuid import UUID
+
+import structlog
+
+from harvester.core.dispatch import Context, Dispatcher, DispatcherFactory, worker
+from harvester.core.failures import MalformedRecordError
+from harvester.core.protocols import PublisherFactory, Purger
+from harvester.core.records import MarkedRecord
+
+log = structlog.get_logger("harvester.engine")
+
+_COMPLETION_BATCH = 5000
+
+_Report = tuple[MarkedRecord, Exception | None]
+
+
+class AtLeastOnceDispatcher:
+    """:class:`harvester.core.dispatch.Dispatcher` with per-key barriers and batched completions."""
+
+    def __init__(self, context: Context, store: Purger, publisher: PublisherFactory) -> None:
+        self._ctx = context
+        self._state = context.state
+        self._store = store
+        # Guarded by state.cond:
+        self._in_flight: dict[int, MarkedRecord] = {}
+        self._busy: set[str] = set()
+        # Per busy key, the records waiting behind it with the monotonic time they were queued.
+        self._waiting: dict[str, deque[tuple[float, MarkedRecord]]] = {}
+        self._queued = 0
+        # Ids purged while a mark query ran: the query may have returned them before the purge
+        # committed, and dispatching them again would publish a duplicate.
+        self._purged_during_mark: set[int] | None = None
+        self._published = 0  # counted here, added to the Prometheus counter once per batch
+        # Mark thread only:
+        self._next_queue_check = 0.0
+        # Delivery reports; None tells the completion thread to exit.
+        self._acks: queue.SimpleQueue[_Report | None] = queue.SimpleQueue()
+        self._publisher = publisher(self._on_delivery)
+        self._threads = [worker(self._completion_loop, "harvester-complete")]
+
+    @property
+    def threads(self) -> Sequence[threading.Thread]:
+        """The completion thread."""
+        return self._threads
+
+    def begin_term(self) -> None:
+        """Nothing beyond the fence: a new term re-marks whatever is unacknowledged."""
+
+    def close(self, timeout: float) -> None:
+        """Flush the publisher (bounded), then end the completion thread."""
+        self._publisher.close(timeout)
+        self._acks.put_nowait(None)
+
+    # ------------------------------------------------------------------ state (caller holds the lock)
+
+    def has_room(self) -> bool:
+        limits = self._ctx.limits
+        return len(self._in_flight) < limits.max_in_flight_records and self._queued < limits.max_queued_records
+
+    def busy(self) -> bool:
+        return bool(self._in_flight)
+
+    def mark_started(self) -> None:
+        self._purged_during_mark = set()
+
+    def mark_ended(self) -> None:
+        self._purged_during_mark = None
+
+    def before_remark(self) -> None:
+        self.discard_waiting()
+
+    def discard_waiting(self) -> None:
+        self._waiting.clear()
+        self._queued = 0
+        self._ctx.metrics.queued.set(0)
+
+    def check_stuck(self) -> None:
+        """Force a remark when a record waited behind its key longer than ``queue_timeout``."""
+        now = time.monotonic()
+        if now < self._next_queue_check or not self._waiting or self._state.leader_id is None:
+            return
+        timeout = self._ctx.limits.queue_timeout.total_seconds()
+        self._next_queue_check = now + min(1.0, timeout)
+        oldest = min(q[0][0] for q in self._waiting.values() if q)
+        if now - oldest > timeout and not self._state.force_remark:
+            log.warning("queue_timeout", waited=round(now - oldest, 3), queued=self._queued)
+            self._state.force_remark = True
+
+    @property
+    def in_flight_records(self) -> int:
+        return len(self._in_flight)
+
+    @property
+    def in_flight_keys(self) -> int:
+        return len(self._busy)
+
+    @property
+    def queued_records(self) -> int:
+        return self._queued
+
+    # ------------------------------------------------------------------ dispatch
+
+    def dispatch(self, batch: Sequence[MarkedRecord], leader_id: UUID) -> None:
+        """Send each record whose key is free, queue the others behind their keys; waits while
+        the in-flight window is full."""
+        state, metrics = self._state, self._ctx.metrics
+        max_in_flight = self._ctx.limits.max_in_flight_records
+        published = self._published
+        if not state.still_leader():  # asked without the lock: the elector may hold its own
+            return
+        with state.cond:
+            purged = self._purged_during_mark or set()
+            self._purged_during_mark = None
+            for record in batch:
+                if not state.current(leader_id):
+                    return  # the rest is re-marked after the refresh
+                if record.id in purged:
+                    continue
+                key = record.key
+                if key in self._busy or key in self._waiting:
+                    # Includes a re-marked copy of the record in flight: it is dropped if that
+                    # record completes, and is the retry if that record fails.
+                    self._waiting.setdefault(key, deque()).append((time.monotonic(), record))
+                    self._queued += 1
+                    continue
+                while len(self._in_flight) >= max_in_flight and state.current(leader_id):
+                    state.cond.wait(0.05)
+                if not state.current(leader_id):
+                    return
+                self._send(record)
+            metrics.queued.set(self._queued)
+            metrics.in_flight.set(len(self._in_flight))
+        metrics.published.inc(self._published - published)
+
+    def _send(self, record: MarkedRecord) -> None:
+        # Caller holds the lock; publish() never blocks on it (reports go to a queue).
+        self._in_flight[record.id] = record
+        self._busy.add(record.key)
+        if record.malformed is not None:
+            self._acks.put_nowait((record, MalformedRecordError(record.malformed)))
+            return
+        self._publisher.publish(record)
+        self._published += 1
+
+    # ------------------------------------------------------------------ completion
+
+    def _on_delivery(self, record: MarkedRecord, error: Exception | None) -> None:
+        self._acks.put_nowait((record, error))
+
+    def _completion_loop(self) -> None:
+        while True:
+            first = self._acks.get()
+            if first is None:
+                return
+            items = [first]
+            while len(items) < _COMPLETION_BATCH:
+                try:
+                    item = self._acks.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:
+                    self._acks.put_nowait(None)
+                    break
+                items.append(item)
+            try:
+                self._complete(items)
+            except Exception:
+                # Never let the completion thread die: its records would hold their keys for good.
+                # A remark re-publishes whatever was not purged.
+                log.exception("completion_failed", records=len(items))
+                with self._state.cond:
+                    for record, _ in items:
+                        self._in_flight.pop(record.id, None)
+                        self._busy.discard(record.key)
+                    self._state.force_remark = True
+                    self._state.cond.notify_all()
+
+    def _complete(self, items: list[_Report]) -> None:
+        state, metrics, settler = self._state, self._ctx.metrics, self._ctx.settler
+        delivered = [r for r, err in items if err is None]
+        failures = [(r, err) for r, err in items if err is not None]
+        # Fenced: the records stay marked for the new leader to re-mark; only bookkeeping is left.
+        if settler.retry(self._store.purge, [r.id for r in delivered]):
+            settler.delivered(delivered)
+            settler.settle(failures)
+        may_send = state.still_leader()
+        with state.cond:
+            if failures:
+                state.force_remark = True
+            published = self._published
+            for record, err in items:
+                self._in_flight.pop(record.id, None)
+                self._busy.discard(record.key)
+                if err is None and self._purged_during_mark is not None:
+                    self._purged_during_mark.add(record.id)
+                self._release(record, delivered=err is None, may_send=may_send)
+            metrics.in_flight.set(len(self._in_flight))
+            metrics.queued.set(self._queued)
+            state.cond.notify_all()
+            released = self._published - published
+        metrics.published.inc(released)
+
+    def _release(self, record: MarkedRecord, delivered: bool, may_send: bool) -> None:
+        """Lower ``record``'s key barrier and send the key's next waiting record, if any (caller
+        holds the lock)."""
+        waiting = self._waiting.get(record.key)
+        if not waiting:
+            return
+        if delivered and any(r.id == record.id for _, r in waiting):
+            kept = deque(entry for entry in waiting if entry[1].id != record.id)
+            self._queued -= len(waiting) - len(kept)
+            waiting = self._waiting[record.key] = kept
+        if waiting and may_send and self._state.leader_id is not None and not self._state.force_remark:
+            self._queued -= 1
+            self._send(waiting.popleft()[1])
+        if not waiting:
+            del self._waiting[record.key]
+
+
+def at_least_once(store: Purger, publisher: PublisherFactory) -> DispatcherFactory:
+    """The at-least-once mode over ``store`` and ``publisher``, as :class:`~harvester.core.engine.Engine`
+    takes it."""
+
+    def build(context: Context) -> Dispatcher:
+        return AtLeastOnceDispatcher(context, store, publisher)
+
+    return build

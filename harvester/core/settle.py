@@ -1,0 +1,149 @@
+"""What happens to a record after the broker answered: delivered records are accounted for; failed
+ones are reset (retriable), counted (permanent) or dead-lettered (out of attempts).
+
+Poison records: a failure is *retriable* (the broker or network) or *permanent* (the record), see
+:mod:`harvester.core.failures`. Retriable failures back off exponentially, with jitter, without
+counting against the record. Permanent ones count attempts (in the table when it has the attempt
+columns, else in memory); at ``max_attempts`` the record moves to the dead-letter table, which
+releases its key.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, TypeVar
+
+import structlog
+
+from harvester.core.failures import classify, reason
+from harvester.core.limits import Limits
+from harvester.core.metrics import HarvesterMetrics
+from harvester.core.protocols import FailedRecords, FencedError, StoreError
+from harvester.core.records import Failure, MarkedRecord
+
+if TYPE_CHECKING:
+    from uuid import UUID
+
+log = structlog.get_logger("harvester.engine")
+
+_T = TypeVar("_T")
+
+
+class RetryBackoff:
+    """Delays the next mark after retriable failures: exponential, capped, with jitter; the first
+    delivery that succeeds ends it. Used by the mark thread and the completion side, whose updates
+    are single assignments."""
+
+    def __init__(self, limits: Limits) -> None:
+        self._base = limits.retry_backoff.total_seconds()
+        self._cap = limits.max_retry_backoff.total_seconds()
+        self._round = 0
+        self._resume_at = 0.0  # monotonic time before which no mark runs
+
+    def failed(self) -> None:
+        """Push the next mark back by one more round."""
+        delay = min(self._cap, self._base * 2**self._round)
+        self._round += 1
+        self._resume_at = time.monotonic() + delay * random.uniform(0.5, 1.0)
+
+    def succeeded(self) -> None:
+        """Records got through: the next failure starts again from the first round."""
+        self._round = 0
+
+    def remaining(self) -> float:
+        """Seconds until the next mark may run (<= 0: now)."""
+        return self._resume_at - time.monotonic()
+
+
+class Settler:
+    """Books delivered and failed records in the store, retrying through database errors."""
+
+    def __init__(
+        self,
+        store: FailedRecords,
+        limits: Limits,
+        metrics: HarvesterMetrics,
+        backoff: RetryBackoff,
+        on_fenced: Callable[[FencedError], None],
+        leader_id: Callable[[], UUID | None],
+    ) -> None:
+        self._store = store
+        self._limits = limits
+        self._metrics = metrics
+        self._backoff = backoff
+        self._on_fenced = on_fenced
+        self._leader_id = leader_id
+        # Attempts of permanently failing records, when the table cannot keep them (by id).
+        self._attempts: dict[int, tuple[int, datetime]] = {}
+
+    def retry(self, op: Callable[[Sequence[_T]], None], items: Sequence[_T]) -> bool:
+        """Run an idempotent purge/reset until it succeeds (True) or the fence refuses it (False)."""
+        while items:
+            try:
+                op(items)
+                return True
+            except FencedError as exc:
+                self._on_fenced(exc)
+                return False
+            except StoreError as exc:
+                log.warning("store_retry", records=len(items), error=str(exc))
+                time.sleep(self._limits.io_error_backoff.total_seconds())
+        return True
+
+    def delivered(self, records: Sequence[MarkedRecord]) -> None:
+        """Account for purged records: metrics, and the end of any retry back-off."""
+        if not records:
+            return
+        now = time.time()
+        for record in records:
+            self._metrics.publish_latency.observe(max(0.0, now - record.create_time.timestamp()))
+            self._attempts.pop(record.id, None)
+        self._metrics.purged.inc(len(records))
+        self._backoff.succeeded()
+
+    def settle(self, failures: Sequence[tuple[MarkedRecord, Exception]]) -> bool:
+        """Record failed deliveries: reset the retriable ones (and back off), count attempts of the
+        permanent ones and dead-letter those out of attempts. False if the fence refused it."""
+        if not failures:
+            return True
+        retriable: list[int] = []
+        failing: list[Failure] = []
+        dead: list[Failure] = []
+        for record, err in failures:
+            log.warning("delivery_failed", id=record.id, key=record.key, topic=record.topic, error=str(err))
+            kind = classify(err)
+            self._metrics.retries.labels(kind).inc()
+            if kind == "retriable":
+                retriable.append(record.id)
+                continue
+            failure = self._count_attempt(record, err)
+            (dead if failure.attempts >= self._limits.max_attempts else failing).append(failure)
+        store, leader_id = self._store, self._leader_id()
+        if not (
+            self.retry(store.reset, retriable)
+            and self.retry(store.fail, failing)
+            and (leader_id is None or self.retry(lambda f: store.dead_letter(f, leader_id), dead))
+        ):
+            return False
+        self._metrics.reset.inc(len(retriable) + len(failing))
+        if retriable:
+            self._backoff.failed()
+        for f in dead:
+            self._attempts.pop(f.id, None)
+            self._metrics.dead_lettered.labels(f.reason).inc()
+            log.error("dead_lettered", id=f.id, key=f.key, reason=f.reason, attempts=f.attempts, error=f.error)
+        return True
+
+    def _count_attempt(self, record: MarkedRecord, error: Exception) -> Failure:
+        """This permanent failure's attempt number (from the row, or from memory)."""
+        now = datetime.now(UTC)
+        if self._store.tracks_attempts:
+            attempts, first = record.attempts + 1, record.first_failure or now
+        else:
+            previous, first = self._attempts.get(record.id, (0, now))
+            attempts = previous + 1
+            self._attempts[record.id] = (attempts, first)
+        return Failure(record.id, record.key, reason(error), str(error)[:2000], attempts, first)

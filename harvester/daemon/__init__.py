@@ -1,0 +1,1 @@
+"""The ``reaper`` daemon: command line, settings, structured logs, HTTP endpoints, operator tools."""

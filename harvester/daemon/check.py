@@ -1,0 +1,108 @@
+"""Reaching PostgreSQL and Kafka from the configuration, as ``reaper check`` does and as ``run`` and
+``migrate`` do before their work: each failure is one line naming the setting to look at."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from harvester.daemon.errors import FailError, one_line
+from harvester.daemon.settings import ReaperSettings
+
+
+def connect_pg(settings: ReaperSettings, timeout: float) -> Any:
+    import psycopg
+
+    try:
+        return psycopg.connect(settings.harvest.data_source, autocommit=True, connect_timeout=max(1, round(timeout)))
+    except psycopg.Error as exc:
+        raise FailError(f"PostgreSQL: cannot connect (harvest.dataSource): {pg_reason(exc)}") from None
+
+
+def pg_reason(exc: BaseException) -> str:
+    # libpq's message repeats the host and may quote parts of the DSN; keep its first line, redacted.
+    text = str(exc).strip().splitlines()
+    return one_line(text[0] if text else type(exc).__name__)
+
+
+def check(settings: ReaperSettings, timeout: float) -> int:
+    validate_kafka_config(settings)
+    problems = _check_postgres(settings, timeout) + _check_kafka(settings, timeout)
+    for problem in problems:
+        print(f"problem: {problem}")
+    print("configuration ok" if not problems else f"{len(problems)} problem(s) found")
+    return 1 if problems else 0
+
+
+def _check_postgres(settings: ReaperSettings, timeout: float) -> list[str]:
+    from harvester.postgres import catalog, migrations
+
+    table = settings.harvest.table
+    with connect_pg(settings, timeout) as conn:
+        info = conn.info
+        print(
+            f"postgres: reachable; server {info.parameter_status('server_version')}, "
+            f"host {info.host}:{info.port}, database {info.dbname}, user {info.user}"
+        )
+        try:
+            columns = catalog.read(conn, table)
+        except catalog.OutboxMissingError:
+            print(f"outbox table {table}: absent")
+            return [f"outbox table {table} does not exist: run 'reaper migrate'"]
+        except catalog.UnsupportedOutboxError as exc:
+            print(f"outbox table {table}: present, not usable")
+            return [str(exc)]
+        applied = migrations.applied(conn, table)
+        print(
+            f"outbox table {table}: present; kafka_key {columns.type_of('kafka_key')}, "
+            f"kafka_value {columns.type_of('kafka_value')}; migrations applied: {', '.join(applied) or 'none'}"
+        )
+    return []
+
+
+def _check_kafka(settings: ReaperSettings, timeout: float) -> list[str]:
+    from confluent_kafka import KafkaException
+    from confluent_kafka.admin import AdminClient
+
+    harvest = settings.harvest
+    quiet = logging.getLogger("reaper.check.kafka")
+    quiet.setLevel(logging.CRITICAL)  # librdkafka's retries would repeat what the one-line error says
+    servers = harvest.base_kafka_config.get("bootstrap.servers", "?")
+    try:
+        config: dict[str, Any] = {**harvest.base_kafka_config, "logger": quiet}
+        metadata = AdminClient(config).list_topics(timeout=timeout)
+    except KafkaException as exc:
+        raise FailError(f"Kafka unreachable at {servers} (harvest.baseKafkaConfig): {_kafka_reason(exc)}") from None
+    print(f"kafka: reachable; {len(metadata.brokers)} broker(s) via {servers}, cluster {metadata.cluster_id}")
+    topic = metadata.topics.get(harvest.topic)
+    if topic is None or topic.error is not None:
+        print(f"leader topic {harvest.topic}: absent")
+        return [
+            f"leader topic {harvest.topic} does not exist: create it (1 partition) unless the brokers "
+            "auto-create topics"
+        ]
+    print(f"leader topic {harvest.topic}: present, {len(topic.partitions)} partition(s); group {harvest.group_id}")
+    return []
+
+
+def _kafka_reason(exc: BaseException) -> str:
+    err: Any = exc.args[0] if exc.args else None
+    return str(err.str()) if hasattr(err, "str") else str(exc)
+
+
+def validate_kafka_config(settings: ReaperSettings) -> None:
+    """Build (and drop) a producer from the configured maps: librdkafka checks every property name
+    and value when a client is created, so a typo is reported here, once, as a configuration error."""
+    from confluent_kafka import KafkaException, Producer
+
+    from harvester.kafka.publisher import producer_config
+
+    harvest = settings.harvest
+    quiet = logging.getLogger("reaper.kafka.validate")
+    quiet.setLevel(logging.CRITICAL)
+    try:
+        Producer({**producer_config(harvest.base_kafka_config, harvest.producer_kafka_config), "logger": quiet})
+    except KafkaException as exc:
+        raise FailError(f"harvest.baseKafkaConfig/producerKafkaConfig: {_kafka_reason(exc)}") from None
+    except (TypeError, ValueError) as exc:
+        raise FailError(f"harvest.baseKafkaConfig/producerKafkaConfig: {exc}") from None

@@ -1,0 +1,170 @@
+"""The ``reaper`` command: run the harvester as a daemon, migrate the outbox, check the configuration.
+
+Exit codes: 0 success; 1 a runtime failure, or ``check`` found something missing; 2 a configuration
+mistake or an unreachable service (always one line on stderr, never a traceback); 128+N after a
+second signal N (immediate exit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from importlib.metadata import PackageNotFoundError, version
+
+from harvester.daemon import dlq, logs
+from harvester.daemon.check import check, connect_pg, pg_reason
+from harvester.daemon.errors import FailError, one_line
+from harvester.daemon.settings import CONFIG_ENV, ReaperSettings, SettingsError, load, secret_values
+
+COMMANDS = ("run", "migrate", "check", "dlq")
+
+DESCRIPTION = """\
+reaper drains a transactional outbox table in PostgreSQL into Kafka.
+
+Applications INSERT records into the outbox table in the same transaction as their own changes;
+reaper publishes them to Kafka in order per key and deletes them once Kafka acknowledged them.
+Run several reapers against the same outbox: one leads (harvests), the others stand by and take
+over within seconds when it stops or fails.
+
+Typical first use:
+  reaper check   -f reaper.yaml    # is the configuration valid, are PostgreSQL and Kafka reachable?
+  reaper migrate -f reaper.yaml    # create the outbox table (and the optional trigger) if absent
+  reaper run     -f reaper.yaml    # harvest until SIGTERM/SIGINT
+
+A goharvest reaper.yaml works unchanged, and so does goharvest's command line: reaper -f reaper.yaml
+"""
+
+EPILOG = f"""\
+configuration:
+  -f/--file names a YAML file; without it, ${CONFIG_ENV} is used; without either, built-in defaults.
+  Any setting can be overridden from the environment: REAPER_<SECTION>__<FIELD>, e.g.
+    REAPER_HARVEST__DATA_SOURCE='host=db user=app dbname=app'
+    REAPER_HARVEST__LIMITS__MAX_IN_FLIGHT_RECORDS=5000
+    REAPER_HARVEST__BASE_KAFKA_CONFIG__SASL_PASSWORD=...   (Kafka property sasl.password)
+  Any string may refer to a secret: ${{env:NAME}} or ${{file:/path/to/secret}}.
+
+exit codes:
+  0 ok; 1 runtime failure (or check found something missing); 2 configuration mistake or
+  unreachable service; 128+N after a second signal N.
+
+See docs/reaper.md for every setting, the metrics and the endpoints.
+"""
+
+
+def package_version() -> str:
+    """The installed version of outbox-harvester."""
+    try:
+        return version("outbox-harvester")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="reaper",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("-V", "--version", action="version", version=f"reaper (outbox-harvester) {package_version()}")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "-f",
+        "--file",
+        metavar="PATH",
+        default=os.environ.get(CONFIG_ENV) or None,
+        help=f"configuration file (reaper.yaml); default: ${CONFIG_ENV}, else built-in defaults",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.add_parser(
+        "run",
+        parents=[common],
+        help="harvest the outbox until SIGTERM/SIGINT (the daemon)",
+        description="Compete for leadership and, while leader, publish outbox records to Kafka. Serves "
+        "/metrics, /healthz and /readyz on the http port. SIGTERM or SIGINT stops gracefully (finish "
+        "in-flight records, hand leadership over, exit 0); a second signal exits at once (nothing is "
+        "lost: unacknowledged records stay in the outbox for the next leader).",
+    )
+    sub.add_parser(
+        "migrate",
+        parents=[common],
+        help="create the outbox table and the optional objects other features need, if absent",
+        description="Apply the bundled SQL migrations to the configured outbox table, idempotently: each is "
+        "recorded in harvester_migrations and applied once. Existing tables and data are left as they are.",
+    )
+    check = sub.add_parser(
+        "check",
+        parents=[common],
+        help="validate the configuration and reach PostgreSQL and Kafka; print what was found",
+        description="Validate the configuration, connect to PostgreSQL and Kafka, and report the server "
+        "version, the outbox table and its value column type, the broker count and the leader topic. "
+        "Exit 0 when all is in place, 1 when the table or leader topic is missing, 2 on a configuration "
+        "mistake or an unreachable service.",
+    )
+    check.add_argument(
+        "--timeout", type=float, default=5.0, metavar="SECONDS", help="bound on each connection attempt (default 5)"
+    )
+    dlq.add_parser(sub, common)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``reaper`` console script; returns the exit code."""
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    # goharvest's reaper took only "-f FILE"; treat a command line without a command as "run".
+    if args_list and args_list[0] not in COMMANDS and args_list[0] not in ("-h", "--help", "-V", "--version"):
+        args_list.insert(0, "run")
+    parser = _parser()
+    if not args_list:
+        parser.print_help(sys.stderr)
+        return 2
+    args = parser.parse_args(args_list)
+    try:
+        settings = load(args.file)
+        logs.configure(
+            settings.logging.level,
+            settings.logging.format,
+            instance=settings.harvest.name,
+            secrets=secret_values(settings),
+        )
+        if args.command == "migrate":
+            return _migrate(settings)
+        if args.command == "check":
+            return check(settings, args.timeout)
+        if args.command == "dlq":
+            with connect_pg(settings, 10) as conn:
+                held = settings.harvest.dead_letter_policy == "hold_key"
+                return dlq.run(args, conn, settings.harvest.table, held_keys=held)
+        from harvester.daemon.run import run
+
+        return run(settings, package_version())
+    except SettingsError as exc:
+        print(f"reaper: configuration error: {one_line(str(exc))}", file=sys.stderr)
+        return 2
+    except FailError as exc:
+        print(f"reaper: error: {one_line(str(exc))}", file=sys.stderr)
+        return exc.code
+
+
+def _migrate(settings: ReaperSettings) -> int:
+    import psycopg
+
+    from harvester.postgres.migrations import migrate
+
+    table = settings.harvest.table
+    with connect_pg(settings, 10) as conn:
+        try:
+            applied = migrate(conn, table)
+        except psycopg.Error as exc:
+            raise FailError(f"migrating {table} failed: {pg_reason(exc)}", code=1) from None
+    if applied:
+        print(f"outbox table {table}: applied {', '.join(applied)}")
+    else:
+        print(f"outbox table {table}: up to date")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

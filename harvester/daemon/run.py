@@ -1,0 +1,224 @@
+"""``reaper run``: the harvester as a daemon, with its HTTP endpoints, until a signal."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import threading
+from collections.abc import Mapping
+from types import FrameType
+from typing import TYPE_CHECKING, Any
+
+from harvester.daemon import logs
+from harvester.daemon.check import validate_kafka_config
+from harvester.daemon.errors import FailError
+from harvester.daemon.settings import ReaperSettings
+
+if TYPE_CHECKING:
+    from harvester.daemon.http import HttpServer
+    from harvester.harvester import Harvester
+
+
+class _Signals:
+    """First SIGTERM/SIGINT asks for a graceful stop; a second one exits at once."""
+
+    def __init__(self) -> None:
+        self.stop = threading.Event()
+        self.received: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def restore(self) -> None:
+        """Put back the handlers found by :meth:`install` (matters when ``main`` runs in-process)."""
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum: int, _frame: FrameType | None) -> None:
+        if self.stop.is_set():
+            # Nothing is lost: unacknowledged records stay marked in the outbox and the next leader
+            # marks them again. os._exit skips the graceful path that is evidently stuck.
+            os.write(2, f"reaper: second signal {signal.Signals(signum).name}: exiting now\n".encode())
+            os._exit(128 + signum)
+        self.received = signum
+        self.stop.set()
+
+
+class _HealthCache:
+    """Readiness from ``Harvester.health()``, refreshed in the background so probes answer at once."""
+
+    def __init__(self, harvester: Harvester, interval: float) -> None:
+        self._harvester = harvester
+        self._interval = interval
+        self._lock = threading.Lock()
+        self._latest: dict[str, Any] = {"database_ok": False, "kafka_ok": False, "is_leader": False, "running": False}
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="reaper-health", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        self._closed.set()
+
+    def _loop(self) -> None:
+        while True:
+            try:
+                latest = dict(self._harvester.health())
+            except Exception as exc:  # a failing check means "not ready", never a dead thread
+                latest = {"database_ok": False, "kafka_ok": False, "is_leader": False, "running": False,
+                          "error": type(exc).__name__}
+            with self._lock:
+                self._latest = latest
+            if self._closed.wait(self._interval):
+                return
+
+    def liveness(self) -> tuple[bool, Mapping[str, object]]:
+        alive = self._harvester.alive
+        return alive, {"threads_alive": alive}
+
+    def readiness(self) -> tuple[bool, Mapping[str, object]]:
+        with self._lock:
+            latest = dict(self._latest)
+        # A standby is ready too: it reaches both services and takes over at once when needed.
+        ok = bool(latest.get("running") and latest.get("database_ok") and latest.get("kafka_ok"))
+        return ok, {k: latest[k] for k in ("is_leader", "database_ok", "kafka_ok", "running") if k in latest}
+
+
+def run(settings: ReaperSettings, version: str) -> int:
+    """Build the harvester and the HTTP endpoint, then serve until a signal."""
+    from prometheus_client import CollectorRegistry, Gauge
+    from pydantic import ValidationError
+
+    from harvester.core.events import LeaderAcquired, LeaderFenced, LeaderRefreshed, LeaderRevoked
+    from harvester.daemon.http import HttpServer
+    from harvester.harvester import Harvester
+
+    harvest = settings.harvest
+
+    def on_event(event: object) -> None:
+        if isinstance(event, LeaderAcquired | LeaderRefreshed):
+            logs.set_leader(event.leader_id)
+        elif isinstance(event, LeaderRevoked | LeaderFenced):
+            logs.set_leader(None)
+
+    validate_kafka_config(settings)
+    # librdkafka logs to stderr on its own unless given a logger: route it through ours, so its lines
+    # are JSON too, carry the instance name, and are redacted.
+    kafka = {**harvest.base_kafka_config, "logger": logging.getLogger("rdkafka")}
+    harvest = harvest.model_copy(update={"base_kafka_config": kafka})
+    registry = CollectorRegistry()
+    info = Gauge("reaper_info", "Always 1; labels describe this reaper.", ["version", "instance"], registry=registry)
+    info.labels(version=version, instance=harvest.name).set(1)
+    try:
+        harvester = Harvester(harvest, on_event=on_event, registry=registry)
+    except ValidationError as exc:  # combinations of limits the elector refuses
+        first = exc.errors(include_url=False, include_input=False)[0]
+        raise FailError(f"harvest.limits: {str(first['msg']).removeprefix('Value error, ')}") from None
+    health = _HealthCache(harvester, interval=5.0)
+    server: HttpServer | None = None
+    if settings.http.enabled:
+        try:
+            server = HttpServer(
+                registry,
+                host=settings.http.host,
+                port=settings.http.port,
+                liveness=health.liveness,
+                readiness=health.readiness,
+            )
+        except OSError as exc:
+            where = f"{settings.http.host}:{settings.http.port}"
+            raise FailError(f"http.port: cannot listen on {where}: {exc.strerror}") from None
+        server.start()
+
+    signals = _Signals()
+    signals.install()
+    try:
+        return _serve(settings, version, harvester, health, server, signals)
+    finally:
+        signals.restore()
+
+
+def _serve(
+    settings: ReaperSettings,
+    version: str,
+    harvester: Harvester,
+    health: _HealthCache,
+    server: HttpServer | None,
+    signals: _Signals,
+) -> int:
+    """Start the harvester and run until a signal (or its unexpected end); return the exit code."""
+    import structlog
+
+    from harvester.postgres.store import OutboxMissingError, StoreError
+    from leader.election import LeaderTopicError
+
+    harvest = settings.harvest
+    log = structlog.get_logger("reaper")
+    try:
+        harvester.start()
+    except Exception as exc:
+        _abandon(harvester, server)
+        if isinstance(exc, OutboxMissingError):
+            raise FailError(f"harvest.outboxTable: {exc}") from None
+        if isinstance(exc, StoreError):  # PostgreSQL unreachable, or a table of an unsupported layout
+            raise FailError(f"PostgreSQL (harvest.dataSource, harvest.outboxTable): {exc}") from None
+        if isinstance(exc, LeaderTopicError):  # Kafka unreachable, or the topic absent and not creatable
+            raise FailError(f"harvest.leaderTopic: {exc}") from None
+        log.debug("start_failed", exc_info=True)
+        raise FailError(f"cannot start: {type(exc).__name__}: {exc}", code=1) from None
+    health.start()
+    log.info(
+        "reaper_started",
+        version=version,
+        table=harvest.table.qualified,
+        group=harvest.group_id,
+        topic=harvest.topic,
+        http_port=server.port if server else None,
+    )
+    while not signals.stop.wait(0.5):
+        if harvester.wait(0):
+            log.error("harvester_ended_unexpectedly")
+            health.close()
+            _close(server)
+            return 1
+    name = signal.Signals(signals.received).name if signals.received else "signal"
+    timeout = settings.shutdown.timeout.total_seconds()
+    log.info("reaper_stopping", signal=name, timeout_seconds=timeout, in_flight=harvester.in_flight_records)
+    failed: list[BaseException] = []
+
+    def stop() -> None:
+        try:
+            harvester.stop(timeout)
+        except Exception as exc:  # reported below, as a log line rather than a raw thread traceback
+            failed.append(exc)
+
+    # stop() runs on its own thread so the main thread stays free to act on a second signal at once,
+    # even while the stop blocks inside librdkafka.
+    stopper = threading.Thread(target=stop, name="reaper-stop", daemon=True)
+    stopper.start()
+    while stopper.is_alive():
+        stopper.join(0.2)
+    health.close()
+    _close(server)
+    if failed:
+        log.error("reaper_stop_failed", exc_info=failed[0])
+        return 1
+    log.info("reaper_stopped")
+    return 0
+
+
+def _close(server: HttpServer | None) -> None:
+    if server is not None:
+        server.close()
+
+
+def _abandon(harvester: Harvester, server: HttpServer | None) -> None:
+    """Best-effort cleanup after a failed start, so no background thread keeps the process alive."""
+    _close(server)
+    with contextlib.suppress(Exception):
+        harvester.stop(1.0)

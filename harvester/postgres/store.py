@@ -1,0 +1,341 @@
+"""The outbox table in PostgreSQL (psycopg 3): mark, purge, reset, dead-letter, and wake-up on
+NOTIFY, all under the epoch fence (see :mod:`harvester.postgres.statements`).
+
+:meth:`PostgresStore.prepare` reads the table's shape and builds the statements once, before any
+other call; nothing else queries the catalog or changes the schema. Each method uses a connection
+of its own thread's role (marking, purging, listening), so the mark loop and the purge/reset
+pipeline never wait on each other's round trips. A broken connection is dropped and re-opened on
+the next call; callers back off and retry, and since purge and reset are idempotent nothing is lost
+by retrying.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+from uuid import UUID
+
+import psycopg
+from psycopg import sql
+
+from harvester.core.identity import IdentityHeaders
+from harvester.core.protocols import FencedError, StoreError
+from harvester.core.records import Failure, MarkedRecord
+from harvester.postgres import catalog, migrations
+from harvester.postgres.catalog import OutboxColumns, OutboxMissingError
+from harvester.postgres.identifiers import TableName
+from harvester.postgres.migrations import notify_channel
+from harvester.postgres.statements import Statements
+
+__all__ = ["FencedError", "OutboxMissingError", "PostgresStore", "StoreError"]
+
+
+def _malformed(key: str | None, hkeys: list[str] | None, hvalues: list[str | None] | None) -> str | None:
+    """Why a row cannot become a Kafka message, or None when it can."""
+    if key is None:
+        return "kafka_key is NULL"
+    if hkeys is None or hvalues is None:
+        return "header arrays are NULL"
+    if len(hkeys) != len(hvalues):
+        return f"{len(hkeys)} header keys but {len(hvalues)} header values"
+    if any(k is None for k in hkeys):
+        return "a header key is NULL"
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class _Prepared:
+    """What :meth:`PostgresStore.prepare` learnt; assigned whole, so a failed prepare leaves none."""
+
+    columns: OutboxColumns
+    statements: Statements
+    producer: bytes  # the identity headers' producer name
+
+
+class PostgresStore:
+    """The store roles of :mod:`harvester.core.protocols` over one outbox table."""
+
+    def __init__(
+        self,
+        dsn: str,
+        table: TableName,
+        *,
+        application_name: str = "outbox-harvester",
+        identity: IdentityHeaders | None = None,
+        producer_name: str | None = None,
+        hold_dead_letter_keys: bool = False,
+    ) -> None:
+        self._dsn = dsn
+        self._table = table
+        self._names = identity or IdentityHeaders()
+        self._producer_name = producer_name
+        self._hold = hold_dead_letter_keys
+        self._app = application_name
+        self._epoch = 0
+        self._prepared: _Prepared | None = None
+        self._dead_letter_ready = hold_dead_letter_keys  # prepare() ensures it then
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._connections: list[psycopg.Connection[Any]] = []
+        self._listening: psycopg.Connection[Any] | None = None
+
+    # ------------------------------------------------------------------ connections
+
+    def _connect(self, autocommit: bool = True) -> psycopg.Connection[Any]:
+        try:
+            conn = psycopg.connect(self._dsn, autocommit=autocommit, connect_timeout=5, application_name=self._app)
+        except psycopg.Error as exc:
+            raise StoreError(f"cannot connect to PostgreSQL: {type(exc).__name__}") from exc
+        with self._lock:
+            self._connections.append(conn)
+        return conn
+
+    def _conn(self) -> psycopg.Connection[Any]:
+        conn: psycopg.Connection[Any] | None = getattr(self._local, "conn", None)
+        if conn is None or conn.closed or conn.broken:
+            if conn is not None:
+                self._forget(conn)
+            conn = self._connect()
+            self._local.conn = conn
+        return conn
+
+    def _forget(self, conn: psycopg.Connection[Any]) -> None:
+        with self._lock:
+            if conn in self._connections:
+                self._connections.remove(conn)
+        conn.close()
+
+    def _execute(self, query: sql.Composed | str, params: Sequence[Any]) -> psycopg.Cursor[Any]:
+        conn = self._conn()
+        try:
+            return conn.execute(query, params, prepare=True)
+        except psycopg.OperationalError as exc:
+            self._forget(conn)
+            raise StoreError(f"database error: {exc.sqlstate or type(exc).__name__}") from exc
+        except psycopg.Error as exc:
+            raise StoreError(f"statement failed: {exc.sqlstate or type(exc).__name__}") from exc
+
+    def _run(self, query: sql.Composed | str, params: Sequence[Any]) -> list[tuple[Any, ...]]:
+        cur = self._execute(query, params)
+        return cur.fetchall() if cur.description else []
+
+    # ------------------------------------------------------------------ set-up
+
+    @classmethod
+    def open(cls, dsn: str, table: TableName, **options: Any) -> PostgresStore:
+        """A prepared store: the constructor (``options`` as it takes them), then :meth:`prepare`."""
+        store = cls(dsn, table, **options)
+        try:
+            store.prepare()
+        except BaseException:
+            store.close()
+            raise
+        return store
+
+    def prepare(self) -> OutboxColumns:
+        """Read the table's shape, apply the fence (and, holding dead-lettered keys, the dead-letter)
+        migrations through the ledger if they are missing, and build the statements. Idempotent.
+
+        Raises :class:`OutboxMissingError` or :class:`StoreError` on a missing or unsupported table
+        or an unreachable database."""
+        if self._prepared is not None:
+            return self._prepared.columns
+        conn = self._conn()
+        try:
+            columns = catalog.read(conn, self._table)
+            migrations.ensure(conn, self._table, "fence")
+            if self._hold:
+                migrations.ensure(conn, self._table, "dead_letter")
+            producer = self._producer_name
+            if producer is None:
+                row = conn.execute("SELECT system_identifier FROM pg_control_system()").fetchone()
+                producer = f"{row[0] if row else 0}/{self._table.qualified}"
+        except psycopg.OperationalError as exc:
+            self._forget(conn)
+            raise StoreError(f"database error: {exc.sqlstate or type(exc).__name__}") from exc
+        except psycopg.Error as exc:
+            raise StoreError(f"preparing {self._table} failed: {exc.sqlstate or type(exc).__name__}") from exc
+        statements = Statements.build(self._table, columns, hold_dead_letter_keys=self._hold)
+        self._prepared = _Prepared(columns, statements, producer.encode("utf-8"))
+        return columns
+
+    def _ready(self) -> _Prepared:
+        prepared = self._prepared
+        if prepared is None:
+            raise RuntimeError("PostgresStore.prepare() must be called first")
+        return prepared
+
+    @property
+    def columns(self) -> OutboxColumns:
+        """The table's shape (after :meth:`prepare`)."""
+        return self._ready().columns
+
+    @property
+    def tracks_attempts(self) -> bool:
+        """Whether the table has the optional attempt columns (``reaper migrate`` adds them)."""
+        return self._ready().columns.tracks_attempts
+
+    @property
+    def producer_name(self) -> str:
+        """The stable producer name of the identity headers (after :meth:`prepare`)."""
+        return self._ready().producer.decode("utf-8")
+
+    # ------------------------------------------------------------------ fencing
+
+    @property
+    def epoch(self) -> int:
+        """The epoch this store's statements run under (0 before :meth:`acquire`)."""
+        return self._epoch
+
+    def acquire(self, leader_id: UUID) -> int:
+        """Bump the fence epoch and run under the new epoch."""
+        rows = self._run(self._ready().statements.acquire, (self._table.qualified, leader_id))
+        self._epoch = int(rows[0][0])
+        return self._epoch
+
+    def _check_epoch(self) -> None:
+        """Raise :class:`FencedError` if a newer epoch superseded ours (called on short results only)."""
+        rows = self._run(self._ready().statements.epoch, (self._table.qualified,))
+        current = int(rows[0][0]) if rows else 0
+        if current != self._epoch:
+            raise FencedError(f"fenced: epoch {self._epoch} superseded by {current}")
+
+    def checkpoint_position(self) -> int:
+        """Where exactly-once recovery starts reading the checkpoint topic."""
+        rows = self._run(self._ready().statements.checkpoint_position, (self._table.qualified,))
+        return int(rows[0][0]) if rows else 0
+
+    def purge_checkpointed(self, ids: Sequence[int], position: int) -> None:
+        """Purge records of committed transactions and advance the checkpoint position, atomically."""
+        q = self._table.qualified
+        cur = self._execute(self._ready().statements.purge_checkpointed, (q, self._epoch, list(ids), position, q))
+        if cur.rowcount == 0:
+            raise FencedError(f"fenced: epoch {self._epoch} superseded")
+
+    # ------------------------------------------------------------------ mark, purge, reset
+
+    def mark(self, leader_id: UUID, limit: int) -> list[MarkedRecord]:
+        """Mark up to ``limit`` records not yet marked by ``leader_id`` and return them sorted by id.
+
+        Each record's headers get the identity headers appended.
+        """
+        prepared = self._ready()
+        kind = prepared.columns.limits.value_kind
+        producer = prepared.producer
+        epoch = str(self._epoch).encode()
+        names = self._names
+        rows = self._run(prepared.statements.mark, (self._table.qualified, self._epoch, leader_id, leader_id, limit))
+        if not rows:
+            self._check_epoch()
+            return []
+        rows.sort(key=lambda r: r[0])  # RETURNING order is arbitrary
+        out: list[MarkedRecord] = []
+        for rid, created, topic, key, raw, hkeys, hvalues, attempts, first_failure in rows:
+            value = raw.encode("utf-8") if raw is not None and kind != "bytes" else raw
+            malformed = _malformed(key, hkeys, hvalues)
+            headers: list[tuple[str, str | bytes | None]] = [
+                (k, v.encode("utf-8") if v is not None else b"")
+                for k, v in zip(hkeys or (), hvalues or (), strict=False)
+            ]
+            headers += [(names.id, str(rid).encode()), (names.epoch, epoch), (names.producer, producer)]
+            out.append(MarkedRecord(rid, created, topic, key or "", value, headers, attempts, first_failure, malformed))
+        return out
+
+    def purge(self, ids: Sequence[int]) -> None:
+        """Delete delivered records in one statement (idempotent)."""
+        self._fenced_change(self._ready().statements.purge, ids)
+
+    def reset(self, ids: Sequence[int]) -> None:
+        """Unmark records whose delivery failed, in one statement (idempotent)."""
+        self._fenced_change(self._ready().statements.reset, ids)
+
+    def _fenced_change(self, statement: sql.Composed, ids: Sequence[int]) -> None:
+        if not ids:
+            return
+        cur = self._execute(statement, (self._table.qualified, self._epoch, list(ids)))
+        if cur.rowcount < len(ids):  # fenced, or a retry of a change that already committed
+            self._check_epoch()
+
+    def fail(self, failures: Sequence[Failure]) -> None:
+        """Unmark permanently failed records, counting the attempt and keeping the error."""
+        statement = self._ready().statements.fail
+        if not failures:
+            return
+        if statement is None:
+            self.reset([f.id for f in failures])
+            return
+        ids, errors = [f.id for f in failures], [f.error for f in failures]
+        cur = self._execute(statement, (self._table.qualified, self._epoch, ids, errors))
+        if cur.rowcount < len(failures):
+            self._check_epoch()
+
+    def dead_letter(self, failures: Sequence[Failure], leader_id: UUID) -> None:
+        """Move records into the dead-letter table in one statement; the first one applies the
+        dead-letter migrations through the ledger if they are missing."""
+        statement = self._ready().statements.dead_letter
+        if not failures:
+            return
+        if not self._dead_letter_ready:
+            conn = self._conn()
+            try:
+                migrations.ensure(conn, self._table, "dead_letter")
+            except psycopg.Error as exc:
+                why = exc.sqlstate or type(exc).__name__
+                raise StoreError(f"creating the dead-letter table failed: {why}") from exc
+            self._dead_letter_ready = True
+        ids = [f.id for f in failures]
+        cur = self._execute(
+            statement,
+            (
+                self._table.qualified,
+                self._epoch,
+                ids,
+                self._epoch,
+                leader_id,
+                ids,
+                [f.reason for f in failures],
+                [f.error for f in failures],
+                [f.attempts for f in failures],
+                [f.first_failure for f in failures],
+            ),
+        )
+        if cur.rowcount < len(failures):
+            self._check_epoch()
+
+    def head(self) -> tuple[int, float | None]:
+        """A cheap backlog sample: (max id - min id + 1, age in seconds of the oldest record)."""
+        lo, hi, age = self._run(self._ready().statements.head, ())[0]
+        if lo is None:
+            return 0, None
+        return int(hi) - int(lo) + 1, float(age)
+
+    # ------------------------------------------------------------------ idle wake-up
+
+    def wait_for_insert(self, timeout: float) -> bool:
+        """Block until the outbox trigger notifies (True) or ``timeout`` passes (False).
+
+        Without the trigger (migration not applied) this simply sleeps; the caller's adaptive
+        back-off keeps the polling rate low either way.
+        """
+        try:
+            if self._listening is None or self._listening.closed or self._listening.broken:
+                conn = self._connect()
+                conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(notify_channel(self._table))))
+                self._listening = conn
+            for _ in self._listening.notifies(timeout=timeout, stop_after=1):
+                return True
+            return False
+        except psycopg.Error as exc:
+            if self._listening is not None:
+                self._forget(self._listening)
+                self._listening = None
+            raise StoreError(f"listen failed: {type(exc).__name__}") from exc
+
+    def close(self) -> None:
+        """Close every connection this store opened."""
+        with self._lock:
+            conns, self._connections = self._connections, []
+        for conn in conns:
+            conn.close()
