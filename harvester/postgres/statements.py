@@ -19,6 +19,12 @@ _RETURNING = "id, create_time, kafka_topic, kafka_key, {value}, kafka_header_key
 _GUARD = "WITH fence AS (SELECT 1 FROM {f} WHERE outbox_table = %s AND epoch = %s FOR SHARE) "
 
 
+# The mark takes its ids as an array (``id = ANY(ARRAY(...))``), not as ``id IN (subquery)``: the
+# planner then finds the rows by the primary key whatever it believes about the table's size, where
+# a join could choose a whole-table scan on the stale statistics of an outbox that was empty a moment
+# ago (tests/engine/test_plans.py).
+
+
 @dataclass(frozen=True, slots=True)
 class Statements:
     """The store's statements; each guarded one takes (table, epoch) as its first parameters."""
@@ -56,8 +62,8 @@ class Statements:
             ).format(t=t, f=f)
         return cls(
             mark=sql.SQL(
-                _GUARD + "UPDATE {t} SET leader_id = %s WHERE EXISTS (SELECT 1 FROM fence) AND id IN ("
-                "SELECT id FROM {t} WHERE (leader_id IS NULL OR leader_id <> %s){held} ORDER BY id LIMIT %s) "
+                _GUARD + "UPDATE {t} SET leader_id = %s WHERE EXISTS (SELECT 1 FROM fence) AND id = ANY(ARRAY("
+                "SELECT id FROM {t} WHERE (leader_id IS NULL OR leader_id <> %s){held} ORDER BY id LIMIT %s)) "
                 "RETURNING " + _RETURNING.format(value=value, attempts=attempts)
             ).format(t=t, f=f, held=held),
             purge=sql.SQL(
