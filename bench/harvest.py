@@ -1,12 +1,16 @@
-"""Engine throughput and latency, next to the two ceilings measured in the same run.
+"""Drain throughput, cost per record and latency, next to the ceilings measured in the same run.
 
-    ./dev.sh bench harvest [--records 100000] [--keys 1000] [--rate 1000] [--seconds 15]
+    ./dev.sh bench harvest [--backlogs 100000,1000000] [--keys 1000] [--burst 200000] [--rate 1000]
+                           [--seconds 15]
 
 Prints:
-  1. ceiling: confluent-kafka alone producing the same records (same producer settings);
-  2. ceiling: the mark + purge SQL alone on the same pre-loaded outbox;
-  3. harvester draining a pre-loaded outbox (records/s), and as a share of the lower ceiling;
-  4. harvester under steady concurrent inserts (records/s harvested while writers insert);
+  1. ceiling: confluent-kafka alone producing the records (same producer settings);
+  2. per backlog: the SQL ceilings on the same pre-loaded outbox (mark + purge alone, and the
+     single-write ``DELETE ... RETURNING`` drain, the limit of one connection), then the harvester
+     draining it with goharvest's default limits and with tuned limits: records/s, the share of
+     each ceiling, and CPU seconds per 1,000 records of the harvester process and of PostgreSQL;
+  3. a burst COPied into an outbox that was empty while the harvester idled (default limits);
+  4. the harvester under steady concurrent inserts;
   5. latency from insert commit to delivery ack at a fixed insert rate (p50/p99/max);
   6. queries per second of an idle harvester.
 """
@@ -19,11 +23,13 @@ import statistics
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 import psycopg
 from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient, NewTopic
+from cpu import CpuMeter, per_thousand
 from psycopg import sql
 
 from harvester import Engine, Limits, PostgresStore, TableName, migrate
@@ -62,11 +68,6 @@ def preload(conn: psycopg.Connection[Any], table: TableName, topic: str, records
         for i in range(records):
             cp.write_row((time.strftime("%Y-%m-%d %H:%M:%S+00", time.gmtime(now)), topic, f"key{i % keys}", VALUE))
     conn.execute(sql.SQL("VACUUM ANALYZE {}").format(table.ident))
-
-
-def count(conn: psycopg.Connection[Any], table: TableName) -> int:
-    row = conn.execute(sql.SQL("SELECT count(*) FROM {}").format(table.ident)).fetchone()
-    return int(row[0]) if row else 0
 
 
 def ceiling_producer(records: int, keys: int) -> float:
@@ -114,6 +115,25 @@ def ceiling_sql(conn: psycopg.Connection[Any], records: int, keys: int, batch: i
     return records / elapsed
 
 
+def ceiling_delete(conn: psycopg.Connection[Any], records: int, keys: int, batch: int) -> float:
+    """One connection draining the outbox with one write per record: ``DELETE ... RETURNING`` of the
+    head, ``batch`` rows a statement (no fence, no publishing: the limit of a single connection)."""
+    table = fresh_outbox(conn)
+    preload(conn, table, "t", records, keys)
+    drain = sql.SQL(
+        "DELETE FROM {t} WHERE id = ANY(ARRAY(SELECT id FROM {t} ORDER BY id LIMIT %s))"
+        " RETURNING id, create_time, kafka_topic, kafka_key, kafka_value, kafka_header_keys, kafka_header_values"
+    ).format(t=table.ident)
+    done = 0
+    started = time.perf_counter()
+    with psycopg.connect(DSN, autocommit=True) as own:
+        while rows := own.execute(drain, (batch,), prepare=True).fetchall():
+            done += len(rows)
+    elapsed = time.perf_counter() - started
+    assert done == records
+    return records / elapsed
+
+
 class TimedPublisher(KafkaPublisher):
     """Records each record's acknowledgement time, for end-to-end latency."""
 
@@ -147,17 +167,47 @@ def stop(engine: Engine, store: PostgresStore) -> None:
     store.close()
 
 
-def wait_empty(conn: psycopg.Connection[Any], table: TableName, timeout: float = 600) -> None:
+def wait_empty(conn: psycopg.Connection[Any], table: TableName, timeout: float = 900) -> None:
+    """Poll cheaply (one row, not a count) until the outbox is empty."""
+    probe = sql.SQL("SELECT 1 FROM {} LIMIT 1").format(table.ident)
     deadline = time.monotonic() + timeout
-    while count(conn, table) and time.monotonic() < deadline:
+    while conn.execute(probe).fetchone() is not None and time.monotonic() < deadline:
         time.sleep(0.02)
 
 
-def drain_preloaded(conn: psycopg.Connection[Any], records: int, keys: int, limits: Limits) -> float:
+@dataclass(frozen=True, slots=True)
+class Drain:
+    rate: float  # records/s
+    cpu_own: float  # CPU seconds per 1,000 records: this process (the harvester)
+    cpu_postgres: float  # ... and the PostgreSQL server
+
+
+def drain_preloaded(conn: psycopg.Connection[Any], records: int, keys: int, limits: Limits) -> Drain:
     table, topic = fresh_outbox(conn), fresh_topic()
     preload(conn, table, topic, records, keys)
+    meter = CpuMeter(conn)
+    before = meter.sample()
     started = time.perf_counter()
     engine, store = run_engine(table, limits)
+    wait_empty(conn, table)
+    elapsed = time.perf_counter() - started
+    after = meter.sample()
+    stop(engine, store)
+    return Drain(records / elapsed, *per_thousand(before, after, records))
+
+
+def burst_into_idle(conn: psycopg.Connection[Any], records: int, keys: int, limits: Limits) -> float:
+    """Records/s from the commit of a COPY into an outbox that was empty (and never analysed) while
+    the harvester idled, to the outbox being empty again."""
+    table, topic = fresh_outbox(conn), fresh_topic()
+    engine, store = run_engine(table, limits)
+    time.sleep(3.0)  # idle marks: enough for PostgreSQL to consider generic plans
+    copy = sql.SQL("COPY {} (create_time, kafka_topic, kafka_key, kafka_value) FROM STDIN").format(table.ident)
+    with conn.transaction(), conn.cursor().copy(copy) as cp:
+        created = time.strftime("%Y-%m-%d %H:%M:%S+00", time.gmtime())
+        for i in range(records):
+            cp.write_row((created, topic, f"key{i % keys}", VALUE))
+    started = time.perf_counter()
     wait_empty(conn, table)
     elapsed = time.perf_counter() - started
     stop(engine, store)
@@ -259,40 +309,56 @@ def cleanup(conn: psycopg.Connection[Any]) -> None:
         conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(name)))
 
 
+def backlog_rows(conn: psycopg.Connection[Any], backlog: int, keys: int, tuned: Limits, producer: float) -> None:
+    """The ceilings and both drains at one backlog, each drain as a share of the ceilings."""
+    batch = tuned.mark_sizes[1]
+    mark_purge = ceiling_sql(conn, backlog, keys, batch)
+    single = ceiling_delete(conn, backlog, keys, batch)
+    print(f"backlog {backlog}")
+    print(f"  ceiling  mark+purge SQL alone              {mark_purge:10.0f} records/s")
+    print(f"  ceiling  single-write DELETE ... RETURNING {single:10.0f} records/s")
+    for name, limits in (("default limits (auto)", Limits()), ("goharvest's 100 / 1000", GOHARVEST), ("tuned", tuned)):
+        d = drain_preloaded(conn, backlog, keys, limits)
+        print(
+            f"  harvest  drain, {name:<24} {d.rate:10.0f} records/s"
+            f"  {d.rate / mark_purge:4.0%} of mark+purge, {d.rate / single:4.0%} of single-write,"
+            f" {d.rate / producer:4.0%} of producer;"
+            f" CPU s/1000 records: harvester {d.cpu_own:.3f}, PostgreSQL {d.cpu_postgres:.3f}"
+        )
+
+
+# goharvest's documented defaults, set explicitly (this project's defaults are 'auto').
+GOHARVEST = Limits(mark_query_records=100, max_in_flight_records=1000)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--records", type=int, default=100_000)
+    p.add_argument("--backlogs", default="100000,1000000", help="comma-separated pre-loaded backlogs")
     p.add_argument("--keys", type=int, default=1000)
+    p.add_argument("--burst", type=int, default=200_000, help="records COPied into an idle outbox")
     p.add_argument("--rate", type=float, default=1000.0, help="insert rate of the latency phase (records/s)")
     p.add_argument("--seconds", type=float, default=15.0, help="duration of the steady and latency phases")
-    p.add_argument("--mark-query-records", type=int, default=500)
-    p.add_argument("--max-in-flight", type=int, default=5000)
+    p.add_argument("--mark-query-records", type=int, default=500, help="tuned limits")
+    p.add_argument("--max-in-flight", type=int, default=5000, help="tuned limits")
     args = p.parse_args()
-    limits = Limits(mark_query_records=args.mark_query_records, max_in_flight_records=args.max_in_flight)
+    backlogs = [int(b) for b in args.backlogs.split(",")]
+    tuned = Limits(mark_query_records=args.mark_query_records, max_in_flight_records=args.max_in_flight)
     defaults = Limits()
+    first, largest = defaults.mark_sizes
     print(
-        f"workload: {args.records} records, {args.keys} keys, {len(VALUE)}-byte values; "
-        f"engine limits: mark_query_records={limits.mark_query_records} "
-        f"max_in_flight_records={limits.max_in_flight_records}"
+        f"workload: {args.keys} keys, {len(VALUE)}-byte values; limits as mark_query_records / max_in_flight_records:"
+        f" default 'auto' ({first}..{largest} / {defaults.in_flight_bound}), goharvest's defaults 100 / 1000,"
+        f" tuned {tuned.mark_query_records} / {tuned.max_in_flight_records}"
     )
     with psycopg.connect(DSN, autocommit=True) as conn:
         try:
-            producer = ceiling_producer(args.records, args.keys)
+            producer = ceiling_producer(min(backlogs), args.keys)
             print(f"ceiling  confluent-kafka produce alone      {producer:10.0f} records/s")
-            sqlonly = ceiling_sql(conn, args.records, args.keys, limits.mark_query_records)
-            print(f"ceiling  mark+purge SQL alone                {sqlonly:10.0f} records/s")
-            lower = min(producer, sqlonly)
-            drained = drain_preloaded(conn, args.records, args.keys, limits)
-            print(
-                f"harvest  drain pre-loaded outbox            {drained:10.0f} records/s"
-                f"  ({drained / lower:.0%} of lower ceiling)"
-            )
-            drained_d = drain_preloaded(conn, args.records, args.keys, defaults)
-            print(
-                f"harvest  drain, goharvest default limits    {drained_d:10.0f} records/s"
-                "  (mark_query_records=100, max_in_flight=1000)"
-            )
-            inserted, harvested = steady(conn, args.keys, args.seconds, limits)
+            for backlog in backlogs:
+                backlog_rows(conn, backlog, args.keys, tuned, producer)
+            burst = burst_into_idle(conn, args.burst, args.keys, defaults)
+            print(f"harvest  burst of {args.burst} into an idle outbox, default limits: {burst:10.0f} records/s")
+            inserted, harvested = steady(conn, args.keys, args.seconds, tuned)
             print(f"harvest  steady inserts: inserted {inserted:8.0f}/s, harvested during inserts {harvested:8.0f}/s")
             lat = latency(conn, args.keys, args.rate, args.seconds, defaults)
             print(

@@ -77,7 +77,7 @@ class AtLeastOnceDispatcher:
 
     def has_room(self) -> bool:
         limits = self._ctx.limits
-        return len(self._in_flight) < limits.max_in_flight_records and self._queued < limits.max_queued_records
+        return len(self._in_flight) < limits.in_flight_bound and self._queued < limits.max_queued_records
 
     def busy(self) -> bool:
         return bool(self._in_flight)
@@ -126,7 +126,7 @@ class AtLeastOnceDispatcher:
         """Send each record whose key is free, queue the others behind their keys; waits while
         the in-flight window is full."""
         state, metrics = self._state, self._ctx.metrics
-        max_in_flight = self._ctx.limits.max_in_flight_records
+        max_in_flight = self._ctx.limits.in_flight_bound
         published = self._published
         if not state.still_leader():  # asked without the lock: the elector may hold its own
             return

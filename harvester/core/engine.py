@@ -40,6 +40,19 @@ class EngineStore(MarkSource, FailedRecords, Protocol):
     """The store roles the core itself uses (the dispatcher is given the ones it needs)."""
 
 
+class MarkSize:
+    """How many records the next mark asks for: the first size, doubled after every mark that came
+    back full (a backlog) up to the largest, and the first again after one that did not."""
+
+    def __init__(self, limits: Limits) -> None:
+        self._first, self._largest = limits.mark_sizes
+        self.records = self._first
+
+    def observe(self, marked: int) -> None:
+        """The last mark returned ``marked`` records."""
+        self.records = min(self._largest, self.records * 2) if marked >= self.records else self._first
+
+
 class Engine:
     """MP/R over a store and a dispatcher, driven by leadership events."""
 
@@ -206,6 +219,7 @@ class Engine:
     def _mark_loop(self) -> None:
         limits, state, dispatcher = self._limits, self._state, self._dispatcher
         idle = limits.mark_backoff.total_seconds()
+        size = MarkSize(limits)
         while not state.stopping.is_set():
             work = self._wait_for_work()
             if work is None:
@@ -236,7 +250,7 @@ class Engine:
                 continue
             started = time.perf_counter()
             try:
-                batch = self._store.mark(leader_id, limits.mark_query_records)
+                batch = self._store.mark(leader_id, size.records)
             except FencedError as exc:
                 self._end_mark()
                 self._fenced(exc)
@@ -247,6 +261,7 @@ class Engine:
                 state.stopping.wait(limits.io_error_backoff.total_seconds())
                 continue
             self._metrics.mark_seconds.observe(time.perf_counter() - started)
+            size.observe(len(batch))
             if batch:
                 idle = limits.mark_backoff.total_seconds()
                 dispatcher.dispatch(batch, leader_id)

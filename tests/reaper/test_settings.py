@@ -84,10 +84,10 @@ def test_defaults_are_goharvests_documented_defaults() -> None:
     assert lim.queue_timeout == timedelta(seconds=30)
     assert lim.mark_backoff == timedelta(milliseconds=10)
     assert lim.io_error_backoff == timedelta(milliseconds=500)
-    assert lim.max_in_flight_records == 1000
+    assert lim.max_in_flight_records == "auto"  # goharvest: 1000; see docs/reaper.md
     assert lim.send_concurrency == 8
     assert lim.send_buffer == 10
-    assert lim.mark_query_records == 100
+    assert lim.mark_query_records == "auto"  # goharvest: 100
     assert lim.min_metrics_interval == timedelta(seconds=5)
     assert s.harvest.outbox_table == "outbox"
     assert s.harvest.producer_kafka_config == {}
@@ -161,7 +161,7 @@ BAD = [
     ("harvest:\n  outboxTabel: outbox\n", {}, ["harvest.outboxTabel", "unknown key"]),
     ("harvest:\n  limits:\n    queueTimeout: 5 seconds\n", {}, ["harvest.limits.queueTimeout", "invalid duration"]),
     ("harvest:\n  limits:\n    markBackoff: -5ms\n", {}, ["harvest.limits.markBackoff", "duration"]),
-    ("harvest:\n  limits:\n    maxInFlightRecords: -1\n", {}, ["harvest.limits.maxInFlightRecords", "greater"]),
+    ("harvest:\n  limits:\n    maxInFlightRecords: -1\n", {}, ["harvest.limits.maxInFlightRecords", "or 'auto'"]),
     ("harvest:\n  limits:\n    sendBuffer: -1\n", {}, ["harvest.limits.sendBuffer", "greater"]),
     ("harvest:\n  outboxTable: outbox; DROP TABLE x\n", {}, ["harvest.outboxTable", "invalid table name"]),
     ("harvest:\n  outboxTable: a.b.c\n", {}, ["harvest.outboxTable", "invalid table name"]),

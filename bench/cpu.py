@@ -1,0 +1,73 @@
+"""CPU seconds spent by this process (the harvester, in-process) and by the PostgreSQL server, so a
+benchmark can report what each record costs on both sides.
+
+PostgreSQL's share is read from /proc: the postmaster (whose children's time, once they exit, is
+added to its own ``cutime``/``cstime``) and every live child of it. Only the server this benchmark
+connects to is counted, not other PostgreSQL instances on the machine.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _stat(pid: int) -> list[str] | None:
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return text[text.rindex(")") + 2 :].split()  # fields from "state" on; comm may hold spaces
+
+
+def _seconds(fields: list[str], children: bool) -> float:
+    # utime, stime, cutime, cstime are fields 14-17 of stat, 11-14 here (state is field 3).
+    ticks = int(fields[11]) + int(fields[12])
+    if children:
+        ticks += int(fields[13]) + int(fields[14])
+    return ticks / _TICK
+
+
+@dataclass(frozen=True, slots=True)
+class CpuSample:
+    own: float
+    postgres: float
+
+
+class CpuMeter:
+    """Samples CPU time of this process and of the PostgreSQL server ``conn`` is connected to."""
+
+    def __init__(self, conn: psycopg.Connection[Any]) -> None:
+        row = conn.execute("SELECT pg_backend_pid()").fetchone()
+        assert row is not None
+        fields = _stat(int(str(row[0])))
+        assert fields is not None, "PostgreSQL must run on this machine for its CPU to be measured"
+        self._postmaster = int(fields[1])  # the backend's parent
+
+    def sample(self) -> CpuSample:
+        total = 0.0
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            pid = int(entry.name)
+            fields = _stat(pid)
+            if fields is None:
+                continue
+            if pid == self._postmaster:
+                total += _seconds(fields, children=True)
+            elif int(fields[1]) == self._postmaster:
+                total += _seconds(fields, children=False)
+        return CpuSample(time.process_time(), total)
+
+
+def per_thousand(before: CpuSample, after: CpuSample, records: int) -> tuple[float, float]:
+    """CPU seconds per 1,000 records: (this process, PostgreSQL)."""
+    scale = 1000 / max(1, records)
+    return (after.own - before.own) * scale, (after.postgres - before.postgres) * scale
