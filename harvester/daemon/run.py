@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import signal
@@ -17,6 +18,8 @@ from harvester.daemon.errors import FailError
 from harvester.daemon.settings import ReaperSettings
 
 if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
     from harvester.daemon.http import HttpServer
     from harvester.harvester import Harvester
 
@@ -95,7 +98,6 @@ def run(settings: ReaperSettings, version: str) -> int:
     from pydantic import ValidationError
 
     from harvester.core.events import LeaderAcquired, LeaderFenced, LeaderRefreshed, LeaderRevoked
-    from harvester.daemon.http import HttpServer
     from harvester.harvester import Harvester
 
     harvest = settings.harvest
@@ -122,17 +124,7 @@ def run(settings: ReaperSettings, version: str) -> int:
     health = _HealthCache(harvester, interval=5.0)
     server: HttpServer | None = None
     if settings.http.enabled:
-        try:
-            server = HttpServer(
-                registry,
-                host=settings.http.host,
-                port=settings.http.port,
-                liveness=health.liveness,
-                readiness=health.readiness,
-            )
-        except OSError as exc:
-            where = f"{settings.http.host}:{settings.http.port}"
-            raise FailError(f"http.port: cannot listen on {where}: {exc.strerror}") from None
+        server = _listen(settings, registry, health)
         server.start()
 
     signals = _Signals()
@@ -141,6 +133,48 @@ def run(settings: ReaperSettings, version: str) -> int:
         return _serve(settings, version, harvester, health, server, signals)
     finally:
         signals.restore()
+
+
+def _listen(settings: ReaperSettings, registry: CollectorRegistry, health: _HealthCache) -> HttpServer:
+    """Bind the HTTP endpoint; raise :class:`FailError` when it cannot listen.
+
+    A port the configuration set (``http.port`` in the file, or ``REAPER_HTTP__PORT``) is used or
+    refused. A defaulted port that is busy (another reaper on this host: goharvest's failover set-up,
+    whose users never configured an HTTP port) gives way to a free port chosen by the OS, logged here
+    and in ``reaper_started``.
+    """
+    import structlog
+
+    from harvester.daemon.http import HttpServer
+
+    http = settings.http
+
+    def bind(port: int) -> HttpServer:
+        return HttpServer(registry, host=http.host, port=port, liveness=health.liveness, readiness=health.readiness)
+
+    try:
+        return bind(http.port)
+    except OSError as exc:
+        error = exc
+    if not settings.http_port_explicit and error.errno in _BUSY:
+        try:
+            server = bind(0)
+        except OSError:
+            pass  # the host is the problem, not the port: report the port that was asked for
+        else:
+            structlog.get_logger("reaper").warning(
+                "http_port_in_use",
+                default_port=http.port,
+                http_port=server.port,
+                reason=error.strerror,
+                hint="set http.port (or REAPER_HTTP__PORT) to choose the port",
+            )
+            return server
+    raise FailError(f"http.port: cannot listen on {http.host}:{http.port}: {error.strerror}") from None
+
+
+_BUSY = (errno.EADDRINUSE, errno.EACCES)
+"""Bind errors after which a defaulted ``http.port`` falls back to a free one."""
 
 
 def _serve(

@@ -61,6 +61,10 @@ class LoggingSettings(BaseModel):
         return value.lower()
 
 
+DEFAULT_HTTP_PORT = 9090
+"""``http.port`` when the configuration does not set it."""
+
+
 class HttpSettings(BaseModel):
     """The ``http:`` section: Prometheus metrics and the health endpoints."""
 
@@ -68,7 +72,12 @@ class HttpSettings(BaseModel):
 
     enabled: bool = True
     host: str = "0.0.0.0"  # a sidecar's probes and scrapers connect from outside the pod
-    port: int = Field(default=9090, ge=0, le=65535, description="0 picks a free port (logged at start).")
+    port: int = Field(
+        default=DEFAULT_HTTP_PORT,
+        ge=0,
+        le=65535,
+        description="0 picks a free port (logged at start). Left unset, 9090 when free, else a free port.",
+    )
 
 
 class ShutdownSettings(BaseModel):
@@ -112,6 +121,16 @@ class ReaperSettings(BaseModel):
                 if not isinstance(value, str | int | float | bool):
                     raise ValueError(f"harvest.{section}.{key}: must be a string, number or boolean")
         return self
+
+    @property
+    def http_port_explicit(self) -> bool:
+        """Whether ``http.port`` was set, in the file or by ``REAPER_HTTP__PORT``, rather than defaulted.
+
+        A defaulted port may fall back to a free one when busy (several reapers on one host, as in
+        goharvest's failover set-up, which had no HTTP server to configure); a chosen one may not.
+        Environment overrides are written into the data before validation, so they count as set.
+        """
+        return "http" in self.model_fields_set and "port" in self.http.model_fields_set
 
 
 def secret_values(settings: ReaperSettings) -> list[str]:
