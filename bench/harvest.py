@@ -147,7 +147,7 @@ class TimedPublisher(KafkaPublisher):
 
 
 def run_engine(table: TableName, limits: Limits, acked: dict[int, float] | None = None) -> tuple[Engine, PostgresStore]:
-    store = PostgresStore.open(DSN, table)
+    store = PostgresStore.open(DSN, table, vacuum_every=limits.vacuum_every_records)
     config = producer_config({"bootstrap.servers": BOOTSTRAP}, {})
     sink: dict[int, float] = acked if acked is not None else {}
 

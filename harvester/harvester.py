@@ -73,6 +73,7 @@ class Harvester:
             identity=IdentityHeaders(config.identity_header_prefix),
             producer_name=config.producer_name,
             hold_dead_letter_keys=config.dead_letter_policy == "hold_key",
+            vacuum_every=config.limits.vacuum_every_records,
         )
         self._elector = elector if elector is not None else neli_elector(config)
         self._engine: Engine | None = None

@@ -102,6 +102,13 @@ class Limits(BaseModel):
         description="Records marked per query, at most; 'auto': from 100, doubling while marks come back full, to 500.",
     )
 
+    vacuum_every_records: int = Field(
+        default=100_000,
+        ge=0,
+        description="Vacuum the outbox after this many purged records while a backlog drains (0: leave it to "
+        "autovacuum); needs the table's owner.",
+    )
+
     @property
     def in_flight_bound(self) -> int:
         """The in-flight window in records."""

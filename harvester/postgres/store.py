@@ -29,6 +29,7 @@ from harvester.postgres.catalog import OutboxColumns, OutboxMissingError
 from harvester.postgres.identifiers import TableName
 from harvester.postgres.migrations import notify_channel
 from harvester.postgres.statements import Statements
+from harvester.postgres.vacuum import Vacuumer
 
 __all__ = ["FencedError", "OutboxMissingError", "PostgresStore", "StoreError"]
 
@@ -75,6 +76,7 @@ class PostgresStore:
         identity: IdentityHeaders | None = None,
         producer_name: str | None = None,
         hold_dead_letter_keys: bool = False,
+        vacuum_every: int = 0,
     ) -> None:
         self._dsn = dsn
         self._table = table
@@ -87,6 +89,8 @@ class PostgresStore:
         # and purge until autoanalyze ran; a custom plan sees the table's current size each time, for
         # a fraction of a millisecond of planning. Added to the DSN's own options, if it has any.
         self._options = " ".join(filter(None, [_dsn_options(dsn), "-c plan_cache_mode=force_custom_plan"]))
+        connect = {"connect_timeout": 5, "application_name": application_name, "options": self._options}
+        self._vacuum = Vacuumer(dsn, table, vacuum_every, connect)
         self._epoch = 0
         self._prepared: _Prepared | None = None
         self._dead_letter_ready = hold_dead_letter_keys  # prepare() ensures it then
@@ -229,6 +233,7 @@ class PostgresStore:
         cur = self._execute(self._ready().statements.purge_checkpointed, (q, self._epoch, list(ids), position, q))
         if cur.rowcount == 0:
             raise FencedError(f"fenced: epoch {self._epoch} superseded")
+        self._vacuum.purged(len(ids))
 
     # ------------------------------------------------------------------ mark, purge, reset
 
@@ -262,6 +267,7 @@ class PostgresStore:
     def purge(self, ids: Sequence[int]) -> None:
         """Delete delivered records in one statement (idempotent)."""
         self._fenced_change(self._ready().statements.purge, ids)
+        self._vacuum.purged(len(ids))
 
     def reset(self, ids: Sequence[int]) -> None:
         """Unmark records whose delivery failed, in one statement (idempotent)."""
@@ -351,6 +357,7 @@ class PostgresStore:
 
     def close(self) -> None:
         """Close every connection this store opened."""
+        self._vacuum.close()
         with self._lock:
             conns, self._connections = self._connections, []
         for conn in conns:
