@@ -13,6 +13,8 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
 WORKDIR /src
 # README.md is left out on purpose: the image needs no long description, and the build must not depend on it.
 COPY pyproject.toml ./
+# LICENSE is pyproject.toml's license-files: the wheel ships it (setuptools only warns when it is missing, for now).
+COPY LICENSE ./
 COPY leader/ leader/
 COPY harvester/ harvester/
 # confluent-kafka and psycopg[binary] ship manylinux wheels (librdkafka and libpq inside): no compiler needed.

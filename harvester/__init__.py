@@ -27,6 +27,8 @@ if TYPE_CHECKING:
     from harvester.postgres.migrations import migrate
     from harvester.postgres.store import PostgresStore, StoreError
 
+# The one place the version is written: pyproject.toml reads it ([tool.setuptools.dynamic]), so do
+# keep it a plain string literal.
 __version__ = "0.1.0"
 
 # Public name -> the module that defines it.

@@ -11,8 +11,8 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
-from importlib.metadata import PackageNotFoundError, version
 
+import harvester
 from harvester.daemon import dlq, logs
 from harvester.daemon.check import check, connect_pg, pg_reason
 from harvester.daemon.errors import FailError, one_line
@@ -54,11 +54,8 @@ See docs/reaper.md for every setting, the metrics and the endpoints.
 
 
 def package_version() -> str:
-    """The installed version of outbox-harvester."""
-    try:
-        return version("outbox-harvester")
-    except PackageNotFoundError:
-        return "unknown"
+    """The version of outbox-harvester: ``harvester.__version__``, which is also the distribution's version."""
+    return harvester.__version__
 
 
 def _parser() -> argparse.ArgumentParser:

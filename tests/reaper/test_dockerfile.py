@@ -98,8 +98,8 @@ def test_copied_sources_exist_and_are_not_ignored() -> None:
     for src in sources:
         assert (ROOT / src).exists(), f"COPY source {src} is missing"
         assert not ignored(src), f"COPY source {src} is excluded by .dockerignore"
-    # Everything the package needs at run time is copied.
-    assert {"pyproject.toml", "leader/", "harvester/"} <= set(sources)
+    # Everything the package needs at run time is copied, and the LICENSE its metadata names (license-files).
+    assert {"pyproject.toml", "LICENSE", "leader/", "harvester/"} <= set(sources)
 
 
 @pytest.mark.integration
@@ -133,7 +133,11 @@ def test_build_stage_replayed_in_a_venv(tmp_path: Path) -> None:
         assert done.returncode == 0, f"{command}: {done.stderr[-2000:]}"
     installed = venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
     # The package, not this checkout, answered: its migrations ship inside it as real files.
-    sql_files = sorted(p.name for p in (installed / "harvester" / "sql").glob("*.sql"))
-    assert sql_files == sorted(p.name for p in (ROOT / "sql").glob("*.sql"))
-    assert not (installed / "harvester" / "sql").is_symlink()
+    sql_files = sorted(p.name for p in (installed / "harvester" / "postgres" / "sql").glob("*.sql"))
+    assert sql_files, "the migrations are installed"
+    assert sql_files == sorted(p.name for p in (ROOT / "harvester" / "postgres" / "sql").glob("*.sql"))
+    assert not (installed / "harvester" / "postgres" / "sql").is_symlink()
     assert (venv / "bin" / "reaper").exists()
+    # The COPY of LICENSE reached the wheel's metadata (pyproject.toml's license-files).
+    (license_file,) = installed.glob("outbox_harvester-*.dist-info/licenses/LICENSE")
+    assert license_file.read_bytes() == (ROOT / "LICENSE").read_bytes()
