@@ -101,7 +101,7 @@ class Harvester:
             self._dispatcher(),
             cfg.limits,
             self.metrics,
-            self._dispatch,
+            self._emit_event,
             listen_notify=cfg.listen_notify,
             still_leader=lambda: elector.status.is_leader,
         )
@@ -201,7 +201,7 @@ class Harvester:
 
     # ------------------------------------------------------------------ internals
 
-    def _dispatch(self, event: Event) -> None:
+    def _emit_event(self, event: Event) -> None:
         log.info(type(event).__name__, **{k: str(v) for k, v in _fields(event).items()})
         if self._on_event is not None:
             self._on_event(event)
@@ -225,7 +225,7 @@ class Harvester:
                 "purged": self.metrics.purged._value.get(),
                 "reset": self.metrics.reset._value.get(),
             }
-            self._dispatch(MeterRead(stats))
+            self._emit_event(MeterRead(stats))
 
 
 def _fields(event: Event) -> dict[str, Any]:
