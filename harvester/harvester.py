@@ -141,7 +141,8 @@ class Harvester:
             engine.close(max(budget, 1.0))
         self._store.close()
         self._stopped.set()
-        log.info("harvester_stopped")
+        if self._started.is_set():  # a failed start is reported by whoever called start()
+            log.info("harvester_stopped")
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until :meth:`stop` completed (True) or ``timeout`` passed (False)."""

@@ -75,12 +75,13 @@ def _check_kafka(settings: ReaperSettings, timeout: float) -> list[str]:
         raise FailError(f"Kafka unreachable at {servers} (harvest.baseKafkaConfig): {_kafka_reason(exc)}") from None
     print(f"kafka: reachable; {len(metadata.brokers)} broker(s) via {servers}, cluster {metadata.cluster_id}")
     topic = metadata.topics.get(harvest.topic)
-    if topic is None or topic.error is not None:
-        print(f"leader topic {harvest.topic}: absent")
-        return [
-            f"leader topic {harvest.topic} does not exist: create it (1 partition) unless the brokers "
-            "auto-create topics"
-        ]
+    if topic is None:
+        # Not a problem: run's leader election creates its topic (one partition) when absent.
+        print(f"leader topic {harvest.topic}: absent; reaper run creates it (1 partition); group {harvest.group_id}")
+        return []
+    if topic.error is not None:
+        print(f"leader topic {harvest.topic}: present, not usable")
+        return [f"leader topic {harvest.topic} (harvest.leaderTopic): {topic.error.str()}"]
     print(f"leader topic {harvest.topic}: present, {len(topic.partitions)} partition(s); group {harvest.group_id}")
     return []
 

@@ -11,12 +11,16 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import harvester
 from harvester.daemon import dlq, logs
 from harvester.daemon.check import check, connect_pg, pg_reason
-from harvester.daemon.errors import FailError, one_line
+from harvester.daemon.errors import FailError, OneLineParser, one_line
 from harvester.daemon.settings import CONFIG_ENV, ReaperSettings, SettingsError, load, secret_values
+
+if TYPE_CHECKING:
+    import psycopg
 
 COMMANDS = ("run", "migrate", "check", "dlq")
 
@@ -59,14 +63,14 @@ def package_version() -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="reaper",
         description=DESCRIPTION,
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("-V", "--version", action="version", version=f"reaper (outbox-harvester) {package_version()}")
-    common = argparse.ArgumentParser(add_help=False)
+    common = OneLineParser(add_help=False)
     common.add_argument(
         "-f",
         "--file",
@@ -89,16 +93,18 @@ def _parser() -> argparse.ArgumentParser:
         parents=[common],
         help="create the outbox table and the optional objects other features need, if absent",
         description="Apply the bundled SQL migrations to the configured outbox table, idempotently: each is "
-        "recorded in harvester_migrations and applied once. Existing tables and data are left as they are.",
+        "recorded in harvester_migrations and applied once. Existing tables and data are left as they are. "
+        "A schema named in harvest.outboxTable that does not exist is created (and reported).",
     )
     check = sub.add_parser(
         "check",
         parents=[common],
         help="validate the configuration and reach PostgreSQL and Kafka; print what was found",
         description="Validate the configuration, connect to PostgreSQL and Kafka, and report the server "
-        "version, the outbox table and its value column type, the broker count and the leader topic. "
-        "Exit 0 when all is in place, 1 when the table or leader topic is missing, 2 on a configuration "
-        "mistake or an unreachable service.",
+        "version, the outbox table and its value column type, the broker count and the leader topic (an "
+        "absent leader topic is fine: reaper run creates it). Exit 0 when all is in place, 1 when the "
+        "outbox table is missing or something found is unusable, 2 on a configuration mistake or an "
+        "unreachable service.",
     )
     check.add_argument(
         "--timeout", type=float, default=5.0, metavar="SECONDS", help="bound on each connection attempt (default 5)"
@@ -153,14 +159,23 @@ def _migrate(settings: ReaperSettings) -> int:
     table = settings.harvest.table
     with connect_pg(settings, 10) as conn:
         try:
+            # migrate() creates a missing schema silently; look first, so the output can say so.
+            new_schema = table.schema is not None and not _schema_exists(conn, table.schema)
             applied = migrate(conn, table)
         except psycopg.Error as exc:
             raise FailError(f"migrating {table} failed: {pg_reason(exc)}", code=1) from None
+    if new_schema:
+        print(f"schema {table.schema}: created")
     if applied:
         print(f"outbox table {table}: applied {', '.join(applied)}")
     else:
         print(f"outbox table {table}: up to date")
     return 0
+
+
+def _schema_exists(conn: psycopg.Connection[Any], schema: str) -> bool:
+    row = conn.execute("SELECT EXISTS (SELECT FROM pg_namespace WHERE nspname = %s)", (schema,)).fetchone()
+    return bool(row and row[0])
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from typing import Any
 
 import psycopg
 
+from harvester.daemon.errors import FailError
 from harvester.postgres import deadletter
 from harvester.postgres.identifiers import TableName
 from harvester.postgres.migrations import dead_letter_table
@@ -20,22 +21,62 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     dlq = sub.add_parser(
         "dlq",
         help="list, show, replay or purge dead-lettered records",
-        description="Records that failed permanently max_attempts times are moved to the dead-letter table "
-        "<outbox>_dead_letter. Replay moves them back into the outbox (new ids, original order); purge "
-        "deletes old ones. Replay and purge ask for confirmation unless --yes is given.",
+        description="Records that failed permanently harvest.limits.maxAttempts times are moved to the "
+        "dead-letter table <outbox>_dead_letter (created by 'reaper migrate' or by the first dead letter). "
+        "Replay moves them back into the outbox (new ids, original order); purge deletes old ones. Replay "
+        "and purge ask for confirmation unless --yes is given. Every action exits 1 when the dead-letter "
+        "table does not exist.",
     )
     actions = dlq.add_subparsers(dest="dlq_command", metavar="ACTION", required=True)
-    listing = actions.add_parser("list", parents=[common], help="the oldest dead letters (no values)")
-    listing.add_argument("-n", "--limit", type=int, default=100, help="how many (default 100)")
-    show = actions.add_parser("show", parents=[common], help="one dead letter in full, as JSON")
+    listing = actions.add_parser(
+        "list",
+        parents=[common],
+        help="the oldest dead letters, one line each (no values)",
+        description="Print the oldest dead letters of the outbox table (harvest.outboxTable) in id order, one "
+        "line each: outbox id, when it was dead-lettered, attempts, reason, topic and key. Values are left "
+        "out; 'reaper dlq show ID' prints one in full.",
+    )
+    listing.add_argument("-n", "--limit", type=_count, default=100, help="how many, at least 1 (default 100)")
+    show = actions.add_parser(
+        "show",
+        parents=[common],
+        help="one dead letter in full, as JSON",
+        description="Print one dead letter as JSON: its content (value, headers), the reason and last error, "
+        "the attempts and when they failed. Binary values are printed in hex. Exit 1 when there is no dead "
+        "letter with that id.",
+    )
     show.add_argument("id", type=int, help="outbox id of the record")
-    replay = actions.add_parser("replay", parents=[common], help="move dead letters back into the outbox")
+    replay = actions.add_parser(
+        "replay",
+        parents=[common],
+        help="move dead letters back into the outbox, to be published again",
+        description="Move the given dead letters (or all, with --all) back into the outbox table with new ids, "
+        "in their original order, so that the leader publishes them again. With harvest.deadLetterPolicy "
+        "hold_key, the records that waited behind a replayed key move behind it, keeping the key's order. "
+        "When one of the ids is not a dead letter nothing is replayed (exit 1).",
+    )
     replay.add_argument("ids", type=int, nargs="*", metavar="ID", help="outbox ids to replay")
     replay.add_argument("--all", action="store_true", help="replay every dead letter")
     replay.add_argument("--yes", action="store_true", help="do not ask for confirmation")
-    purge = actions.add_parser("purge", parents=[common], help="delete dead letters dead-lettered before a date")
+    purge = actions.add_parser(
+        "purge",
+        parents=[common],
+        help="delete dead letters dead-lettered before a date",
+        description="Delete, for good, the dead letters that were dead-lettered before the given date or "
+        "timestamp.",
+    )
     purge.add_argument("--before", required=True, type=_date, help="ISO date or timestamp (UTC if no zone)")
     purge.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
 
 
 def _date(text: str) -> datetime:
@@ -55,8 +96,34 @@ def _confirm(question: str, yes: bool) -> bool:
     return input(f"{question} [y/N] ").strip().lower() in ("y", "yes")
 
 
+_NOTHING_TO = {
+    "list": "nothing to list",
+    "show": "nothing to show",
+    "replay": "nothing replayed",
+    "purge": "nothing purged",
+}
+
+
+def _require_tables(conn: psycopg.Connection[Any], table: TableName, action: str) -> None:
+    """Raise :class:`FailError` (exit 1) when the outbox or its dead-letter table does not exist:
+    an empty answer would pretend there were no dead letters to look at."""
+    outbox, dead_letters = deadletter.tables_exist(conn, table)
+    if not outbox:
+        raise FailError(f"harvest.outboxTable: outbox table {table} does not exist (run 'reaper migrate')", code=1)
+    if not dead_letters:
+        raise FailError(
+            f"dead-letter table {dead_letter_table(table)} does not exist (no record was ever dead-lettered, "
+            f"and 'reaper migrate' was not run); {_NOTHING_TO[action]}",
+            code=1,
+        )
+
+
 def run(args: argparse.Namespace, conn: psycopg.Connection[Any], table: TableName, *, held_keys: bool) -> int:
     """Carry out one ``dlq`` action; return the exit code."""
+    if args.dlq_command == "replay" and bool(args.ids) == args.all:
+        print("reaper dlq replay: error: give record ids or --all (not both)", file=sys.stderr)
+        return 2
+    _require_tables(conn, table, args.dlq_command)
     if args.dlq_command == "list":
         rows = deadletter.list_dead_letters(conn, table, args.limit)
         for r in rows:
@@ -69,15 +136,17 @@ def run(args: argparse.Namespace, conn: psycopg.Connection[Any], table: TableNam
     if args.dlq_command == "show":
         row = deadletter.show(conn, table, args.id)
         if row is None:
-            print(f"no dead letter with id {args.id}", file=sys.stderr)
-            return 1
+            raise FailError(f"no dead letter with id {args.id} in {dead_letter_table(table)}", code=1)
         print(json.dumps(row, default=_json, indent=2))
         return 0
     if args.dlq_command == "replay":
-        if bool(args.ids) == args.all:
-            print("reaper dlq replay: give record ids or --all (not both)", file=sys.stderr)
-            return 2
-        what = "every dead letter" if args.all else f"{len(args.ids)} dead letter(s)"
+        if args.ids:
+            missing = deadletter.missing_ids(conn, table, args.ids)
+            if missing:
+                listed = ", ".join(map(str, missing))
+                where = dead_letter_table(table)
+                raise FailError(f"no dead letter with id(s) {listed} in {where}; nothing replayed", code=1)
+        what = "every dead letter" if args.all else f"{len(set(args.ids))} dead letter(s)"
         if not _confirm(f"replay {what} into {table}?", args.yes):
             return 1
         with conn.transaction():
@@ -88,7 +157,7 @@ def run(args: argparse.Namespace, conn: psycopg.Connection[Any], table: TableNam
         return 1
     with conn.transaction():
         count = deadletter.purge(conn, table, args.before)
-    print(f"purged {count} dead letter(s)")
+    print(f"purged {count} dead letter(s) from {dead_letter_table(table)}")
     return 0
 
 

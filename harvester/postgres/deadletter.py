@@ -30,6 +30,25 @@ def exists(conn: psycopg.Connection[Any], table: TableName) -> bool:
     return bool(row and row[0])
 
 
+def tables_exist(conn: psycopg.Connection[Any], table: TableName) -> tuple[bool, bool]:
+    """Whether the outbox table and its dead-letter table exist, in one catalog query."""
+    row = conn.execute(
+        "SELECT to_regclass(%s) IS NOT NULL, to_regclass(%s) IS NOT NULL",
+        (table.quoted, dead_letter_table(table).quoted),
+    ).fetchone()
+    return (bool(row[0]), bool(row[1])) if row else (False, False)
+
+
+def missing_ids(conn: psycopg.Connection[Any], table: TableName, ids: Sequence[int]) -> list[int]:
+    """Those of ``ids`` that are not dead letters (all of them when there is no dead-letter table)."""
+    if not exists(conn, table):
+        return sorted(set(ids))
+    rows = conn.execute(
+        sql.SQL("SELECT id FROM {} WHERE id = ANY(%s::bigint[])").format(_dlq(table)), (list(ids),)
+    ).fetchall()
+    return sorted(set(ids) - {int(r[0]) for r in rows})
+
+
 def list_dead_letters(conn: psycopg.Connection[Any], table: TableName, limit: int = 100) -> list[dict[str, Any]]:
     """The oldest ``limit`` dead letters, without their values."""
     if not exists(conn, table):

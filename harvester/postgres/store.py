@@ -107,7 +107,12 @@ class PostgresStore:
                 self._dsn, autocommit=True, connect_timeout=5, application_name=self._app, options=self._options
             )
         except psycopg.Error as exc:
-            raise StoreError(f"cannot connect to PostgreSQL: {type(exc).__name__}") from exc
+            # libpq's reason (wrong password, port or database, ...), first line only: later lines
+            # repeat it for other addresses or add hints. libpq may quote a malformed DSN's text;
+            # the reaper redacts secrets from everything it prints.
+            lines = str(exc).strip().splitlines()
+            reason = " ".join(lines[0].split()) if lines else type(exc).__name__
+            raise StoreError(f"cannot connect to PostgreSQL: {reason}") from exc
         with self._lock:
             self._connections.append(conn)
         return conn

@@ -70,3 +70,86 @@ def test_dlq_commands(services: Services, outbox: TableName, tmp_path: Path) -> 
     purged = reaper(config, "dlq", "purge", "--before", future, "--yes")
     assert purged.returncode == 0 and "purged 1 dead letter(s)" in purged.stdout
     assert reaper(config, "dlq", "purge", "--before", "yesterday", "--yes").returncode == 2
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("count", ["-5", "0", "ten"])
+def test_dlq_list_refuses_a_count_below_one(tmp_path: Path, count: str) -> None:
+    # Refused by the argument parser, before the configuration is read or anything is connected.
+    done = reaper(tmp_path / "unused.yaml", "dlq", "list", "-n", count)
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
+    assert done.stderr.startswith("reaper dlq list: error: argument -n/--limit: ")
+    assert done.stdout == ""
+
+
+@pytest.mark.unit
+def test_every_dlq_action_has_help_and_a_description() -> None:
+    def helped(*args: str) -> str:
+        done = subprocess.run(
+            [sys.executable, "-m", "harvester.daemon.cli", *args, "--help"], capture_output=True, text=True, check=False
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    overview = helped("dlq")
+    for action in ("list", "show", "replay", "purge"):
+        summary = next(line for line in overview.splitlines() if line.strip().startswith(action))
+        assert len(summary.split()) > 2, summary  # the action and its help line
+        text = helped("dlq", action)
+        # usage, a blank line, then a description paragraph before the options
+        assert text.splitlines()[1] == "" and not text.splitlines()[2].startswith(("options:", "positional")), text
+
+
+def test_dlq_without_a_dead_letter_table_says_so(
+    services: Services, pg: psycopg.Connection[tuple[object, ...]], schema: str, tmp_path: Path
+) -> None:
+    # A goharvest table, never migrated and with nothing dead-lettered: no dead-letter table.
+    outbox = TableName(schema, "outbox")
+    pg.execute(
+        sql.SQL(
+            "CREATE TABLE {} (id BIGSERIAL PRIMARY KEY, create_time TIMESTAMPTZ NOT NULL, kafka_topic VARCHAR(249) "
+            "NOT NULL, kafka_key VARCHAR(100) NOT NULL, kafka_value VARCHAR(10000), kafka_header_keys TEXT[] NOT "
+            "NULL, kafka_header_values TEXT[] NOT NULL, leader_id UUID)"
+        ).format(outbox.ident)
+    )
+    config = tmp_path / "reaper.yaml"
+    config.write_text(yaml.safe_dump({"harvest": {"dataSource": services.pg_dsn, "outboxTable": outbox.qualified}}))
+    actions = {
+        "list": (["list"], "nothing to list"),
+        "show": (["show", "1"], "nothing to show"),
+        "replay": (["replay", "--all", "--yes"], "nothing replayed"),
+        "purge": (["purge", "--before", "2100-01-01", "--yes"], "nothing purged"),
+    }
+    for args, outcome in actions.values():
+        done = reaper(config, "dlq", *args)
+        assert done.returncode == 1, (args, done.stdout, done.stderr)
+        assert done.stdout == "" and "dead letter(s)" not in done.stderr
+        assert done.stderr == (
+            f"reaper: error: dead-letter table {schema}.outbox_dead_letter does not exist (no record was ever "
+            f"dead-lettered, and 'reaper migrate' was not run); {outcome}\n"
+        )
+    exists = pg.execute("SELECT to_regclass(%s)", (f"{schema}.outbox_dead_letter",)).fetchone()
+    assert exists == (None,)  # nothing was created on the way
+
+    # An outbox table that does not exist at all is named as such.
+    config.write_text(yaml.safe_dump({"harvest": {"dataSource": services.pg_dsn, "outboxTable": f"{schema}.nope"}}))
+    missing = reaper(config, "dlq", "list")
+    assert missing.returncode == 1
+    assert missing.stderr == (
+        f"reaper: error: harvest.outboxTable: outbox table {schema}.nope does not exist (run 'reaper migrate')\n"
+    )
+
+
+def test_dlq_replay_of_ids_that_are_not_dead_letters_changes_nothing(
+    services: Services, outbox: TableName, tmp_path: Path
+) -> None:
+    config = tmp_path / "reaper.yaml"
+    config.write_text(yaml.safe_dump({"harvest": {"dataSource": services.pg_dsn, "outboxTable": outbox.qualified}}))
+    listed = reaper(config, "dlq", "list")  # migrated: the dead-letter table exists, empty
+    assert (listed.returncode, listed.stdout) == (0, f"0 dead letter(s) in {outbox.schema}.outbox_dead_letter\n")
+    done = reaper(config, "dlq", "replay", "424242", "--yes")
+    assert done.returncode == 1
+    assert done.stderr == (
+        f"reaper: error: no dead letter with id(s) 424242 in {outbox.schema}.outbox_dead_letter; nothing replayed\n"
+    )

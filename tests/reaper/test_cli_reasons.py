@@ -1,0 +1,218 @@
+"""What the reaper says when something is wrong or missing (issue 23), through the console script on
+the real services: ``run`` gives libpq's reason for a refused connection (and never the password),
+``check`` agrees with ``run`` about the leader topic, ``migrate`` says when it created a schema."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+from confluent_kafka.admin import AdminClient
+from psycopg import sql
+from psycopg.conninfo import make_conninfo
+
+from harvester.postgres.identifiers import TableName
+from tests.support import ROOT, PrivatePostgres, Services, delete_topics, unique
+
+pytestmark = pytest.mark.integration
+
+SECRET = "Wr0ng-Issue23-S3cret"
+
+
+def reaper(*args: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "harvester.daemon.cli", *args],
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=timeout,
+        check=False,
+        env=_env(),
+    )
+
+
+def _env() -> dict[str, str]:
+    unset = ("PGPASSWORD", "PGPASSFILE")
+    return {k: v for k, v in os.environ.items() if not k.startswith("REAPER_") and k not in unset}
+
+
+def write_config(tmp_path: Path, dsn: str, table: str, bootstrap: str, topic: str = "") -> str:
+    path = tmp_path / "reaper.yaml"
+    lines = [
+        "harvest:",
+        f"  dataSource: {json.dumps(dsn)}",
+        f"  outboxTable: {table}",
+        "  baseKafkaConfig:",
+        f"    bootstrap.servers: '{bootstrap}'",
+    ]
+    if topic:
+        lines += [f"  leaderTopic: {topic}", f"  leaderGroupID: {topic}"]
+    path.write_text("\n".join([*lines, "http:", "  port: 0", ""]))
+    return str(path)
+
+
+def error_lines(stderr: str) -> list[str]:
+    """stderr without the JSON log records (the reaper's logs go to stderr too)."""
+    return [line for line in stderr.splitlines() if not line.startswith("{")]
+
+
+# ------------------------------------------------------------------ 1. run: libpq's reason, no password
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def password_pg() -> Iterator[PrivatePostgres]:
+    """A PostgreSQL of its own that checks passwords (scram-sha-256 over TCP): the shared test
+    cluster trusts every loopback connection, so a wrong password could not be refused there."""
+    if not glob.glob("/usr/lib/postgresql/*/bin/initdb"):
+        pytest.skip("PostgreSQL server binaries are not installed")
+    pg = PrivatePostgres("auth", _free_port())
+    pg.start()
+    try:
+        # The postgres role stays trusted (services.sh creates roles through it); everyone else,
+        # harvester included, must give the password.
+        hba = ROOT / ".local" / "private-auth" / "postgres" / "data" / "pg_hba.conf"
+        hba.write_text(
+            "local all all trust\nhost all postgres 127.0.0.1/32 trust\nhost all all 127.0.0.1/32 scram-sha-256\n"
+        )
+        with psycopg.connect(pg.dsn, autocommit=True) as conn:
+            conn.execute("SELECT pg_reload_conf()")
+        wrong = make_conninfo(pg.dsn, password=SECRET)
+        deadline = time.monotonic() + 30
+        while True:  # the postmaster re-reads pg_hba.conf on SIGHUP, asynchronously
+            try:
+                psycopg.connect(wrong).close()
+            except psycopg.OperationalError as exc:
+                if "password authentication failed" in str(exc):
+                    break
+            assert time.monotonic() < deadline, "pg_hba.conf was not reloaded"
+            time.sleep(0.2)
+        yield pg
+    finally:
+        pg.stop()
+
+
+def test_run_with_a_wrong_password_says_why_and_not_the_password(
+    password_pg: PrivatePostgres, services: Services, tmp_path: Path
+) -> None:
+    dsn = make_conninfo(password_pg.dsn, password=SECRET)
+    done = reaper("run", "-f", write_config(tmp_path, dsn, "outbox", services.bootstrap, unique("lead")))
+    assert done.returncode == 2, done.stderr
+    errors = error_lines(done.stderr)
+    assert len(errors) == 1, done.stderr
+    line = errors[0]
+    assert line.startswith("reaper: error: PostgreSQL (harvest.dataSource, harvest.outboxTable): ")
+    assert 'password authentication failed for user "harvester"' in line
+    assert "OperationalError" not in line and "Traceback" not in done.stderr
+    assert SECRET not in done.stdout + done.stderr
+    # What else reaches stderr is log records, redacted as well.
+    for record in done.stderr.splitlines():
+        if record.startswith("{"):
+            json.loads(record)
+
+
+def test_run_redacts_the_password_from_libpq_s_reason(services: Services, tmp_path: Path) -> None:
+    # libpq quotes the database name; when it is also the password, the reason must not show it.
+    dsn = make_conninfo(services.pg_dsn, dbname=SECRET, password=SECRET)
+    done = reaper("run", "-f", write_config(tmp_path, dsn, "outbox", services.bootstrap, unique("lead")))
+    assert done.returncode == 2, done.stderr
+    (line,) = error_lines(done.stderr)
+    assert 'database "***" does not exist' in line, line
+    assert SECRET not in done.stdout + done.stderr
+
+
+def test_run_with_a_wrong_port_says_why(services: Services, tmp_path: Path) -> None:
+    dsn = make_conninfo(services.pg_dsn, host="127.0.0.1", port=str(_free_port()), password=SECRET)
+    done = reaper("run", "-f", write_config(tmp_path, dsn, "outbox", services.bootstrap, unique("lead")))
+    assert done.returncode == 2, done.stderr
+    (line,) = error_lines(done.stderr)
+    assert "Connection refused" in line and "Is the server running" not in line  # libpq's first line only
+    assert SECRET not in done.stdout + done.stderr
+
+
+# ------------------------------------------------------------------ 2. check and run agree on the leader topic
+
+
+def _topic_exists(bootstrap: str, topic: str) -> bool:
+    found = AdminClient({"bootstrap.servers": bootstrap}).list_topics(timeout=10).topics.get(topic)
+    return found is not None and found.error is None
+
+
+def test_check_on_a_fresh_group_says_run_creates_the_leader_topic(
+    services: Services, outbox: TableName, tmp_path: Path
+) -> None:
+    topic = unique("fresh-lead")
+    path = write_config(tmp_path, services.pg_dsn, outbox.qualified, services.bootstrap, topic)
+    try:
+        fresh = reaper("check", "-f", path)
+        assert fresh.returncode == 0, fresh.stdout + fresh.stderr
+        assert f"leader topic {topic}: absent; reaper run creates it (1 partition)" in fresh.stdout
+        assert "problem" not in fresh.stdout
+        assert fresh.stdout.rstrip().endswith("configuration ok")
+        assert not _topic_exists(services.bootstrap, topic)  # check itself creates nothing
+
+        # ... and run does create it.
+        daemon = subprocess.Popen(
+            [sys.executable, "-m", "harvester.daemon.cli", "run", "-f", path],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_env(),
+        )
+        try:
+            deadline = time.monotonic() + 60
+            while not _topic_exists(services.bootstrap, topic):
+                assert daemon.poll() is None, daemon.stderr.read() if daemon.stderr else ""
+                assert time.monotonic() < deadline, "reaper run did not create the leader topic"
+                time.sleep(0.5)
+        finally:
+            daemon.send_signal(signal.SIGTERM)
+            _, err = daemon.communicate(timeout=60)
+        assert daemon.returncode == 0, err
+
+        again = reaper("check", "-f", path)
+        assert again.returncode == 0, again.stdout + again.stderr
+        assert f"leader topic {topic}: present, 1 partition(s)" in again.stdout
+    finally:
+        delete_topics(services.bootstrap, [topic])
+
+
+# ------------------------------------------------------------------ 4. migrate says when it created a schema
+
+
+def test_migrate_says_it_created_the_schema(
+    services: Services, pg: psycopg.Connection[tuple[object, ...]], schema: str, tmp_path: Path
+) -> None:
+    new = unique("s")
+    try:
+        path = write_config(tmp_path, services.pg_dsn, f"{new}.outbox", services.bootstrap)
+        first = reaper("migrate", "-f", path)
+        assert first.returncode == 0, first.stderr
+        lines = first.stdout.splitlines()
+        assert lines[0] == f"schema {new}: created"
+        assert lines[1].startswith(f"outbox table {new}.outbox: applied 0001_outbox")
+        again = reaper("migrate", "-f", path)
+        assert (again.returncode, again.stdout) == (0, f"outbox table {new}.outbox: up to date\n")
+
+        # A schema that existed already (the fixture's) is not reported.
+        old = write_config(tmp_path, services.pg_dsn, f"{schema}.outbox", services.bootstrap)
+        existing = reaper("migrate", "-f", old)
+        assert existing.returncode == 0, existing.stderr
+        assert "schema" not in existing.stdout and existing.stdout.startswith(f"outbox table {schema}.outbox: applied")
+    finally:
+        pg.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(new)))
