@@ -10,10 +10,11 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from confluent_kafka import Consumer, KafkaError, Message, TopicPartition
-from confluent_kafka.admin import AdminClient, NewTopic
+from confluent_kafka.admin import AdminClient
+from confluent_kafka.cimpl import NewTopic
 
 if TYPE_CHECKING:
     from harvester import Harvester
@@ -114,8 +115,12 @@ def reader(bootstrap: str, topics: list[str], **extra: Any) -> Iterator[Consumer
         consumer.close()
 
 
+# The first signature admits consumer settings given as an unpacked ``dict[str, str]`` (``**COMMITTED``):
+# mypy checks the values of such a dict against every parameter that can be passed by name, so against
+# the second signature's ``timeout`` (a float) too.
 def read_messages(bootstrap: str, topics: list[str], count: int, timeout: float = 60.0, **extra: Any) -> list[Message]:
-    """Read until ``count`` messages arrived (or ``timeout`` passed) and then 1 s more, to catch extras."""
+    """Read until ``count`` messages arrived (or ``timeout`` passed) and then 1 s more, to catch extras;
+    ``extra`` is added to the consumer's configuration."""
     out: list[Message] = []
     deadline = time.monotonic() + timeout
     settle: float | None = None
@@ -132,6 +137,18 @@ def read_messages(bootstrap: str, topics: list[str], count: int, timeout: float 
             if len(out) >= count and settle is None:
                 settle = time.monotonic() + 1.0
     return out
+
+
+def consumed_headers(msg: Message) -> list[tuple[str, bytes | None]] | None:
+    """``msg.headers()`` of a consumed message: (name, bytes or None) pairs. The client types
+    ``headers()`` like the ``headers`` argument of ``produce``, which also accepts a dict and str values."""
+    return cast("list[tuple[str, bytes | None]] | None", msg.headers())
+
+
+def text(data: bytes | None) -> str:
+    """A consumed key or value as text; the tests that use it never write a null one."""
+    assert data is not None
+    return data.decode()
 
 
 def end_offsets(bootstrap: str, topic: str, partitions: int = 1) -> int:
@@ -241,7 +258,9 @@ class PrivatePostgres:
 
 def set_topic_config(bootstrap: str, topic: str, name: str, value: str) -> None:
     """Change one topic configuration on the broker (e.g. raise max.message.bytes)."""
-    from confluent_kafka.admin import AlterConfigOpType, ConfigEntry, ConfigResource
+    # confluent_kafka.admin imports these from its _config module without re-exporting them
+    # explicitly (no __all__, no "as" alias), so mypy's strict no-implicit-reexport rejects the import.
+    from confluent_kafka.admin import AlterConfigOpType, ConfigEntry, ConfigResource  # type: ignore[attr-defined]
 
     admin = AdminClient({"bootstrap.servers": bootstrap})
     resource = ConfigResource(

@@ -20,6 +20,7 @@ import time
 import zlib
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Set as AbstractSet
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +38,15 @@ from harvester.postgres.identifiers import TableName
 from harvester.postgres.migrations import migrate
 from tests.engine.workload import check, wait_drained
 from tests.proc.processes import HarvesterProcess, harvester_spec
-from tests.support import ROOT, PrivateKafka, PrivatePostgres, create_topics, delete_topics, unique
+from tests.support import (
+    ROOT,
+    PrivateKafka,
+    PrivatePostgres,
+    consumed_headers,
+    create_topics,
+    delete_topics,
+    unique,
+)
 
 Log = Callable[[str], None]
 
@@ -136,10 +145,16 @@ class Tables:
             )
         return tables
 
+    @property
+    def schema(self) -> str:
+        """The run's schema, that of all three tables."""
+        assert self.outbox.schema is not None  # create() qualifies every table
+        return self.outbox.schema
+
     def drop(self, dsn: str) -> None:
         """Drop the run's schema."""
         with psycopg.connect(dsn, autocommit=True) as conn:
-            conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(self.outbox.schema)))
+            conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(self.schema)))
 
     def expected(self, dsn: str) -> dict[str, int]:
         """Committed records per key, from the ledger."""
@@ -273,6 +288,7 @@ class Writers:
             except errors.UniqueViolation:
                 if attempt == 0:
                     raise  # a seq written twice on the first try is a harness bug, not an outcome
+                assert conn is not None  # the violation came from a statement on it
                 with self._lock:
                     self.recovered += 1
                 return conn
@@ -532,8 +548,10 @@ def read_all(
                 if err is None:
                     out.append(m)
                 elif err.code() == KafkaError._PARTITION_EOF:
-                    if (m.offset() or 0) >= ends[(m.topic(), m.partition())]:
-                        pending.discard((m.topic(), m.partition()))
+                    topic, partition = m.topic(), m.partition()
+                    assert topic is not None and partition is not None  # an end-of-partition event names it
+                    if (m.offset() or 0) >= ends[(topic, partition)]:
+                        pending.discard((topic, partition))
                 else:
                     raise RuntimeError(str(err))
     finally:
@@ -548,7 +566,7 @@ def first_copies(messages: Sequence[Message]) -> tuple[list[Message], int]:
     kept: list[Message] = []
     unidentified = 0
     for m in messages:
-        ident = Identity.from_headers(m.headers())
+        ident = Identity.from_headers(consumed_headers(m))
         if ident is None:
             unidentified += 1
         elif (ident.producer, ident.id) in seen:
@@ -579,7 +597,7 @@ class Findings:
 
 
 def analyse(
-    messages: Sequence[Message], deduped: Sequence[Message], expected: dict[str, int], undelivered: set[str]
+    messages: Sequence[Message], deduped: Sequence[Message], expected: dict[str, int], undelivered: AbstractSet[str]
 ) -> Findings:
     """Loss, per-key order of first deliveries, and duplicates; ``deduped`` is what the
     de-duplicating reader returned for the same topics, ``undelivered`` the values still in the
@@ -636,7 +654,7 @@ def analyse(
 
 def _describe(m: Message) -> str:
     """``seq#outbox-id@p<partition>/o<offset>/e<epoch>`` of a delivery."""
-    ident = Identity.from_headers(m.headers())
+    ident = Identity.from_headers(consumed_headers(m))
     where = f"@p{m.partition()}/o{m.offset()}"
     return f"{_seq(m)}{where}/e?" if ident is None else f"{_seq(m)}#{ident.id}{where}/e{ident.epoch}"
 
@@ -810,7 +828,7 @@ def run_chaos(settings: ChaosSettings, log: Log = print) -> ChaosReport:
             report.purges_of_lost = tables.purges(pg.dsn, findings.lost[:20])
         if report.violations():
             # A failed run's schema and topics stay in the private cluster as evidence, with the logs.
-            report.logs = ROOT / ".local" / "private-chaos" / "runs" / tables.outbox.schema
+            report.logs = ROOT / ".local" / "private-chaos" / "runs" / tables.schema
             group.save_logs(report.logs)
         else:
             tables.drop(pg.dsn)

@@ -39,19 +39,17 @@ FAST = {
 
 def raw_insert(dsn: str, table: TableName, rows: list[tuple[object, ...]]) -> list[int]:
     """Insert rows as any application could (plain SQL, no validation): (topic, key, value, hkeys, hvalues)."""
+    statement = sql.SQL(
+        "INSERT INTO {} (create_time, kafka_topic, kafka_key, kafka_value, kafka_header_keys,"
+        " kafka_header_values) VALUES (now(), %s, %s, %s, %s, %s) RETURNING id"
+    ).format(table.ident)
+    ids: list[int] = []
     with psycopg.connect(dsn) as conn:
-        return [
-            int(
-                conn.execute(
-                    sql.SQL(
-                        "INSERT INTO {} (create_time, kafka_topic, kafka_key, kafka_value, kafka_header_keys,"
-                        " kafka_header_values) VALUES (now(), %s, %s, %s, %s, %s) RETURNING id"
-                    ).format(table.ident),
-                    row,
-                ).fetchone()[0]
-            )  # type: ignore[index]
-            for row in rows
-        ]
+        for row in rows:
+            inserted = conn.execute(statement, row).fetchone()
+            assert inserted is not None
+            ids.append(int(inserted[0]))
+    return ids
 
 
 def dead_letters(dsn: str, table: TableName) -> dict[int, tuple[str, int]]:

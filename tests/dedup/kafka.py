@@ -13,7 +13,7 @@ from confluent_kafka import Consumer, Message, Producer, TopicPartition
 from harvester.client.dedup import DedupReader
 from harvester.core.identity import IdentityHeaders
 from tests.dedup.model import Copy, first_copies
-from tests.support import Services, unique
+from tests.support import Services, text, unique
 
 PRODUCER = "db-1/public.outbox"
 
@@ -23,7 +23,11 @@ def produce(bootstrap: str, topic: str, copies: Sequence[Copy]) -> None:
     names = IdentityHeaders()
     producer = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True, "linger.ms": 5})
     for key, rid, epoch in copies:
-        headers = [(names.id, str(rid).encode()), (names.epoch, str(epoch).encode()), (names.producer, PRODUCER)]
+        headers: list[tuple[str, str | bytes | None]] = [
+            (names.id, str(rid).encode()),
+            (names.epoch, str(epoch).encode()),
+            (names.producer, PRODUCER),
+        ]
         producer.produce(topic, key=key.encode(), value=f"{key}:{rid}".encode(), headers=headers)
     assert producer.flush(30) == 0
 
@@ -65,7 +69,7 @@ def by_key(messages: Sequence[Message]) -> dict[str, list[str]]:
     """Message values per key, in the order read."""
     got: dict[str, list[str]] = defaultdict(list)
     for m in messages:
-        got[m.key().decode()].append(m.value().decode())
+        got[text(m.key())].append(text(m.value()))
     return dict(got)
 
 

@@ -124,8 +124,13 @@ def run(script: list[tuple[str, int]], keys: int, max_pending: int = 3, max_epoc
     the candidates of the step (modulo their number), so that Hypothesis can shrink it."""
     box = Outbox([f"k{i}" for i in range(keys)], max_pending, max_epochs)
     for action, choice in script:
-        box.step(action, lambda n, c=choice: c % n)
+        box.step(action, _modulo(choice))
     return box.finish()
+
+
+def _modulo(choice: int) -> Callable[[int], int]:
+    """A ``pick`` for :meth:`Outbox.step`: candidate number ``choice`` modulo their number."""
+    return lambda n: choice % n
 
 
 def random_stream(seed: int, keys: int, steps: int, max_pending: int = 3, max_epochs: int = 4) -> list[Copy]:

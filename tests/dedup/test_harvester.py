@@ -16,7 +16,7 @@ from harvester.core.identity import Identity
 from harvester.postgres.identifiers import TableName
 from tests.dedup.kafka import consumer, ends, read_to
 from tests.engine.workload import insert, wait_drained, wait_until
-from tests.support import HarvesterFactory, ManualElector, Services
+from tests.support import HarvesterFactory, ManualElector, Services, consumed_headers, text
 
 pytestmark = pytest.mark.integration
 
@@ -72,9 +72,9 @@ def test_copies_republished_by_a_new_term_are_dropped(
     got: dict[str, list[str]] = defaultdict(list)
     epochs: set[int] = set()
     for m in kept:
-        identity = Identity.from_headers(m.headers())
+        identity = Identity.from_headers(consumed_headers(m))
         assert identity is not None
         epochs.add(identity.epoch)
-        got[m.key().decode()].append(m.value().decode())
+        got[text(m.key())].append(text(m.value()))
     assert dict(got) == {k: [f"{k}:{i}" for i in range(8)] for k in KEYS}
     assert len(epochs) == 2

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import pytest
-from confluent_kafka import TopicPartition
+from confluent_kafka import Consumer, TopicPartition
 
 from harvester.client.dedup import DedupReader
 from harvester.core.identity import IdentityHeaders
@@ -61,8 +62,15 @@ class FakeConsumer:
         self.assigned = partitions
 
 
+def as_consumer(fake: FakeConsumer) -> Consumer:
+    """The fake where the reader wants a consumer: it implements the part of the API the reader uses."""
+    return cast(Consumer, fake)
+
+
 def msg(offset: int, rid: int | None, key: bytes | None = b"k", prefix: str = "outbox-") -> FakeMessage:
-    headers = None if rid is None else [(f"{prefix}id", str(rid).encode()), (f"{prefix}epoch", b"1")]
+    headers: list[tuple[str, bytes | None]] | None = (
+        None if rid is None else [(f"{prefix}id", str(rid).encode()), (f"{prefix}epoch", b"1")]
+    )
     if headers is not None:
         headers.append((f"{prefix}producer", b"p"))
     return FakeMessage(offset, key, headers)
@@ -71,7 +79,7 @@ def msg(offset: int, rid: int | None, key: bytes | None = b"k", prefix: str = "o
 def test_poll_skips_duplicates_and_passes_everything_else() -> None:
     error = FakeMessage(-1, None, None, error_="broker down")
     fake = FakeConsumer([msg(0, 7), msg(1, 7), msg(2, 7), msg(3, None), msg(4, None), error, msg(5, 8)])
-    reader = DedupReader(fake)
+    reader = DedupReader(as_consumer(fake))
     offsets = []
     while (m := reader.poll(0.1)) is not None:
         offsets.append(m.offset())
@@ -83,20 +91,20 @@ def test_poll_skips_duplicates_and_passes_everything_else() -> None:
 
 def test_consume_and_a_custom_prefix() -> None:
     fake = FakeConsumer([msg(0, 1, prefix="x-"), msg(1, 1, prefix="x-"), msg(2, 1, prefix="outbox-")])
-    reader = DedupReader(fake, headers=IdentityHeaders("x-"))
+    reader = DedupReader(as_consumer(fake), headers=IdentityHeaders("x-"))
     # The default-prefixed copy carries no identity under "x-": passed through.
     assert [m.offset() for m in reader.consume(10, 0.1)] == [0, 2]
 
 
 def test_positions_survive_restore_and_are_applied_on_assignment() -> None:
-    first = DedupReader(FakeConsumer([msg(0, 1), msg(1, 2, key=None)]))
+    first = DedupReader(as_consumer(FakeConsumer([msg(0, 1), msg(1, 2, key=None)])))
     assert len(first.consume(10, 0.1)) == 2
     assert first.offsets() == {"t": {"0": 2}}
 
     fake = FakeConsumer([msg(2, 1), msg(3, 2, key=None), msg(4, 3, key=None)])
-    second = DedupReader(fake)
+    second = DedupReader(as_consumer(fake))
     second.restore(first.snapshot(), first.offsets())
-    second.on_assign(fake, [TopicPartition("t", 0), TopicPartition("t", 1)])
+    second.on_assign(as_consumer(fake), [TopicPartition("t", 0), TopicPartition("t", 1)])
     assert (fake.assigned[0].partition, fake.assigned[0].offset) == (0, 2)
     assert fake.assigned[1].offset < 0  # no saved position: where the group would start
     assert [m.offset() for m in second.consume(10, 0.1)] == [4]

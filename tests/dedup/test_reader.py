@@ -21,7 +21,7 @@ from psycopg import sql
 from harvester.client.dedup import DedupReader
 from tests.dedup.kafka import by_key, consumer, ends, expected, produce, read_to
 from tests.dedup.model import Copy, first_copies, random_stream
-from tests.support import Services
+from tests.support import Services, text
 
 pytestmark = pytest.mark.integration
 
@@ -101,7 +101,7 @@ def test_restart_from_checkpoint_still_exactly_once(
         with conn.cursor() as cur:
             cur.executemany(
                 sql.SQL("INSERT INTO {} (key, value) VALUES (%s, %s)").format(received),
-                [(m.key().decode(), m.value().decode()) for m in messages],
+                [(text(m.key()), text(m.value())) for m in messages],
             )
         reader.checkpoint(conn, "orders", table=table)
 

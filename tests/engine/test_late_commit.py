@@ -7,6 +7,7 @@ whatever its id, so the late rows go out too, in id order within their key."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import psycopg
 import pytest
@@ -18,7 +19,8 @@ from tests.support import HarvesterFactory, Services, read_messages
 
 pytestmark = pytest.mark.integration
 
-COMMITTED = {"isolation.level": "read_committed"}
+# Consumer configuration, passed as read_messages(..., **COMMITTED).
+COMMITTED: dict[str, Any] = {"isolation.level": "read_committed"}
 
 
 @pytest.mark.parametrize("delivery", ["at_least_once", "exactly_once"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from datetime import timedelta
 
 import pytest
 
@@ -34,7 +35,7 @@ def test_two_harvesters_one_leads_and_the_other_takes_over(
             base_kafka_config={"bootstrap.servers": services.bootstrap},
             leader_group_id=group,
             name=name,
-            limits=Limits(heartbeat_timeout="3s", mark_query_records=20, max_in_flight_records=20),
+            limits=Limits(heartbeat_timeout=timedelta(seconds=3), mark_query_records=20, max_in_flight_records=20),
         )
         return Harvester(config, on_event=on_event)
 

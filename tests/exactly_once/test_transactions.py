@@ -9,6 +9,7 @@ import time
 import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime
+from typing import Any
 
 import pytest
 
@@ -25,7 +26,8 @@ from tests.support import ManualElector, Services, delete_topics, read_messages,
 
 pytestmark = pytest.mark.integration
 
-COMMITTED = {"isolation.level": "read_committed"}
+# Consumer configuration, passed as read_messages(..., **COMMITTED).
+COMMITTED: dict[str, Any] = {"isolation.level": "read_committed"}
 
 
 def eos_config(services: Services, outbox: TableName, group: str, **limits: object) -> HarvesterConfig:

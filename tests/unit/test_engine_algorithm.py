@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from uuid import UUID
 
 import pytest
@@ -243,7 +243,7 @@ def test_exactly_once_purge_error_is_retried_not_fatal() -> None:
     engine = Engine(
         store,
         exactly_once(store, txn),
-        Limits(io_error_backoff="10ms"),
+        Limits(io_error_backoff=timedelta(milliseconds=10)),
         HarvesterMetrics(),
         lambda e: None,
         listen_notify=False,

@@ -7,7 +7,7 @@ from datetime import timedelta
 import pytest
 from pydantic import ValidationError
 
-from harvester import HarvesterConfig, IdentifierError, OutboxRecord, RecordError, TableName
+from harvester import HarvesterConfig, IdentifierError, Limits, OutboxRecord, RecordError, TableName
 from harvester.core.durations import parse_duration
 from harvester.core.records import ColumnLimits
 
@@ -61,8 +61,8 @@ def test_goharvest_keys_and_snake_case_are_equivalent() -> None:
         data_source="host=x",
         outbox_table="o",
         leader_group_id="g",
-        limits={"max_in_flight_records": 5, "mark_backoff": "20ms"},
-    )  # type: ignore[arg-type]
+        limits=Limits.model_validate({"max_in_flight_records": 5, "mark_backoff": "20ms"}),
+    )
     assert a.model_dump(exclude={"name"}) == b.model_dump(exclude={"name"})
     assert a.topic == "g.neli"
 
