@@ -168,13 +168,52 @@ def load(path: str | Path | None = None, environ: Mapping[str, str] | None = Non
     source = str(path) if path is not None else "configuration"
     origins: dict[tuple[str, ...], str] = {}
     for name in sorted(env):
-        if name.startswith(ENV_PREFIX) and "__" in name:
+        if name.startswith(ENV_PREFIX) and name != CONFIG_ENV:
+            if "__" not in name:
+                raise SettingsError(
+                    f"{name}: unknown setting; a section and its fields are separated by two underscores, "
+                    f"as in REAPER_HARVEST__OUTBOX_TABLE"
+                )
             origins[_apply_override(data, name, env[name])] = name
+    _refuse_double_spellings(data, ReaperSettings, ())
     data = _resolve_references(data, (), env, origins)
     try:
         return ReaperSettings.model_validate(data)
     except ValidationError as exc:
         raise SettingsError(_describe(exc, source, origins)) from None
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last one)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                mark = key_node.start_mark
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} given twice in one mapping", mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _refuse_double_spellings(data: Any, model: type[BaseModel], path: tuple[str, ...]) -> None:
+    """A setting given under two spellings (``outboxTable`` and ``outbox_table``) is an error that
+    says so, rather than the second spelling's "unknown key"."""
+    if not isinstance(data, dict):
+        return
+    for name, field in model.model_fields.items():
+        given = [c for c in _choices(model, name) if c in data]
+        if len(given) > 1:
+            where = ".".join(path)
+            raise SettingsError(
+                f"{where + ': ' if where else ''}{' and '.join(given)} are the same setting; give it once"
+            )
+        annotation = field.annotation
+        if given and isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            _refuse_double_spellings(data[given[0]], annotation, (*path, given[0]))
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
@@ -187,7 +226,7 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     except UnicodeDecodeError:
         raise SettingsError(f"{path}: not UTF-8 text") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader: no arbitrary objects
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
