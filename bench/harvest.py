@@ -68,6 +68,8 @@ def preload(conn: psycopg.Connection[Any], table: TableName, topic: str, records
         for i in range(records):
             cp.write_row((time.strftime("%Y-%m-%d %H:%M:%S+00", time.gmtime(now)), topic, f"key{i % keys}", VALUE))
     conn.execute(sql.SQL("VACUUM ANALYZE {}").format(table.ident))
+    # Each timed phase starts a checkpoint cycle of its own, so none pays for another's full-page writes.
+    conn.execute("CHECKPOINT")
 
 
 def ceiling_producer(records: int, keys: int) -> float:
@@ -305,6 +307,8 @@ def pct(values: list[float], p: float) -> float:
 
 
 def cleanup(conn: psycopg.Connection[Any]) -> None:
+    """Drop every benchmark outbox: one left full of dead rows would keep autovacuum busy (and the
+    machine's CPU) during the next measurement."""
     for (name,) in conn.execute("SELECT nspname FROM pg_namespace WHERE nspname LIKE 'bench\\_%'").fetchall():
         conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(name)))
 
@@ -313,12 +317,15 @@ def backlog_rows(conn: psycopg.Connection[Any], backlog: int, keys: int, tuned: 
     """The ceilings and both drains at one backlog, each drain as a share of the ceilings."""
     batch = tuned.mark_sizes[1]
     mark_purge = ceiling_sql(conn, backlog, keys, batch)
+    cleanup(conn)
     single = ceiling_delete(conn, backlog, keys, batch)
+    cleanup(conn)
     print(f"backlog {backlog}")
     print(f"  ceiling  mark+purge SQL alone              {mark_purge:10.0f} records/s")
     print(f"  ceiling  single-write DELETE ... RETURNING {single:10.0f} records/s")
     for name, limits in (("default limits (auto)", Limits()), ("goharvest's 100 / 1000", GOHARVEST), ("tuned", tuned)):
         d = drain_preloaded(conn, backlog, keys, limits)
+        cleanup(conn)
         print(
             f"  harvest  drain, {name:<24} {d.rate:10.0f} records/s"
             f"  {d.rate / mark_purge:4.0%} of mark+purge, {d.rate / single:4.0%} of single-write,"
@@ -357,8 +364,10 @@ def main() -> None:
             for backlog in backlogs:
                 backlog_rows(conn, backlog, args.keys, tuned, producer)
             burst = burst_into_idle(conn, args.burst, args.keys, defaults)
+            cleanup(conn)
             print(f"harvest  burst of {args.burst} into an idle outbox, default limits: {burst:10.0f} records/s")
             inserted, harvested = steady(conn, args.keys, args.seconds, tuned)
+            cleanup(conn)
             print(f"harvest  steady inserts: inserted {inserted:8.0f}/s, harvested during inserts {harvested:8.0f}/s")
             lat = latency(conn, args.keys, args.rate, args.seconds, defaults)
             print(
