@@ -179,7 +179,7 @@ BAD = [
     ("harvest:\n  dataSource: password=${file:/nonexistent/pw}\n", {}, ["harvest.dataSource", "/nonexistent/pw"]),
     ("harvest:\n  outboxTable: a\n  outboxTable: b\n", {}, ["invalid YAML at line 3", "'outboxTable' given twice"]),
     ("harvest:\n  outboxTable: a\n  outbox_table: b\n", {}, ["harvest: outbox_table and outboxTable", "same setting"]),
-    ("harvest:\n  limits:\n    maxAttempts: 2\n    max_attempts: 3\n", {}, ["harvest.limits: max_attempts and maxAttempts"]),
+    ("harvest:\n  limits:\n    maxAttempts: 2\n    max_attempts: 3\n", {}, ["limits: max_attempts and maxAttempts"]),
     ("", {"REAPER_HARVEST_OUTBOX_TABLE": "x"}, ["REAPER_HARVEST_OUTBOX_TABLE: unknown setting", "two underscores"]),
 ]
 
