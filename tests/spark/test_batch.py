@@ -172,9 +172,9 @@ def test_binary_values_with_every_byte_arrive_unchanged_in_a_bytea_outbox(
     table = TableName(schema, "outbox_bytes")
     pg.execute(
         sql.SQL(
-            "CREATE TABLE {} (id BIGSERIAL PRIMARY KEY, kafka_topic VARCHAR(249) NOT NULL,"
-            " kafka_key VARCHAR(100) NOT NULL, kafka_value BYTEA, kafka_header_keys TEXT[] NOT NULL,"
-            " kafka_header_values TEXT[] NOT NULL, leader_id UUID)"
+            "CREATE TABLE {} (id BIGSERIAL PRIMARY KEY, create_time TIMESTAMPTZ NOT NULL,"
+            " kafka_topic VARCHAR(249) NOT NULL, kafka_key VARCHAR(100) NOT NULL, kafka_value BYTEA,"
+            " kafka_header_keys TEXT[] NOT NULL, kafka_header_values TEXT[] NOT NULL, leader_id UUID)"
         ).format(table.ident)
     )
     values = [bytes(range(256)), b"\\N", b"", None]
