@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from uuid import UUID
 
 import psycopg
@@ -26,25 +26,34 @@ from harvester.kafka.topics import ensure_topic
 from harvester.kafka.transactions import KafkaTransactionalPublisher
 from harvester.postgres.store import PostgresStore
 
+if TYPE_CHECKING:
+    from leader import ElectorConfig
+
 log = structlog.get_logger("harvester")
+
+
+def elector_config(config: HarvesterConfig) -> ElectorConfig:
+    """The NELI settings ``config`` implies; raises ``pydantic.ValidationError`` when its limits do
+    not fit together (no I/O: ``reaper check`` runs it too)."""
+    from leader import ElectorConfig
+
+    limits = config.limits
+    return ElectorConfig(
+        kafka_config=dict(config.base_kafka_config),
+        group_id=config.group_id,
+        topic=config.topic,
+        heartbeat_timeout=limits.heartbeat_timeout.total_seconds(),
+        min_poll_interval=limits.min_poll_interval.total_seconds(),
+        max_poll_interval=limits.max_poll_interval.total_seconds(),
+        name=config.name,
+    )
 
 
 def neli_elector(config: HarvesterConfig) -> Elector:
     """The default elector: Fast NELI over the configured leader group and topic."""
-    from leader import ElectorConfig, NeliElector
+    from leader import NeliElector
 
-    limits = config.limits
-    return NeliElector(
-        ElectorConfig(
-            kafka_config=dict(config.base_kafka_config),
-            group_id=config.group_id,
-            topic=config.topic,
-            heartbeat_timeout=limits.heartbeat_timeout.total_seconds(),
-            min_poll_interval=limits.min_poll_interval.total_seconds(),
-            max_poll_interval=limits.max_poll_interval.total_seconds(),
-            name=config.name,
-        )
-    )
+    return NeliElector(elector_config(config))
 
 
 class Harvester:

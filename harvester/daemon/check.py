@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 from harvester.daemon.errors import FailError, one_line
@@ -25,8 +26,37 @@ def pg_reason(exc: BaseException) -> str:
     return one_line(text[0] if text else type(exc).__name__)
 
 
+# The leader election's names in its messages, as a reaper user knows them: the limits it is given, and
+# its own settings that the reaper does not expose.
+_ELECTION_TERMS = {
+    "min_poll_interval": "minPollInterval",
+    "max_poll_interval": "maxPollInterval",
+    "group_heartbeat_interval": "the election's group heartbeat interval (1 s)",
+    "heartbeat_interval": "the election's heartbeat interval (1 s)",
+    "heartbeat_timeout": "heartbeatTimeout",
+    "session_timeout": "the election's session timeout (10 s)",
+}
+
+
+def validate_election(settings: ReaperSettings) -> None:
+    """Raise :class:`FailError` when the limits do not fit the leader election, in the settings' own
+    names; ``run`` and ``check`` both call this, so they refuse the same files."""
+    from pydantic import ValidationError
+
+    from harvester.harvester import elector_config
+
+    try:
+        elector_config(settings.harvest)
+    except ValidationError as exc:
+        message = str(exc.errors(include_url=False, include_input=False)[0]["msg"]).removeprefix("Value error, ")
+        for term, name in _ELECTION_TERMS.items():
+            message = re.sub(rf"\b{term}\b", name, message)
+        raise FailError(f"harvest.limits: {message}") from None
+
+
 def check(settings: ReaperSettings, timeout: float) -> int:
     validate_kafka_config(settings)
+    validate_election(settings)
     problems = _check_postgres(settings, timeout) + _check_kafka(settings, timeout)
     for problem in problems:
         print(f"problem: {problem}")

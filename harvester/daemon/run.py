@@ -13,7 +13,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from harvester.daemon import logs
-from harvester.daemon.check import validate_kafka_config
+from harvester.daemon.check import validate_election, validate_kafka_config
 from harvester.daemon.errors import FailError
 from harvester.daemon.settings import ReaperSettings
 
@@ -95,7 +95,6 @@ class _HealthCache:
 def run(settings: ReaperSettings, version: str) -> int:
     """Build the harvester and the HTTP endpoint, then serve until a signal."""
     from prometheus_client import CollectorRegistry, Gauge
-    from pydantic import ValidationError
 
     from harvester.core.events import LeaderAcquired, LeaderFenced, LeaderRefreshed, LeaderRevoked
     from harvester.harvester import Harvester
@@ -116,11 +115,8 @@ def run(settings: ReaperSettings, version: str) -> int:
     registry = CollectorRegistry()
     info = Gauge("reaper_info", "Always 1; labels describe this reaper.", ["version", "instance"], registry=registry)
     info.labels(version=version, instance=harvest.name).set(1)
-    try:
-        harvester = Harvester(harvest, on_event=on_event, registry=registry)
-    except ValidationError as exc:  # combinations of limits the elector refuses
-        first = exc.errors(include_url=False, include_input=False)[0]
-        raise FailError(f"harvest.limits: {str(first['msg']).removeprefix('Value error, ')}") from None
+    validate_election(settings)
+    harvester = Harvester(harvest, on_event=on_event, registry=registry)
     health = _HealthCache(harvester, interval=5.0)
     server: HttpServer | None = None
     if settings.http.enabled:

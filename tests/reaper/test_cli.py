@@ -100,7 +100,12 @@ def test_limits_the_election_refuses_exit_2(tmp_path: Path, capsys: pytest.Captu
     path = config(tmp_path, "harvest:\n  dataSource: host=127.0.0.1 port=1\n  limits:\n    minPollInterval: 2s\n")
     assert main(["run", "-f", path]) == 2
     err = capsys.readouterr().err
-    assert err == "reaper: error: harvest.limits: min_poll_interval must not exceed heartbeat_interval\n"
+    expected = "reaper: error: harvest.limits: minPollInterval must not exceed the election's heartbeat interval (1 s)"
+    expected += "\n"
+    assert err == expected
+    # check refuses the same file with the same words, before reaching any service.
+    assert main(["check", "-f", path]) == 2
+    assert capsys.readouterr().err == expected
 
 
 @pytest.mark.unit
