@@ -19,7 +19,8 @@ import psycopg
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
-def _stat(pid: int) -> list[str] | None:
+def proc_stat(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat from ``state`` on (None once the process is gone)."""
     try:
         text = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
@@ -27,7 +28,8 @@ def _stat(pid: int) -> list[str] | None:
     return text[text.rindex(")") + 2 :].split()  # fields from "state" on; comm may hold spaces
 
 
-def _seconds(fields: list[str], children: bool) -> float:
+def cpu_seconds(fields: list[str], children: bool) -> float:
+    """CPU seconds in ``proc_stat`` fields: user + system, and with ``children`` its reaped children's."""
     # utime, stime, cutime, cstime are fields 14-17 of stat, 11-14 here (state is field 3).
     ticks = int(fields[11]) + int(fields[12])
     if children:
@@ -47,7 +49,7 @@ class CpuMeter:
     def __init__(self, conn: psycopg.Connection[Any]) -> None:
         row = conn.execute("SELECT pg_backend_pid()").fetchone()
         assert row is not None
-        fields = _stat(int(str(row[0])))
+        fields = proc_stat(int(str(row[0])))
         assert fields is not None, "PostgreSQL must run on this machine for its CPU to be measured"
         self._postmaster = int(fields[1])  # the backend's parent
 
@@ -57,13 +59,13 @@ class CpuMeter:
             if not entry.name.isdigit():
                 continue
             pid = int(entry.name)
-            fields = _stat(pid)
+            fields = proc_stat(pid)
             if fields is None:
                 continue
             if pid == self._postmaster:
-                total += _seconds(fields, children=True)
+                total += cpu_seconds(fields, children=True)
             elif int(fields[1]) == self._postmaster:
-                total += _seconds(fields, children=False)
+                total += cpu_seconds(fields, children=False)
         return CpuSample(time.process_time(), total)
 
 

@@ -1,0 +1,362 @@
+"""A burst into an idle outbox, drained by the relay users would pick instead (Debezium's PostgreSQL
+connector with its outbox EventRouter in Kafka Connect standalone) and by this project's harvester.
+
+    ./dev.sh bench peers [--records 200000] [--large] [--rounds 2] [--keys 1000]
+
+``--large`` uses 1,000,000 records. Needs Java 17 and Maven: Kafka Connect 4.1.1 (the local broker's
+version) and Debezium 3.3.2.Final (io.debezium:debezium-connector-postgres, whose jars include the
+io.debezium.transforms.outbox.EventRouter SMT) are resolved from Maven Central into
+``~/.cache/outbox-harvester/`` on first use. The bench starts a private PostgreSQL with
+``wal_level=logical`` (``deploy/local/services.sh start-postgres`` in a temporary directory, on a free
+loopback port) and one Connect standalone worker (REST on a free loopback port), uses the local Kafka
+for both relays, and stops everything it started on exit.
+
+Each round COPies N records (100-byte values, ``--keys`` keys) in one transaction into an idle
+outbox (goharvest's layout) and times, from that commit:
+  - Debezium: until all N records are on the routed topic (sum of its end offsets; the EventRouter
+    maps kafka_topic to the topic, kafka_key to the key and kafka_value to the value, pgoutput,
+    ``snapshot.mode=no_data``, connector and worker defaults otherwise);
+  - the harvester in-process with default limits (``auto``) and tuned limits (500 / 5000): until the
+    last record is acknowledged by Kafka, and until the outbox is empty.
+Relays alternate their order each round; the table prints medians: records/s, the ratio to Debezium's
+rate, and CPU seconds per 1,000 records of the relay process (the Connect JVM; this Python process for
+the harvester) and of the PostgreSQL server (every backend of the private postmaster, Debezium's WAL
+sender included, minus the COPYing backend's own time during the COPY).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import harvest
+import psycopg
+from confluent_kafka import Consumer, TopicPartition
+from cpu import CpuMeter, cpu_seconds, proc_stat
+from harvest import VALUE, fresh_outbox, fresh_topic, run_engine, stop, wait_empty
+from peer_services import (
+    BOOTSTRAP,
+    DEBEZIUM_VERSION,
+    KAFKA_VERSION,
+    PARTITIONS,
+    TUNED,
+    ConnectWorker,
+    LogicalPostgres,
+    MissingError,
+    resolve_jars,
+)
+from psycopg import sql
+
+from harvester import Limits, TableName
+
+
+@dataclass(frozen=True, slots=True)
+class Burst:
+    rate: float  # records/s, commit to the last record in Kafka (readable / acknowledged)
+    cpu_relay: float  # CPU s per 1,000 records: the relay process
+    cpu_postgres: float  # ... and the PostgreSQL server
+    rate_empty: float | None = None  # harvester only: commit to empty outbox
+    extra: int = 0  # records beyond N on the topic (at-least-once duplicates)
+
+
+GOHARVEST_DDL = """CREATE TABLE {} (
+  id BIGSERIAL PRIMARY KEY,
+  create_time TIMESTAMPTZ NOT NULL DEFAULT now(),
+  kafka_topic VARCHAR(249) NOT NULL,
+  kafka_key VARCHAR(100) NOT NULL,
+  kafka_value VARCHAR(10000),
+  kafka_header_keys TEXT[] NOT NULL DEFAULT '{{}}',
+  kafka_header_values TEXT[] NOT NULL DEFAULT '{{}}',
+  leader_id UUID
+)"""
+
+
+def _backend_cpu(conn: psycopg.Connection[Any]) -> float:
+    row = conn.execute("SELECT pg_backend_pid()").fetchone()
+    assert row is not None
+    fields = proc_stat(int(str(row[0])))
+    return cpu_seconds(fields, children=False) if fields else 0.0
+
+
+def copy_burst(
+    conn: psycopg.Connection[Any], table: TableName, topic: str, records: int, keys: int
+) -> tuple[float, float]:
+    """COPY the burst in one transaction; return (commit wall time, CPU s of the COPYing backend)."""
+    cpu_before = _backend_cpu(conn)
+    copy = sql.SQL("COPY {} (create_time, kafka_topic, kafka_key, kafka_value) FROM STDIN").format(table.ident)
+    with conn.transaction(), conn.cursor().copy(copy) as cp:
+        created = time.strftime("%Y-%m-%d %H:%M:%S+00", time.gmtime())
+        for i in range(records):
+            cp.write_row((created, topic, f"key{i % keys}", VALUE))
+    committed = time.time()
+    return committed, _backend_cpu(conn) - cpu_before
+
+
+def topic_count(consumer: Consumer, topic: str) -> int:
+    return sum(consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1] for p in range(PARTITIONS))
+
+
+def debezium_burst(
+    conn: psycopg.Connection[Any], pg: LogicalPostgres, connect: ConnectWorker, records: int, keys: int, check: bool
+) -> Burst:
+    name = f"peers_{uuid.uuid4().hex[:8]}"
+    table = TableName(name, "outbox")
+    conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(name)))
+    conn.execute(sql.SQL(GOHARVEST_DDL).format(table.ident))
+    topic = fresh_topic(PARTITIONS)
+    config = {
+        "connector.class": "io.debezium.connector.postgresql.PostgresConnector",
+        "tasks.max": "1",
+        "database.hostname": "127.0.0.1",
+        "database.port": str(pg.port),
+        "database.user": "harvester",
+        "database.password": "local-dev-secret",
+        "database.dbname": "harvester",
+        "topic.prefix": name,
+        "plugin.name": "pgoutput",
+        "slot.name": name,
+        "slot.drop.on.stop": "true",
+        "publication.name": name,
+        "publication.autocreate.mode": "filtered",
+        "table.include.list": f"{name}.outbox",
+        "snapshot.mode": "no_data",
+        "tombstones.on.delete": "false",
+        "key.converter": "org.apache.kafka.connect.storage.StringConverter",
+        "value.converter": "org.apache.kafka.connect.storage.StringConverter",
+        "transforms": "outbox",
+        "transforms.outbox.type": "io.debezium.transforms.outbox.EventRouter",
+        "transforms.outbox.table.field.event.id": "id",
+        "transforms.outbox.table.field.event.key": "kafka_key",
+        "transforms.outbox.table.field.event.payload": "kafka_value",
+        "transforms.outbox.route.by.field": "kafka_topic",
+        "transforms.outbox.route.topic.replacement": "${routedByValue}",
+    }
+    connect.request("POST", "/connectors", {"name": name, "config": config})
+    consumer = Consumer({"bootstrap.servers": BOOTSTRAP, "group.id": f"{name}_count", "enable.auto.commit": False})
+    try:
+        _wait_streaming(conn, connect, name)
+        time.sleep(3.0)  # idle, as the harvester idles before its burst
+        meter = CpuMeter(conn)
+        before, relay_before = meter.sample(), connect.cpu()
+        committed, copy_cpu = copy_burst(conn, table, topic, records, keys)
+        deadline = time.monotonic() + 900
+        count = 0
+        while (count := topic_count(consumer, topic)) < records:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"Debezium: {count} of {records} records on {topic} after 900 s")
+            _assert_running(connect, name)
+            time.sleep(0.05)
+        elapsed = time.time() - committed
+        after, relay_after = meter.sample(), connect.cpu()
+        if check:
+            _check_record(topic)
+        time.sleep(1.0)
+        extra = topic_count(consumer, topic) - records
+        scale = 1000 / records
+        return Burst(
+            records / elapsed,
+            (relay_after - relay_before) * scale,
+            (after.postgres - before.postgres - copy_cpu) * scale,
+            extra=extra,
+        )
+    finally:
+        consumer.close()
+        with contextlib.suppress(OSError):  # urllib's errors are OSErrors
+            connect.request("DELETE", f"/connectors/{name}")
+        _drop_slot(conn, name)
+        conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(name)))
+
+
+def _assert_running(connect: ConnectWorker, name: str) -> None:
+    status = connect.request("GET", f"/connectors/{name}/status")
+    for task in status.get("tasks", []):
+        if task.get("state") == "FAILED":
+            trace = (task.get("trace") or "").splitlines()
+            raise MissingError(f"Debezium's task failed: {trace[0][:300] if trace else task}")
+
+
+def _wait_streaming(conn: psycopg.Connection[Any], connect: ConnectWorker, name: str) -> None:
+    """Until the connector's task runs and its replication slot is in use by a WAL sender."""
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        try:
+            _assert_running(connect, name)
+        except urllib.error.HTTPError:  # 404 until the connector is registered
+            time.sleep(0.2)
+            continue
+        row = conn.execute("SELECT active FROM pg_replication_slots WHERE slot_name = %s", (name,)).fetchone()
+        if row is not None and row[0]:
+            return
+        time.sleep(0.2)
+    raise MissingError(f"Debezium's connector did not start streaming within 90 s: {connect._last_error()}")
+
+
+def _drop_slot(conn: psycopg.Connection[Any], name: str) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        row = conn.execute("SELECT active FROM pg_replication_slots WHERE slot_name = %s", (name,)).fetchone()
+        if row is None:
+            break
+        if not row[0]:
+            conn.execute("SELECT pg_drop_replication_slot(%s)", (name,))
+            break
+        time.sleep(0.2)
+    conn.execute(sql.SQL("DROP PUBLICATION IF EXISTS {}").format(sql.Identifier(name)))
+
+
+def _check_record(topic: str) -> None:
+    """The EventRouter put kafka_key in the key and kafka_value, unchanged, in the value."""
+    c = Consumer(
+        {
+            "bootstrap.servers": BOOTSTRAP,
+            "group.id": f"check_{uuid.uuid4().hex[:8]}",
+            "auto.offset.reset": "earliest",
+            "enable.auto.commit": False,
+        }
+    )
+    try:
+        c.assign([TopicPartition(topic, p, 0) for p in range(PARTITIONS)])
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            msg = c.poll(1.0)
+            if msg is None or msg.error():
+                continue
+            key, value = (msg.key() or b"").decode(), (msg.value() or b"").decode()
+            if not key.startswith("key") or value != VALUE:
+                raise RuntimeError(f"Debezium's record is not the row's key/value: key={key!r} value={value[:60]!r}")
+            return
+        raise RuntimeError(f"could not read back a record of {topic}")
+    finally:
+        c.close()
+
+
+def harvester_burst(conn: psycopg.Connection[Any], records: int, keys: int, limits: Limits) -> Burst:
+    table, topic = fresh_outbox(conn), fresh_topic(PARTITIONS)
+    acked: dict[int, float] = {}
+    engine, store = run_engine(table, limits, acked)
+    try:
+        time.sleep(3.0)  # idle marks: enough for PostgreSQL to consider generic plans
+        meter = CpuMeter(conn)
+        before = meter.sample()
+        committed, copy_cpu = copy_burst(conn, table, topic, records, keys)
+        own_after_copy = time.process_time()
+        wait_empty(conn, table)
+        empty = time.time() - committed
+        after = meter.sample()
+        if len(acked) < records:
+            raise RuntimeError(f"harvester: {len(acked)} of {records} records acknowledged")
+        last_ack = max(acked.values()) - committed
+    finally:
+        stop(engine, store)
+        conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(table.schema)))
+    scale = 1000 / records
+    # The relay's CPU: this process after the commit (the COPY's client side ran before it).
+    return Burst(
+        records / last_ack,
+        (after.own - own_after_copy) * scale,
+        (after.postgres - before.postgres - copy_cpu) * scale,
+        rate_empty=records / empty,
+    )
+
+
+# ---------------------------------------------------------------- main
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--records", type=int, default=200_000, help="records in the burst")
+    p.add_argument("--large", action="store_true", help="a burst of 1,000,000 records")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--keys", type=int, default=1000)
+    args = p.parse_args()
+    records = 1_000_000 if args.large else args.records
+    try:
+        run(records, args.keys, args.rounds)
+    except MissingError as e:
+        sys.exit(f"peers: {e}")
+
+
+def run(records: int, keys: int, rounds: int) -> None:
+    resolve_jars()
+    started = time.monotonic()
+    state = Path(tempfile.mkdtemp(prefix="peers-"))
+    state.chmod(0o755)  # services.sh runs PostgreSQL as the postgres user when started as root
+    pg = LogicalPostgres(state)
+    connect = ConnectWorker(state / "connect")
+    try:
+        pg.start()
+        harvest.DSN = pg.dsn  # bench/harvest.py's helpers (run_engine) connect to harvest.DSN
+        connect.start()
+        print(
+            f"workload: burst of {records} records COPied in one transaction into an idle outbox, {keys} keys,"
+            f" {len(VALUE)}-byte values, {PARTITIONS} partitions; private PostgreSQL (wal_level=logical) on"
+            f" 127.0.0.1:{pg.port}; Kafka Connect {KAFKA_VERSION} standalone + Debezium {DEBEZIUM_VERSION}"
+            f" (pgoutput, EventRouter); {rounds} rounds, medians",
+            flush=True,
+        )
+        relays: list[tuple[str, Callable[[psycopg.Connection[Any], int], Burst]]] = [
+            (
+                "Debezium PostgreSQL + EventRouter",
+                lambda c, r: debezium_burst(c, pg, connect, records, keys, check=r == 0),
+            ),
+            ("harvester, default limits (auto)", lambda c, _r: harvester_burst(c, records, keys, Limits())),
+            ("harvester, tuned 500 / 5000", lambda c, _r: harvester_burst(c, records, keys, TUNED)),
+        ]
+        results: dict[str, list[Burst]] = {name: [] for name, _ in relays}
+        with psycopg.connect(pg.dsn, autocommit=True) as conn:
+            for r in range(rounds):
+                for name, fn in relays if r % 2 == 0 else relays[::-1]:
+                    b = fn(conn, r)
+                    results[name].append(b)
+                    print(f"  round {r + 1}: {name:<34} {b.rate:9.0f} records/s", flush=True)
+        report(results, records)
+        print(f"took {time.monotonic() - started:.0f} s")
+    finally:
+        try:
+            connect.stop()
+        finally:
+            pg.stop()
+            shutil.rmtree(state, ignore_errors=True)
+
+
+def report(results: dict[str, list[Burst]], records: int) -> None:
+    def med(values: list[float]) -> float:
+        return statistics.median(values)
+
+    debezium = med([b.rate for b in next(iter(results.values()))])
+    print(
+        f"{'burst of ' + str(records):<44} {'records/s':>10} {'vs Debezium':>12}"
+        f" {'CPU s/1000: relay':>18} {'PostgreSQL':>11}  notes"
+    )
+    for name, bursts in results.items():
+        rate = med([b.rate for b in bursts])
+        notes = []
+        empties = [b.rate_empty for b in bursts if b.rate_empty is not None]
+        if empties:
+            notes.append(f"to last ack; to empty outbox {med(empties):.0f} records/s")
+        else:
+            notes.append("to all records on the topic")
+        extra = max(b.extra for b in bursts)
+        if extra:
+            notes.append(f"{extra} duplicates on the topic")
+        print(
+            f"{name:<44} {rate:10.0f} {rate / debezium:11.2f}x"
+            f" {med([b.cpu_relay for b in bursts]):18.3f} {med([b.cpu_postgres for b in bursts]):11.3f}"
+            f"  {'; '.join(notes)}"
+        )
+
+
+if __name__ == "__main__":
+    main()
