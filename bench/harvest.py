@@ -61,12 +61,17 @@ def fresh_topic(partitions: int = 4) -> str:
     return name
 
 
-def preload(conn: psycopg.Connection[Any], table: TableName, topic: str, records: int, keys: int) -> None:
+def copy_rows(conn: psycopg.Connection[Any], table: TableName, topic: str, records: int, keys: int) -> None:
+    """COPY ``records`` rows (``VALUE``, keys cycling over ``keys``) into ``table`` in one transaction."""
     copy = sql.SQL("COPY {} (create_time, kafka_topic, kafka_key, kafka_value) FROM STDIN").format(table.ident)
     with conn.transaction(), conn.cursor().copy(copy) as cp:
-        now = time.time()
+        created = time.strftime("%Y-%m-%d %H:%M:%S+00", time.gmtime())
         for i in range(records):
-            cp.write_row((time.strftime("%Y-%m-%d %H:%M:%S+00", time.gmtime(now)), topic, f"key{i % keys}", VALUE))
+            cp.write_row((created, topic, f"key{i % keys}", VALUE))
+
+
+def preload(conn: psycopg.Connection[Any], table: TableName, topic: str, records: int, keys: int) -> None:
+    copy_rows(conn, table, topic, records, keys)
     conn.execute(sql.SQL("VACUUM ANALYZE {}").format(table.ident))
     # Each timed phase starts a checkpoint cycle of its own, so none pays for another's full-page writes.
     conn.execute("CHECKPOINT")
@@ -204,11 +209,7 @@ def burst_into_idle(conn: psycopg.Connection[Any], records: int, keys: int, limi
     table, topic = fresh_outbox(conn), fresh_topic()
     engine, store = run_engine(table, limits)
     time.sleep(3.0)  # idle marks: enough for PostgreSQL to consider generic plans
-    copy = sql.SQL("COPY {} (create_time, kafka_topic, kafka_key, kafka_value) FROM STDIN").format(table.ident)
-    with conn.transaction(), conn.cursor().copy(copy) as cp:
-        created = time.strftime("%Y-%m-%d %H:%M:%S+00", time.gmtime())
-        for i in range(records):
-            cp.write_row((created, topic, f"key{i % keys}", VALUE))
+    copy_rows(conn, table, topic, records, keys)
     started = time.perf_counter()
     wait_empty(conn, table)
     elapsed = time.perf_counter() - started

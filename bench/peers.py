@@ -95,11 +95,7 @@ def copy_burst(
 ) -> tuple[float, float]:
     """COPY the burst in one transaction; return (commit wall time, CPU s of the COPYing backend)."""
     cpu_before = _backend_cpu(conn)
-    copy = sql.SQL("COPY {} (create_time, kafka_topic, kafka_key, kafka_value) FROM STDIN").format(table.ident)
-    with conn.transaction(), conn.cursor().copy(copy) as cp:
-        created = time.strftime("%Y-%m-%d %H:%M:%S+00", time.gmtime())
-        for i in range(records):
-            cp.write_row((created, topic, f"key{i % keys}", VALUE))
+    harvest.copy_rows(conn, table, topic, records, keys)
     committed = time.time()
     return committed, _backend_cpu(conn) - cpu_before
 

@@ -12,9 +12,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
+import psycopg
 from confluent_kafka import Consumer, KafkaError, Message, TopicPartition
 from confluent_kafka.admin import AdminClient
 from confluent_kafka.cimpl import NewTopic
+from psycopg import sql
+
+from harvester.postgres.identifiers import TableName
 
 if TYPE_CHECKING:
     from harvester import Harvester
@@ -270,3 +274,23 @@ def set_topic_config(bootstrap: str, topic: str, name: str, value: str) -> None:
     )
     for f in admin.incremental_alter_configs([resource]).values():
         f.result(30)
+
+
+# goharvest's outbox DDL, word for word: nothing but id has a default.
+GOHARVEST_DDL = """
+CREATE TABLE IF NOT EXISTS {} (
+  id                  BIGSERIAL PRIMARY KEY,
+  create_time         TIMESTAMP WITH TIME ZONE NOT NULL,
+  kafka_topic         VARCHAR(249) NOT NULL,
+  kafka_key           VARCHAR(100) NOT NULL,
+  kafka_value         VARCHAR(10000),
+  kafka_header_keys   TEXT[] NOT NULL,
+  kafka_header_values TEXT[] NOT NULL,
+  leader_id           UUID
+)
+"""
+
+
+def create_goharvest_outbox(conn: psycopg.Connection[Any], table: TableName) -> None:
+    """Create ``table`` exactly as goharvest's own DDL does (never migrated by this project)."""
+    conn.execute(sql.SQL(GOHARVEST_DDL).format(table.ident))

@@ -18,7 +18,7 @@ from harvester import PostgresStore
 from harvester.core.records import Failure
 from harvester.postgres.identifiers import TableName
 from tests.engine.workload import insert
-from tests.support import Services
+from tests.support import Services, create_goharvest_outbox
 
 pytestmark = pytest.mark.integration
 
@@ -106,13 +106,7 @@ def test_dlq_without_a_dead_letter_table_says_so(
 ) -> None:
     # A goharvest table, never migrated and with nothing dead-lettered: no dead-letter table.
     outbox = TableName(schema, "outbox")
-    pg.execute(
-        sql.SQL(
-            "CREATE TABLE {} (id BIGSERIAL PRIMARY KEY, create_time TIMESTAMPTZ NOT NULL, kafka_topic VARCHAR(249) "
-            "NOT NULL, kafka_key VARCHAR(100) NOT NULL, kafka_value VARCHAR(10000), kafka_header_keys TEXT[] NOT "
-            "NULL, kafka_header_values TEXT[] NOT NULL, leader_id UUID)"
-        ).format(outbox.ident)
-    )
+    create_goharvest_outbox(pg, outbox)
     config = tmp_path / "reaper.yaml"
     config.write_text(yaml.safe_dump({"harvest": {"dataSource": services.pg_dsn, "outboxTable": outbox.qualified}}))
     actions = {

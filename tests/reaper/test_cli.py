@@ -13,7 +13,7 @@ from psycopg import sql
 
 from harvester.daemon.cli import main
 from harvester.postgres.identifiers import TableName
-from tests.support import Services, unique
+from tests.support import Services, create_goharvest_outbox, unique
 
 REAPER = str(Path(sys.executable).parent / "reaper")
 PG_SECRET = "Pg-Cli-S3cret"
@@ -157,13 +157,7 @@ def test_migrate_is_idempotent_and_keeps_existing_rows(
 ) -> None:
     table = TableName(schema, "outbox")
     # A goharvest-created table with data in it already.
-    pg.execute(
-        sql.SQL(
-            "CREATE TABLE {} (id BIGSERIAL PRIMARY KEY, create_time TIMESTAMPTZ NOT NULL, kafka_topic VARCHAR(249) "
-            "NOT NULL, kafka_key VARCHAR(100) NOT NULL, kafka_value VARCHAR(10000), kafka_header_keys TEXT[] NOT "
-            "NULL, kafka_header_values TEXT[] NOT NULL, leader_id UUID)"
-        ).format(table.ident)
-    )
+    create_goharvest_outbox(pg, table)
     pg.execute(
         sql.SQL("INSERT INTO {} (create_time, kafka_topic, kafka_key, kafka_value, kafka_header_keys, "
                 "kafka_header_values) VALUES (now(), 't', 'k', 'v', '{{}}', '{{}}')").format(table.ident)

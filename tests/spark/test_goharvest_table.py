@@ -17,32 +17,17 @@ from pyspark.sql import SparkSession
 from harvester.postgres.identifiers import TableName
 from tests.spark.test_batch import leftovers
 from tests.spark.test_stream import run
-from tests.support import Services, unique
+from tests.support import Services, create_goharvest_outbox, unique
 
 pytestmark = pytest.mark.integration
 
 Conn = psycopg.Connection[tuple[object, ...]]
 
-# goharvest's DDL, word for word: nothing but id has a default.
-GOHARVEST_DDL = """
-CREATE TABLE IF NOT EXISTS {} (
-  id                  BIGSERIAL PRIMARY KEY,
-  create_time         TIMESTAMP WITH TIME ZONE NOT NULL,
-  kafka_topic         VARCHAR(249) NOT NULL,
-  kafka_key           VARCHAR(100) NOT NULL,
-  kafka_value         VARCHAR(10000),
-  kafka_header_keys   TEXT[] NOT NULL,
-  kafka_header_values TEXT[] NOT NULL,
-  leader_id           UUID
-)
-"""
-
-
 @pytest.fixture
 def goharvest(pg: Conn, schema: str) -> TableName:
     """goharvest's outbox table in this test's schema, never migrated."""
     table = TableName(schema, "outbox")
-    pg.execute(sql.SQL(GOHARVEST_DDL).format(table.ident))
+    create_goharvest_outbox(pg, table)
     return table
 
 
