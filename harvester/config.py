@@ -23,7 +23,8 @@ class HarvesterConfig(BaseModel):
     model_config = BOTH_SPELLINGS
 
     data_source: str = Field(
-        default="host=127.0.0.1 port=5432 user=harvester password=local-dev-secret dbname=harvester",
+        # No password: a default must carry no secret. The local services trust loopback.
+        default="host=127.0.0.1 port=5432 user=harvester dbname=harvester",
         description="libpq connection string (key=value or URL).",
     )
     outbox_table: str = Field(default="outbox")

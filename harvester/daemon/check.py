@@ -8,7 +8,7 @@ import re
 from typing import Any
 
 from harvester.daemon.errors import FailError, one_line
-from harvester.daemon.settings import ReaperSettings
+from harvester.daemon.settings import ReaperSettings, defaulted_connections
 
 
 def connect_pg(settings: ReaperSettings, timeout: float) -> Any:
@@ -57,6 +57,8 @@ def validate_election(settings: ReaperSettings) -> None:
 def check(settings: ReaperSettings, timeout: float) -> int:
     validate_kafka_config(settings)
     validate_election(settings)
+    for default in defaulted_connections(settings):
+        print(f"note: {default} is not set: using the default")
     problems = _check_postgres(settings, timeout) + _check_kafka(settings, timeout)
     for problem in problems:
         print(f"problem: {problem}")

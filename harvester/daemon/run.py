@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from harvester.daemon import logs
 from harvester.daemon.check import validate_election, validate_kafka_config
 from harvester.daemon.errors import FailError
-from harvester.daemon.settings import ReaperSettings
+from harvester.daemon.settings import ReaperSettings, defaulted_connections
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -202,6 +202,9 @@ def _serve(
         log.debug("start_failed", exc_info=True)
         raise FailError(f"cannot start: {type(exc).__name__}: {exc}", code=1) from None
     health.start()
+    defaults = defaulted_connections(settings)
+    if defaults:
+        log.warning("connection_defaults", settings=defaults, hint="set them in the file, or REAPER_HARVEST__*")
     log.info(
         "reaper_started",
         version=version,

@@ -133,6 +133,19 @@ class ReaperSettings(BaseModel):
         return "http" in self.model_fields_set and "port" in self.http.model_fields_set
 
 
+def defaulted_connections(settings: ReaperSettings) -> list[str]:
+    """The connection settings the configuration left to their defaults, each with the default, so
+    ``check`` and ``run`` can say where they connect (an empty file still runs, as goharvest's does)."""
+    harvest = settings.harvest
+    given = harvest.model_fields_set if "harvest" in settings.model_fields_set else set()
+    found = []
+    if "data_source" not in given:
+        found.append(f"harvest.dataSource ({harvest.data_source})")
+    if "base_kafka_config" not in given:
+        found.append(f"harvest.baseKafkaConfig (bootstrap.servers: {harvest.base_kafka_config['bootstrap.servers']})")
+    return found
+
+
 def secret_values(settings: ReaperSettings) -> list[str]:
     """The secret strings of ``settings``: the DSN's password and secret Kafka properties.
 

@@ -195,6 +195,19 @@ def test_check_reports_what_it_found(
 
 
 @pytest.mark.integration
+def test_check_names_the_connection_settings_left_to_their_defaults(
+    services: Services, outbox: TableName, tmp_path: Path
+) -> None:
+    # An empty file (a broken ConfigMap) runs on the defaults, and check says which, before connecting.
+    out = reaper("check", "-f", config(tmp_path, "")).stdout
+    default_dsn = "host=127.0.0.1 port=5432 user=harvester dbname=harvester"
+    assert f"note: harvest.dataSource ({default_dsn}) is not set: using the default" in out
+    assert "note: harvest.baseKafkaConfig (bootstrap.servers: 127.0.0.1:9092) is not set: using the default" in out
+    assert "password" not in out  # no default carries a secret
+    assert "note:" not in reaper("check", "-f", config(tmp_path, yaml_for(services, outbox, "t"))).stdout
+
+
+@pytest.mark.integration
 @pytest.mark.parametrize("service", ["postgres", "kafka"])
 def test_check_unreachable_service_exits_2(services: Services, outbox: TableName, tmp_path: Path, service: str) -> None:
     dsn = f"host=127.0.0.1 port=1 user=harvester password={PG_SECRET} dbname=harvester"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from harvester.daemon.settings import ReaperSettings, SettingsError, load, secret_values
+from harvester.daemon.settings import ReaperSettings, SettingsError, defaulted_connections, load, secret_values
 
 pytestmark = pytest.mark.unit
 
@@ -200,3 +200,16 @@ def test_bad_configuration_is_one_line_naming_the_field(
 def test_missing_file_is_reported(tmp_path: Path) -> None:
     with pytest.raises(SettingsError, match="no such configuration file"):
         load(tmp_path / "absent.yaml", environ={})
+
+
+def test_connection_defaults_are_named_and_carry_no_secret(tmp_path: Path) -> None:
+    empty = load(write(tmp_path, ""), environ={})
+    assert [d.split(" ")[0] for d in defaulted_connections(empty)] == ["harvest.dataSource", "harvest.baseKafkaConfig"]
+    assert "password" not in empty.harvest.data_source
+    given = "harvest:\n  dataSource: host=db dbname=app\n  baseKafkaConfig: {bootstrap.servers: 'k:9092'}\n"
+    assert defaulted_connections(load(write(tmp_path, given), environ={})) == []
+    # An environment override sets a connection as much as the file does.
+    assert defaulted_connections(load(None, environ={"REAPER_HARVEST__DATA_SOURCE": "host=db"}))[0].startswith(
+        "harvest.baseKafkaConfig"
+    )
+
