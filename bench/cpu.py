@@ -37,6 +37,19 @@ def cpu_seconds(fields: list[str], children: bool) -> float:
     return ticks / _TICK
 
 
+def process_seconds(pid: int) -> float:
+    """CPU seconds process ``pid`` has used so far (0 once it is gone)."""
+    fields = proc_stat(pid)
+    return cpu_seconds(fields, children=False) if fields else 0.0
+
+
+def backend_pid(conn: psycopg.Connection[Any]) -> int:
+    """The server process of ``conn``."""
+    row = conn.execute("SELECT pg_backend_pid()").fetchone()
+    assert row is not None
+    return int(str(row[0]))
+
+
 @dataclass(frozen=True, slots=True)
 class CpuSample:
     own: float
@@ -47,9 +60,7 @@ class CpuMeter:
     """Samples CPU time of this process and of the PostgreSQL server ``conn`` is connected to."""
 
     def __init__(self, conn: psycopg.Connection[Any]) -> None:
-        row = conn.execute("SELECT pg_backend_pid()").fetchone()
-        assert row is not None
-        fields = proc_stat(int(str(row[0])))
+        fields = proc_stat(backend_pid(conn))
         assert fields is not None, "PostgreSQL must run on this machine for its CPU to be measured"
         self._postmaster = int(fields[1])  # the backend's parent
 

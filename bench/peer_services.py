@@ -19,7 +19,7 @@ from typing import Any
 
 import harvest
 import psycopg
-from cpu import cpu_seconds, proc_stat
+from cpu import process_seconds
 
 from harvester import Limits
 
@@ -238,8 +238,7 @@ class ConnectWorker:
         return json.loads(text) if text else None
 
     def cpu(self) -> float:
-        fields = proc_stat(self.proc.pid) if self.proc else None
-        return cpu_seconds(fields, children=False) if fields else 0.0
+        return process_seconds(self.proc.pid) if self.proc else 0.0
 
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:

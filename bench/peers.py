@@ -44,7 +44,7 @@ from typing import Any
 import harvest
 import psycopg
 from confluent_kafka import Consumer, TopicPartition
-from cpu import CpuMeter, cpu_seconds, proc_stat
+from cpu import CpuMeter, backend_pid, process_seconds
 from harvest import VALUE, fresh_outbox, fresh_topic, run_engine, stop, wait_empty
 from peer_services import (
     BOOTSTRAP,
@@ -84,10 +84,7 @@ GOHARVEST_DDL = """CREATE TABLE {} (
 
 
 def _backend_cpu(conn: psycopg.Connection[Any]) -> float:
-    row = conn.execute("SELECT pg_backend_pid()").fetchone()
-    assert row is not None
-    fields = proc_stat(int(str(row[0])))
-    return cpu_seconds(fields, children=False) if fields else 0.0
+    return process_seconds(backend_pid(conn))
 
 
 def copy_burst(
