@@ -193,19 +193,9 @@ class PostgresStore:
         return prepared
 
     @property
-    def columns(self) -> OutboxColumns:
-        """The table's shape (after :meth:`prepare`)."""
-        return self._ready().columns
-
-    @property
     def tracks_attempts(self) -> bool:
         """Whether the table has the optional attempt columns (``reaper migrate`` adds them)."""
         return self._ready().columns.tracks_attempts
-
-    @property
-    def producer_name(self) -> str:
-        """The stable producer name of the identity headers (after :meth:`prepare`)."""
-        return self._ready().producer.decode("utf-8")
 
     # ------------------------------------------------------------------ fencing
 
