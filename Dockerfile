@@ -1,6 +1,6 @@
 # The reaper daemon: harvests a PostgreSQL outbox into Kafka.
-#   docker build -t outbox-harvester/reaper .
-#   docker run --rm -v $PWD/reaper.yaml:/etc/reaper/reaper.yaml:ro -p 9090:9090 outbox-harvester/reaper
+#   docker build -t "$REGISTRY/outbox-harvester/reaper:0.1.0" .   # the image deploy/k8s/ names, to push
+#   docker run --rm -v $PWD/reaper.yaml:/etc/reaper/reaper.yaml:ro -p 9090:9090 "$REGISTRY/outbox-harvester/reaper:0.1.0"
 # Configuration: /etc/reaper/reaper.yaml (mount it), REAPER_* environment overrides, secrets as
 # ${env:NAME} or ${file:/path}; see docs/reaper.md. Metrics and probes on port 9090.
 

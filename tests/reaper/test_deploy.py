@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import re
+import shlex
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+from harvester import __version__
 from harvester.daemon.settings import ReaperSettings, load
 from tests.support import ROOT
 
@@ -34,6 +36,35 @@ def validate(text: str, tmp_path: Path, files: dict[str, str], env: dict[str, st
     path = tmp_path / "reaper.yaml"
     path.write_text(text)
     return load(path, environ=env)
+
+
+def header(path: Path) -> str:
+    """The manifest's leading comment, where the commands that deploy it are written."""
+    lines = []
+    for line in path.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        lines.append(line.lstrip("#").strip())
+    return "\n".join(lines)
+
+
+def created_secret(path: Path) -> tuple[str, set[str]]:
+    """The name and keys of the Secret that the manifest's header tells to create."""
+    (command,) = re.findall(r"kubectl create secret generic .*", header(path))
+    words = shlex.split(command)
+    return words[4], {w.removeprefix("--from-file=").split("=")[0] for w in words if w.startswith("--from-file=")}
+
+
+def documented_images(verb: str) -> set[str]:
+    """Every image that a `docker build -t` (verb "build -t") or `docker push` in the README, docs/, the
+    Dockerfile or a manifest names, with the $REGISTRY the reader chooses written as the manifests'
+    REGISTRY placeholder."""
+    texts = [ROOT / "README.md", ROOT / "Dockerfile", *(ROOT / "docs").glob("*.md"), *K8S.glob("*.yaml")]
+    return {
+        image.strip("\"'").replace("$REGISTRY", "REGISTRY")
+        for path in texts
+        for image in re.findall(rf"docker {verb} (\S+)", path.read_text())
+    }
 
 
 def reaper_container(deployment: dict[str, Any]) -> dict[str, Any]:
@@ -66,21 +97,26 @@ def test_kubernetes_manifests(tmp_path: Path, manifest: str, name: str, replicas
     config_map = docs[f"ConfigMap/{volumes[config_volume]['configMap']['name']}"]
     assert container["args"] == ["run", "-f", f"{mounts[config_volume]}/reaper.yaml"]
 
-    # Secrets come from a Secret: files in the secret volume, and env vars from secretKeyRef.
+    # Secrets come from the Secret the header's `kubectl create secret` makes: files in the secret
+    # volume, and env vars from secretKeyRef, each naming a key that command creates.
+    secret_name, keys = created_secret(K8S / manifest)
     secret_volume = next(n for n, v in volumes.items() if "secret" in v)
-    secret = docs[f"Secret/{volumes[secret_volume]['secret']['secretName']}"]
-    files = {f"{mounts[secret_volume]}/{key}": value for key, value in secret["stringData"].items()}
+    assert volumes[secret_volume]["secret"]["secretName"] == secret_name
+    items = volumes[secret_volume]["secret"].get("items") or [{"key": k, "path": k} for k in keys]
+    assert {item["key"] for item in items} <= keys
+    files = {f"{mounts[secret_volume]}/{item['path']}": f"from-secret-{item['key']}" for item in items}
     env = {}
     for var in container.get("env", []):
         ref = var.get("valueFrom", {}).get("secretKeyRef")
         if ref is not None:
-            assert ref["name"] == secret["metadata"]["name"]
-            env[var["name"]] = secret["stringData"][ref["key"]]
+            assert ref["name"] == secret_name
+            assert ref["key"] in keys
+            env[var["name"]] = f"from-secret-{ref['key']}"
         elif var["name"].startswith("REAPER_"):
             env[var["name"]] = "pod-name"
     settings = validate(config_map["data"]["reaper.yaml"], tmp_path, files, env)
     assert settings.harvest.name == "pod-name"  # every log line names the pod
-    assert "change-me" in settings.harvest.data_source  # the password really came from the Secret
+    assert "password=from-secret-pg-password" in settings.harvest.data_source  # it really came from the Secret
 
     # Probes: /healthz for liveness, bounded in time, on the configured http port. /readyz (which
     # needs Kafka) gates a standalone reaper's readiness only: a sidecar's would take its application
@@ -102,6 +138,81 @@ def test_kubernetes_manifests(tmp_path: Path, manifest: str, name: str, replicas
     assert settings.shutdown.timeout.total_seconds() < pod["terminationGracePeriodSeconds"]
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
+
+
+def pod_containers(deployment: dict[str, Any]) -> list[dict[str, Any]]:
+    pod = deployment["spec"]["template"]["spec"]
+    return [*pod.get("initContainers", []), *pod["containers"]]
+
+
+def test_sidecar_readiness_does_not_depend_on_kafka() -> None:
+    """No container of the application's pod, native sidecar included, gates readiness or startup on /readyz,
+    which fails while Kafka is down: the application needs only PostgreSQL to write its outbox."""
+    deployment = documents(K8S / "sidecar.yaml")["Deployment/orders"]
+    for container in pod_containers(deployment):
+        for probe in ("readinessProbe", "startupProbe"):
+            assert container.get(probe, {}).get("httpGet", {}).get("path") != "/readyz", (container["name"], probe)
+    assert "readinessProbe" not in reaper_container(deployment)
+
+
+def test_every_image_is_one_the_documented_build_produces() -> None:
+    builds = documented_images("build -t")
+    assert builds == {f"REGISTRY/outbox-harvester/reaper:{__version__}"}, "one image, tagged with the version"
+    for path in sorted(K8S.glob("*.yaml")):
+        for key, doc in documents(path).items():
+            if doc["kind"] != "Deployment":
+                continue
+            for container in pod_containers(doc):
+                if key == "Deployment/orders" and container["name"] == "app":
+                    continue  # the reader's own application
+                assert container["image"] in builds, f"{path.name}: nothing documented builds {container['image']}"
+    assert documented_images("push") == builds, "what is built is what is pushed"
+
+
+def test_no_secret_is_applied_with_the_workload() -> None:
+    """Applying a manifest never resets real credentials: it carries no Secret and no literal password;
+    the Secret it references is created once, by the command in its header."""
+    for path in sorted(K8S.glob("*.yaml")):
+        docs = documents(path)
+        assert not [k for k in docs if k.startswith("Secret/")], f"{path.name} applies a Secret"
+        body = path.read_text().split("\napiVersion:", 1)[1]  # past the header's commands
+        assert not re.search(r"password=(?!\$\{)", body), f"{path.name}: literal password"
+        assert not re.search(r"password:\s*(?![\s$])", body), f"{path.name}: literal password"
+        name, keys = created_secret(path)
+        assert keys, f"{path.name}: the header creates the Secret from files"
+        referenced = {
+            ref
+            for doc in docs.values()
+            if doc["kind"] == "Deployment"
+            for ref in secret_references(doc)
+        }
+        assert referenced == {name}
+    # The docs show the same command as the manifest they deploy.
+    headers = "\n".join(header(path) for path in K8S.glob("*.yaml"))
+    docs_text = "\n".join(doc.read_text() for doc in (ROOT / "docs").glob("*.md"))
+    commands = re.findall(r"kubectl create secret .*", docs_text)
+    assert commands
+    assert all(c in headers for c in commands)
+
+
+def secret_references(deployment: dict[str, Any]) -> set[str]:
+    pod = deployment["spec"]["template"]["spec"]
+    names = {v["secret"]["secretName"] for v in pod.get("volumes", []) if "secret" in v}
+    for container in pod_containers(deployment):
+        for var in container.get("env", []):
+            ref = var.get("valueFrom", {}).get("secretKeyRef")
+            if ref is not None:
+                names.add(ref["name"])
+        names.update(e["secretRef"]["name"] for e in container.get("envFrom", []) if "secretRef" in e)
+    return names
+
+
+def test_standalone_disruption_budget_and_service_account() -> None:
+    docs = documents(K8S / "standalone.yaml")
+    # In an outage every replica is NotReady: the budget must still let a node drain evict them.
+    assert docs["PodDisruptionBudget/outbox-reaper"]["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
+    pod = docs["Deployment/outbox-reaper"]["spec"]["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is False  # the reaper never calls the Kubernetes API
 
 
 def test_compose_file(tmp_path: Path) -> None:
