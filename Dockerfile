@@ -4,27 +4,45 @@
 # Configuration: /etc/reaper/reaper.yaml (mount it), REAPER_* environment overrides, secrets as
 # ${env:NAME} or ${file:/path}; see docs/reaper.md. Metrics and probes on port 9090.
 
+# The base image: a tag, and the digest it must resolve to. Pin the digest for a reproducible build
+# (docs/reaper.md shows how to find it):
+#   docker build --build-arg PYTHON_DIGEST=sha256:<digest of python:3.11-slim-bookworm> ...
+# Left empty, the build takes whatever the tag points to today.
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+ARG PYTHON_DIGEST=
 
-# ---- build: install the package and its dependencies into a self-contained virtualenv
-FROM ${PYTHON_IMAGE} AS build
+# ---- build: the locked dependencies and the package, in a virtualenv without pip or setuptools
+FROM ${PYTHON_IMAGE}${PYTHON_DIGEST:+@}${PYTHON_DIGEST} AS build
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1
 WORKDIR /src
+# Every dependency, and the build backend, comes from a lock file with hashes (pip-compile; see the
+# header of each for the command that regenerates it): nothing resolves at build time.
+COPY requirements.lock requirements-build.lock ./
 # README.md is left out on purpose: the image needs no long description, and the build must not depend on it.
 COPY pyproject.toml ./
 # LICENSE is pyproject.toml's license-files: the wheel ships it (setuptools only warns when it is missing, for now).
 COPY LICENSE ./
 COPY leader/ leader/
 COPY harvester/ harvester/
+# /opt/build holds the tools (pip, the locked setuptools) that build the wheel; /opt/reaper gets only the
+# locked dependencies and that wheel, installed by /opt/build's pip from outside (--python).
 # confluent-kafka and psycopg[binary] ship manylinux wheels (librdkafka and libpq inside): no compiler needed.
-RUN python -m venv /opt/reaper \
- && /opt/reaper/bin/pip install /src \
+RUN python -m venv /opt/build \
+ && /opt/build/bin/pip install --require-hashes -r requirements-build.lock \
+ && /opt/build/bin/pip wheel --no-deps --no-build-isolation --wheel-dir /wheels /src \
+ && python -m venv --without-pip /opt/reaper \
+ && /opt/build/bin/pip --python /opt/reaper/bin/python install --require-hashes -r requirements.lock \
+ && /opt/build/bin/pip --python /opt/reaper/bin/python install --no-deps --no-index --find-links /wheels outbox-harvester \
  && /opt/reaper/bin/reaper --version
 
 # ---- runtime: the virtualenv only, run as an unprivileged user
-FROM ${PYTHON_IMAGE}
-RUN groupadd --system --gid 10001 reaper \
+FROM ${PYTHON_IMAGE}${PYTHON_DIGEST:+@}${PYTHON_DIGEST}
+# Nothing installs packages at run time: the base image's own pip (and setuptools and wheel, where the
+# tag still ships them) goes, with ensurepip's bundled copies: scanners flag them.
+RUN python -m pip uninstall --yes pip setuptools wheel \
+ && rm -rf /usr/local/lib/python3.*/ensurepip/_bundled \
+ && groupadd --system --gid 10001 reaper \
  && useradd --system --uid 10001 --gid reaper --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin reaper \
  && mkdir -p /etc/reaper
 COPY --from=build /opt/reaper /opt/reaper

@@ -10,16 +10,22 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 from prometheus_client import CollectorRegistry
 
+from harvester import __version__
 from harvester.daemon.http import HttpServer
 from harvester.daemon.settings import HttpSettings
 from tests.support import ROOT
 
 DOCKERFILE = ROOT / "Dockerfile"
+LOCK = ROOT / "requirements.lock"  # the runtime dependencies
+BUILD_LOCK = ROOT / "requirements-build.lock"  # the build backend
 
 
 def instructions() -> list[tuple[str, str]]:
@@ -99,17 +105,88 @@ def test_copied_sources_exist_and_are_not_ignored() -> None:
         assert (ROOT / src).exists(), f"COPY source {src} is missing"
         assert not ignored(src), f"COPY source {src} is excluded by .dockerignore"
     # Everything the package needs at run time is copied, and the LICENSE its metadata names (license-files).
-    assert {"pyproject.toml", "LICENSE", "leader/", "harvester/"} <= set(sources)
+    assert {"pyproject.toml", "LICENSE", "leader/", "harvester/", LOCK.name, BUILD_LOCK.name} <= set(sources)
+
+
+def pins(lock: Path) -> dict[str, tuple[str, list[str]]]:
+    """{canonical name: (version, hashes)} of a pip-compile lock file."""
+    out: dict[str, tuple[str, list[str]]] = {}
+    for entry in re.split(r"\n(?=\S)", lock.read_text()):
+        line = entry.split("#", 1)[0].replace("\\\n", " ").strip()
+        if not line:
+            continue
+        requirement, *options = line.split()
+        name, sep, version = requirement.partition("==")
+        assert sep and "[" not in name, f"{lock.name}: {requirement} is not pinned to one version"
+        hashes = [o.removeprefix("--hash=sha256:") for o in options if o.startswith("--hash=sha256:")]
+        assert hashes and len(hashes) == len(options), f"{lock.name}: {requirement} has no sha256 hash"
+        out[canonicalize_name(name)] = (version, hashes)
+    return out
+
+
+@pytest.mark.unit
+def test_locks_pin_every_dependency_with_hashes() -> None:
+    """The locks cover pyproject.toml: a dependency added there without regenerating the lock fails here."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    for lock, requirements in (
+        (LOCK, project["project"]["dependencies"]),
+        (BUILD_LOCK, project["build-system"]["requires"]),
+    ):
+        pinned = pins(lock)
+        for text in requirements:
+            requirement = Requirement(text)
+            name = canonicalize_name(requirement.name)
+            assert name in pinned, f"{name} is not in {lock.name}: regenerate it (the command is in its header)"
+            assert requirement.specifier.contains(pinned[name][0]), f"{lock.name} pins {name} outside {text}"
+        # Each lock says how to regenerate it, and docs/reaper.md shows the same command.
+        (command,) = re.findall(r"^#    (pip-compile .*)$", lock.read_text(), re.MULTILINE)
+        assert command in (ROOT / "docs" / "reaper.md").read_text(), command
+    assert "setuptools" not in pins(LOCK) and "pip" not in pins(LOCK)
+
+
+@pytest.mark.unit
+def test_build_installs_only_from_the_hashed_locks() -> None:
+    """Every pip install of the build stage is hash-checked against a lock, or takes only the wheel just built;
+    the build backend is the locked one; the runtime virtualenv gets no pip and no setuptools."""
+    (build, final) = stages()
+    (run,) = [rest for word, rest in build if word == "RUN"]
+    commands = re.split(r"\s*&&\s*", run)
+    installs = [shlex.split(c) for c in commands if re.search(r"\bpip\b.* install ", c)]
+    locks = set()
+    for argv in installs:
+        if "--require-hashes" in argv:
+            locks.add(argv[argv.index("-r") + 1])
+        else:
+            assert {"--no-deps", "--no-index"} <= set(argv), f"{shlex.join(argv)} resolves outside the locks"
+    assert locks == {LOCK.name, BUILD_LOCK.name}
+    (wheel,) = [shlex.split(c) for c in commands if " wheel " in c]
+    assert {"--no-deps", "--no-build-isolation"} <= set(wheel), "the wheel is built by the locked setuptools"
+    (venv,) = [c for c in commands if "venv" in c and "/opt/reaper" in c]
+    assert "--without-pip" in venv
+    # The base image's own pip and setuptools go too.
+    (cleanup, *_rest) = re.split(r"\s*&&\s*", dict(final)["RUN"])
+    assert re.fullmatch(r"python -m pip uninstall --yes pip setuptools( wheel)?", cleanup)
+
+
+@pytest.mark.unit
+def test_base_image_is_pinned_by_digest_or_takes_the_documented_digest_arg() -> None:
+    froms = [rest.removesuffix(" AS build") for word, rest in instructions() if word == "FROM"]
+    assert len(froms) == 2 and froms[0] == froms[1]
+    if re.search(r"@sha256:[0-9a-f]{64}$", froms[0]):
+        return
+    assert froms[0] == "${PYTHON_IMAGE}${PYTHON_DIGEST:+@}${PYTHON_DIGEST}"
+    args = [rest.split("=")[0] for word, rest in instructions() if word == "ARG"]
+    assert {"PYTHON_IMAGE", "PYTHON_DIGEST"} <= set(args)
+    assert "--build-arg PYTHON_DIGEST=" in (ROOT / "docs" / "reaper.md").read_text()
 
 
 @pytest.mark.integration
 def test_build_stage_replayed_in_a_venv(tmp_path: Path) -> None:
-    """Run the build stage's COPY and RUN steps with /src and /opt/reaper mapped into tmp_path.
-
-    Dependencies are not downloaded (their wheels are large): pip gets --no-deps through the
-    environment, and the final smoke command borrows them from this test's own environment."""
+    """Run the build stage's COPY and RUN steps with /src, /opt/build, /opt/reaper and /wheels mapped into
+    tmp_path: pip really installs the locks (hash-checked; pip's cache keeps repeated runs cheap)."""
     (build, _final) = stages()
     src, venv = tmp_path / "src", tmp_path / "opt-reaper"
+    paths = {"/opt/build": tmp_path / "opt-build", "/opt/reaper": venv, "/wheels": tmp_path / "wheels", "/src": src}
     src.mkdir()
     for word, rest in build:
         if word == "COPY":
@@ -122,16 +199,24 @@ def test_build_stage_replayed_in_a_venv(tmp_path: Path) -> None:
                     shutil.copy2(ROOT / s, target)
     runs = [rest for word, rest in build if word == "RUN"]
     assert len(runs) == 1
-    deps = next(p for p in sys.path if p.endswith("site-packages"))
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}  # not this checkout
     for command in re.split(r"\s*&&\s*", runs[0]):
-        argv = [a.replace("/opt/reaper", str(venv)).replace("/src", str(src)) for a in shlex.split(command)]
-        env = {**os.environ, "PIP_NO_DEPS": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
-        if argv[0].endswith("/reaper"):
-            env["PYTHONPATH"] = deps  # the dependencies pip was told not to fetch
+        argv = shlex.split(command)
+        for container_path, local in paths.items():
+            argv = [a.replace(container_path, str(local)) for a in argv]
         argv[0] = sys.executable if argv[0] == "python" else argv[0]
-        done = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=src, timeout=240, check=False)
+        done = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=src, timeout=280, check=False)
         assert done.returncode == 0, f"{command}: {done.stderr[-2000:]}"
+    assert done.stdout.strip().endswith(__version__), "the last step runs the installed reaper"
     installed = venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+    # The runtime virtualenv holds exactly the lock's pins and the package: no pip, no setuptools.
+    distributions = {}
+    for info in installed.glob("*.dist-info"):
+        name, version = info.name.removesuffix(".dist-info").split("-")
+        distributions[canonicalize_name(name)] = version
+    expected = {name: version for name, (version, _hashes) in pins(LOCK).items()}
+    assert distributions == {**expected, "outbox-harvester": __version__}
+    assert not (installed / "pip").exists() and not (installed / "setuptools").exists()
     # The package, not this checkout, answered: its migrations ship inside it as real files.
     sql_files = sorted(p.name for p in (installed / "harvester" / "postgres" / "sql").glob("*.sql"))
     assert sql_files, "the migrations are installed"
