@@ -31,12 +31,13 @@ _EXPORTER = InMemorySpanExporter()
 
 
 @pytest.fixture(scope="module")
-def tracer() -> trace.Tracer:
+def tracer() -> Iterator[trace.Tracer]:
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(_EXPORTER))
     trace.set_tracer_provider(provider)
     assert trace.get_tracer_provider() is provider, "another test set the global tracer provider first"
-    return provider.get_tracer("tests")
+    yield provider.get_tracer("tests")
+    provider.shutdown()  # later tests' harvesters still trace, but nothing is kept
 
 
 @pytest.fixture
