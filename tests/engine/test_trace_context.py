@@ -17,6 +17,7 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, TraceState
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from harvester import AsyncStasher, OutboxRecord, Stasher
 from harvester.postgres.identifiers import TableName
@@ -74,6 +75,7 @@ def stash_all(services: Services, outbox: TableName, topic: str, tracer: trace.T
         Stasher(outbox).stash(conn, OutboxRecord.of(topic, "sync", "1"))
         Stasher(outbox).stash(conn, OutboxRecord.of(topic, "own", "2", {"traceparent": own}))
         Stasher(outbox, trace_context=False).stash(conn, OutboxRecord.of(topic, "off", "3"))
+        Stasher(outbox).stash(conn, OutboxRecord.of(topic, "garbage", "6", {"traceparent": "not a traceparent"}))
 
     async def stash_async() -> None:
         async with await psycopg.AsyncConnection.connect(services.pg_dsn) as conn, conn.transaction():
@@ -107,32 +109,43 @@ def test_records_carry_the_stash_time_span_and_the_publish_span_links_to_it(
 ) -> None:
     topic, group = topics(), unique("traced")
     stashed = stash_all(services, outbox, topic, tracer)
-    assert len(rows(services, outbox)) == 5
+    assert len(rows(services, outbox)) == 6
     harvester = make_harvester(settings={"delivery": delivery, "leader_group_id": group})
     try:
         assert wait_drained(services.pg_dsn, outbox) == 0
         committed: dict[str, Any] = {"isolation.level": "read_committed"}
-        messages = read_messages(services.bootstrap, [topic], 5, **committed)
+        messages = read_messages(services.bootstrap, [topic], 6, **committed)
     finally:
         harvester.stop(timeout=5)
         delete_topics(services.bootstrap, [f"{group}.checkpoints"] if delivery == "exactly_once" else [])
     headers = {(m.key() or b"").decode(): dict(consumed_headers(m) or []) for m in messages}
-    assert len(messages) == 5
+    assert len(messages) == 6
     assert headers["sync"]["traceparent"] == traceparent(stashed["sync"]).encode()
     assert headers["sync"]["tracestate"] == b"vendor=opaque"
     assert headers["async"]["traceparent"] == traceparent(stashed["async"]).encode()
     assert "tracestate" not in headers["async"]
     assert headers["own"]["traceparent"] == b"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
     assert "traceparent" not in headers["off"] and "traceparent" not in headers["no span"]
+    assert headers["garbage"]["traceparent"] == b"not a traceparent"  # published as is, linked to nothing
 
-    wanted = {stashed["sync"].span_id, stashed["async"].span_id}
-    assert wait_until(lambda: wanted <= {s for _, found in links_of(spans) for s in found})
-    for span, found in links_of(spans):
+    # A consumer continues the trace from the headers, as docs/client.md shows.
+    carrier = {k: (v or b"").decode() for k, v in headers["sync"].items() if k in ("traceparent", "tracestate")}
+    with tracer.start_as_current_span("process", context=TraceContextTextMapPropagator().extract(carrier)) as process:
+        pass
+    assert process.get_span_context().trace_id == stashed["sync"].trace_id
+    assert isinstance(process, ReadableSpan) and process.parent is not None
+    assert process.parent.span_id == stashed["sync"].span_id
+
+    # One link per record with a valid context (the garbage one has none), naming its outbox id.
+    keys = {stashed["sync"].span_id: "sync", stashed["async"].span_id: "async", 0xB7AD6B7169203331: "own"}
+    assert wait_until(lambda: sum(len(found) for _, found in links_of(spans)) >= len(keys))
+    linked = {span_id: outbox_id for _, found in links_of(spans) for span_id, outbox_id in found.items()}
+    assert {keys[span_id]: outbox_id.encode() for span_id, outbox_id in linked.items()} == {
+        key: headers[key]["outbox-id"] for key in keys.values()
+    }
+    for span, _ in links_of(spans):
         assert span.kind == trace.SpanKind.PRODUCER
         assert span.attributes is not None and span.attributes["messaging.destination.name"] == topic
-        for span_id, outbox_id in found.items():
-            key = {stashed["sync"].span_id: "sync", stashed["async"].span_id: "async"}.get(span_id, "own")
-            assert outbox_id.encode() == headers[key]["outbox-id"]
 
 
 def test_without_opentelemetry_stashing_works_and_adds_no_header(services: Services, outbox: TableName) -> None:
