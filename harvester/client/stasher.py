@@ -10,7 +10,7 @@ table, the validation, the trace context and the statements; they only run them.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
@@ -108,9 +108,9 @@ class BaseStasher:
         return statement, [dict(zip(_FIELDS, row, strict=True)) for row in rows]
 
 
-def copy_rows(created: datetime, rows: Sequence[Row]) -> list[Row]:
+def copy_rows(created: datetime, rows: Sequence[Row]) -> Iterator[Row]:
     """COPY's rows: the ``create_time`` an INSERT would take, then the record's columns."""
-    return [(created, *row) for row in rows]
+    return ((created, *row) for row in rows)
 
 
 class Stasher(BaseStasher):
