@@ -1,11 +1,11 @@
 """Transactional outbox harvester for PostgreSQL and Apache Kafka.
 
-Applications write :class:`OutboxRecord` s in their own transactions with a :class:`Stasher`
-(:mod:`harvester.client`); a :class:`Harvester` drains the outbox into Kafka with mark-purge/reset
-while it leads its group. The package's layers are described in ``docs/architecture.md``.
+Applications write :class:`OutboxRecord` s in their own transactions with a :class:`Stasher` or an
+:class:`AsyncStasher` (:mod:`harvester.client`); a :class:`Harvester` drains the outbox into Kafka
+with mark-purge/reset while it leads its group. The package's layers are described in ``docs/architecture.md``.
 
 Names are imported on first use, so an application that only stashes records never loads the
-engine, confluent-kafka or pyspark.
+engine, confluent-kafka, pyspark or opentelemetry.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from harvester.client.async_stasher import AsyncStasher
     from harvester.client.dedup import DedupReader, DedupState
     from harvester.client.stasher import Stasher, stash
     from harvester.config import HarvesterConfig
@@ -33,6 +34,7 @@ __version__ = "0.1.0"
 
 # Public name -> the module that defines it.
 _EXPORTS = {
+    "AsyncStasher": "harvester.client.async_stasher",
     "ColumnLimits": "harvester.core.records",
     "DedupReader": "harvester.client.dedup",
     "DedupState": "harvester.client.dedup",
@@ -60,6 +62,7 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "AsyncStasher",
     "ColumnLimits",
     "DedupReader",
     "DedupState",

@@ -20,7 +20,7 @@ from harvester.core.events import Event, MeterRead
 from harvester.core.exactly_once import exactly_once
 from harvester.core.identity import IdentityHeaders
 from harvester.core.metrics import HarvesterMetrics
-from harvester.core.protocols import DeliveryCallback, Elector, StoreError
+from harvester.core.protocols import BatchScope, DeliveryCallback, Elector, StoreError
 from harvester.kafka.publisher import KafkaPublisher, producer_config
 from harvester.kafka.topics import ensure_topic
 from harvester.kafka.transactions import KafkaTransactionalPublisher
@@ -113,6 +113,7 @@ class Harvester:
             self._emit_event,
             listen_notify=cfg.listen_notify,
             still_leader=lambda: elector.status.is_leader,
+            **_tracing(),
         )
         self._engine.start()
         self._elector.start(self._engine.on_leader_event)
@@ -236,6 +237,15 @@ class Harvester:
                 "reset": self.metrics.reset._value.get(),
             }
             self._emit_event(MeterRead(stats))
+
+
+def _tracing() -> dict[str, BatchScope]:
+    """The OpenTelemetry publish span when the ``otel`` extra is installed; nothing otherwise."""
+    try:
+        from harvester.otel import publish_span
+    except ImportError:
+        return {}
+    return {"batch_scope": publish_span}
 
 
 def _fields(event: Event) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Protocol
 from uuid import UUID, uuid4
 
@@ -29,7 +30,7 @@ from harvester.core.dispatch import Context, DispatcherFactory, LeaderState, wor
 from harvester.core.events import Event, LeaderAcquired, LeaderFenced, LeaderRefreshed, LeaderRevoked
 from harvester.core.limits import Limits
 from harvester.core.metrics import HarvesterMetrics
-from harvester.core.protocols import FailedRecords, FencedError, MarkSource, StoreError
+from harvester.core.protocols import BatchScope, FailedRecords, FencedError, MarkSource, StoreError
 from harvester.core.settle import RetryBackoff, Settler
 from leader.events import LeaderEvent
 
@@ -66,8 +67,10 @@ class Engine:
         *,
         listen_notify: bool = True,
         still_leader: Callable[[], bool] = lambda: True,
+        batch_scope: BatchScope = lambda _batch: nullcontext(),
     ) -> None:
         self._store = store
+        self._batch_scope = batch_scope
         self._limits = limits
         self._metrics = metrics
         self._emit = emit
@@ -264,7 +267,8 @@ class Engine:
             size.observe(len(batch))
             if batch:
                 idle = limits.mark_backoff.total_seconds()
-                dispatcher.dispatch(batch, leader_id)
+                with self._batch_scope(batch):
+                    dispatcher.dispatch(batch, leader_id)
                 continue
             self._end_mark()
             self._idle_wait(idle)

@@ -9,6 +9,7 @@ store role; each part of the engine names only the roles it uses.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Protocol
 from uuid import UUID
 
@@ -99,6 +100,9 @@ class Publisher(Protocol):
 
 
 PublisherFactory = Callable[[DeliveryCallback], Publisher]
+
+# Wraps the dispatch of each marked batch (the OpenTelemetry adapter's publish span, for one).
+BatchScope = Callable[[Sequence[MarkedRecord]], AbstractContextManager[object]]
 
 
 class ProducerFencedError(Exception):

@@ -79,6 +79,17 @@ class OutboxRecord(BaseModel):
             header_values=tuple(v for _, v in pairs),
         )
 
+    def with_headers(self, pairs: Iterable[tuple[str, str]]) -> OutboxRecord:
+        """A copy with ``pairs`` appended to the headers (validated like a new record)."""
+        pairs = list(pairs)
+        return self.model_validate(
+            {
+                **self.model_dump(),
+                "header_keys": (*self.header_keys, *(k for k, _ in pairs)),
+                "header_values": (*self.header_values, *(v for _, v in pairs)),
+            }
+        )
+
     def check_limits(self, limits: ColumnLimits) -> None:
         """Raise :class:`RecordError` if the record does not fit the table's columns."""
         if limits.key_max_chars is not None and len(self.key) > limits.key_max_chars:

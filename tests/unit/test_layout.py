@@ -13,7 +13,15 @@ import leader
 
 pytestmark = pytest.mark.unit
 
-HEAVY = ("confluent_kafka", "pyspark", "harvester.core.engine", "harvester.harvester", "leader.election")
+HEAVY = (
+    "confluent_kafka",
+    "pyspark",
+    "opentelemetry",
+    "harvester.otel",
+    "harvester.core.engine",
+    "harvester.harvester",
+    "leader.election",
+)
 
 
 def loaded_after(code: str) -> set[str]:
@@ -27,12 +35,13 @@ def loaded_after(code: str) -> set[str]:
     "code",
     [
         "from harvester import OutboxRecord, Stasher, stash",
+        "from harvester import AsyncStasher",
         "import harvester.client",
-        "from harvester.client import Identity, OutboxRecord, Stasher",
+        "from harvester.client import AsyncStasher, Identity, OutboxRecord, Stasher",
         "from leader.events import LeaderAcquired",
     ],
 )
-def test_the_client_api_does_not_load_the_engine_kafka_or_spark(code: str) -> None:
+def test_the_client_api_does_not_load_the_engine_kafka_spark_or_opentelemetry(code: str) -> None:
     loaded = loaded_after(code)
     assert sorted(m for m in loaded if m.startswith(HEAVY)) == []
 
