@@ -52,7 +52,7 @@ class FailedRecords(Protocol):
         ...
 
     def reset(self, ids: Sequence[int]) -> None:
-        """Clear the leader id of records whose delivery failed, so they are marked again."""
+        """Make records whose delivery failed eligible for the next mark again."""
         ...
 
     def fail(self, failures: Sequence[Failure]) -> None:

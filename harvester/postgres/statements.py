@@ -1,8 +1,12 @@
 """The SQL of mark-purge/reset over one outbox table, built once from the table's shape.
 
-Every change runs in one statement that first share-locks the fence row at this process's epoch
-(the ``fence`` CTE): after a newer epoch commits, the CTE is empty and nothing changes. That is
-the "no change past a fence" guarantee (tested in ``tests/fence``).
+Every statement first share-locks the fence row at this process's epoch (the ``fence`` CTE):
+after a newer epoch commits, the CTE is empty, nothing changes and the mark returns nothing. That
+is the "no change past a fence" guarantee (tested in ``tests/fence``).
+
+The mark is a read: the leader keeps the ids it has handed out in memory (see
+:class:`harvester.postgres.store.PostgresStore`) instead of writing its leader id into every row,
+which halves the row versions a record costs.
 """
 
 from __future__ import annotations
@@ -17,12 +21,13 @@ from harvester.postgres.migrations import dead_letter_table, fence_table
 
 _RETURNING = "id, create_time, kafka_topic, kafka_key, {value}, kafka_header_keys, kafka_header_values, {attempts}"
 _GUARD = "WITH fence AS (SELECT 1 FROM {f} WHERE outbox_table = %s AND epoch = %s FOR SHARE) "
-
-
-# The mark takes its ids as an array (``id = ANY(ARRAY(...))``), not as ``id IN (subquery)``: the
-# planner then finds the rows by the primary key whatever it believes about the table's size, where
-# a join could choose a whole-table scan on the stale statistics of an outbox that was empty a moment
-# ago (tests/engine/test_plans.py).
+# The ids a purge is given, as a sub-select: the planner does not see how many there are and reads
+# them by the primary key, where 500 literal ids against the statistics of an outbox that was empty
+# a moment ago make a whole-table scan look cheaper (tests/engine/test_plans.py).
+_IDS = "ANY((SELECT %s::bigint[])::bigint[])"
+# Likewise the ids a mark skips: a thousand literal ids look so selective that reading the table in
+# id order until enough rows pass seems dearer than a whole-table scan and sort.
+_SKIP = "ALL((SELECT %s::bigint[])::bigint[])"
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,7 +36,6 @@ class Statements:
 
     mark: sql.Composed
     purge: sql.Composed
-    reset: sql.Composed
     fail: sql.Composed | None  # None without the attempt columns: a failure is a reset then
     dead_letter: sql.Composed
     acquire: sql.Composed
@@ -55,27 +59,31 @@ class Statements:
         fail = None
         if columns.tracks_attempts:
             fail = sql.SQL(
-                _GUARD + "UPDATE {t} SET leader_id = NULL, harvest_attempts = harvest_attempts + 1,"
+                _GUARD + "UPDATE {t} SET harvest_attempts = harvest_attempts + 1,"
                 " harvest_first_failure = coalesce(harvest_first_failure, now()), harvest_last_error = u.err"
                 " FROM unnest(%s::bigint[], %s::text[]) AS u(id, err)"
                 " WHERE EXISTS (SELECT 1 FROM fence) AND {t}.id = u.id"
             ).format(t=t, f=f)
         return cls(
+            # Every row not handed out yet, whatever its id: a transaction that commits late (lower
+            # ids, visible after higher ones were harvested) is found by the next mark. The ids come
+            # as an array (``id = ANY(ARRAY(...))``): the planner then reads them by the primary key
+            # whatever it believes about the table's size, where the plain ``ORDER BY id LIMIT``
+            # chose a whole-table scan and sort on the statistics of an outbox that was empty a
+            # moment ago (tests/engine/test_plans.py).
             mark=sql.SQL(
-                _GUARD + "UPDATE {t} SET leader_id = %s WHERE EXISTS (SELECT 1 FROM fence) AND id = ANY(ARRAY("
-                "SELECT id FROM {t} WHERE (leader_id IS NULL OR leader_id <> %s){held} ORDER BY id LIMIT %s)) "
-                "RETURNING " + _RETURNING.format(value=value, attempts=attempts)
+                _GUARD + "SELECT " + _RETURNING.format(value=value, attempts=attempts) + " FROM {t}"
+                " WHERE EXISTS (SELECT 1 FROM fence) AND id = ANY(ARRAY("
+                "SELECT id FROM {t} WHERE id <> " + _SKIP + "{held} ORDER BY id LIMIT %s)) ORDER BY id"
             ).format(t=t, f=f, held=held),
             purge=sql.SQL(
-                _GUARD + "DELETE FROM {t} WHERE EXISTS (SELECT 1 FROM fence) AND id = ANY(%s::bigint[])"
-            ).format(t=t, f=f),
-            reset=sql.SQL(
-                _GUARD + "UPDATE {t} SET leader_id = NULL WHERE EXISTS (SELECT 1 FROM fence) AND id = ANY(%s::bigint[])"
+                _GUARD + "DELETE FROM {t} WHERE EXISTS (SELECT 1 FROM fence) AND id = " + _IDS
             ).format(t=t, f=f),
             fail=fail,
             dead_letter=sql.SQL(
-                _GUARD + ", moved AS (DELETE FROM {t} WHERE EXISTS (SELECT 1 FROM fence) AND id = ANY(%s::bigint[])"
-                " RETURNING *) INSERT INTO {d} (id, create_time, kafka_topic, kafka_key, kafka_value,"
+                _GUARD + ", moved AS (DELETE FROM {t} WHERE EXISTS (SELECT 1 FROM fence)"
+                " AND id = " + _IDS + " RETURNING *)"
+                " INSERT INTO {d} (id, create_time, kafka_topic, kafka_key, kafka_value,"
                 " kafka_header_keys, kafka_header_values, reason, error, attempts, first_failure, last_failure,"
                 " epoch, leader_id)"
                 " SELECT m.id, m.create_time, m.kafka_topic, m.kafka_key, m.kafka_value, m.kafka_header_keys,"
@@ -93,7 +101,7 @@ class Statements:
             # FOR UPDATE: the row lock also orders this against a newer leader's bump.
             purge_checkpointed=sql.SQL(
                 "WITH fence AS (SELECT 1 FROM {f} WHERE outbox_table = %s AND epoch = %s FOR UPDATE),"
-                " gone AS (DELETE FROM {t} WHERE EXISTS (SELECT 1 FROM fence) AND id = ANY(%s::bigint[]))"
+                " gone AS (DELETE FROM {t} WHERE EXISTS (SELECT 1 FROM fence) AND id = " + _IDS + ")"
                 " UPDATE {f} SET checkpoint_position = greatest(checkpoint_position, %s)"
                 " WHERE outbox_table = %s AND EXISTS (SELECT 1 FROM fence)"
             ).format(t=t, f=f),

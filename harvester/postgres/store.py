@@ -1,6 +1,12 @@
 """The outbox table in PostgreSQL (psycopg 3): mark, purge, reset, dead-letter, and wake-up on
 NOTIFY, all under the epoch fence (see :mod:`harvester.postgres.statements`).
 
+Marking writes nothing: the store remembers which ids it handed out under the current leader id
+(:class:`_Handed`) and the next mark reads the first rows not among them. That is what goharvest's
+``leader_id`` column records, kept where only the leader needs it: a new leader, or a refreshed
+leader id, starts with nothing handed out and so reads everything unacknowledged again, in id
+order (unimodal recovery). A reset just makes its ids eligible again.
+
 :meth:`PostgresStore.prepare` reads the table's shape and builds the statements once, before any
 other call; nothing else queries the catalog or changes the schema. Each method uses a connection
 of its own thread's role (marking, purging, listening), so the mark loop and the purge/reset
@@ -55,6 +61,34 @@ def _dsn_options(dsn: str) -> str:
         return ""
 
 
+class _Handed:
+    """The ids marked under one leader id and not yet settled (purged, reset, failed or
+    dead-lettered). The mark thread adds, the completion thread removes."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._leader_id: UUID | None = None
+        self._ids: set[int] = set()
+
+    def exclude(self, leader_id: UUID) -> list[int]:
+        """The ids the next mark under ``leader_id`` must skip; a new leader id skips none."""
+        with self._lock:
+            if leader_id != self._leader_id:
+                self._leader_id, self._ids = leader_id, set()
+            return list(self._ids)
+
+    def add(self, leader_id: UUID, ids: Sequence[int]) -> None:
+        with self._lock:
+            if leader_id == self._leader_id:
+                self._ids.update(ids)
+
+    def settled(self, ids: Sequence[int]) -> None:
+        """Called after the statement that settled ``ids`` committed: a mark running meanwhile
+        still skips them (its snapshot may predate the purge)."""
+        with self._lock:
+            self._ids.difference_update(ids)
+
+
 @dataclass(frozen=True, slots=True)
 class _Prepared:
     """What :meth:`PostgresStore.prepare` learnt; assigned whole, so a failed prepare leaves none."""
@@ -92,6 +126,7 @@ class PostgresStore:
         connect = {"connect_timeout": 5, "application_name": application_name, "options": self._options}
         self._vacuum = Vacuumer(dsn, table, vacuum_every, connect)
         self._epoch = 0
+        self._handed = _Handed()
         self._prepared: _Prepared | None = None
         self._dead_letter_ready = hold_dead_letter_keys  # prepare() ensures it then
         self._local = threading.local()
@@ -228,12 +263,14 @@ class PostgresStore:
         cur = self._execute(self._ready().statements.purge_checkpointed, (q, self._epoch, list(ids), position, q))
         if cur.rowcount == 0:
             raise FencedError(f"fenced: epoch {self._epoch} superseded")
+        self._handed.settled(ids)
         self._vacuum.purged(len(ids))
 
     # ------------------------------------------------------------------ mark, purge, reset
 
     def mark(self, leader_id: UUID, limit: int) -> list[MarkedRecord]:
-        """Mark up to ``limit`` records not yet marked by ``leader_id`` and return them sorted by id.
+        """Mark up to ``limit`` records not yet marked by ``leader_id`` and return them sorted by id
+        (a read: see the module's docstring).
 
         Each record's headers get the identity headers appended.
         """
@@ -242,11 +279,12 @@ class PostgresStore:
         producer = prepared.producer
         epoch = str(self._epoch).encode()
         names = self._names
-        rows = self._run(prepared.statements.mark, (self._table.qualified, self._epoch, leader_id, leader_id, limit))
+        skip = self._handed.exclude(leader_id)
+        rows = self._run(prepared.statements.mark, (self._table.qualified, self._epoch, skip, limit))
         if not rows:
             self._check_epoch()
             return []
-        rows.sort(key=lambda r: r[0])  # RETURNING order is arbitrary
+        self._handed.add(leader_id, [r[0] for r in rows])
         out: list[MarkedRecord] = []
         for rid, created, topic, key, raw, hkeys, hvalues, attempts, first_failure in rows:
             value = raw.encode("utf-8") if raw is not None and kind != "bytes" else raw
@@ -261,19 +299,21 @@ class PostgresStore:
 
     def purge(self, ids: Sequence[int]) -> None:
         """Delete delivered records in one statement (idempotent)."""
-        self._fenced_change(self._ready().statements.purge, ids)
+        if not ids:
+            return
+        cur = self._execute(self._ready().statements.purge, (self._table.qualified, self._epoch, list(ids)))
+        if cur.rowcount < len(ids):
+            # Fenced, a retry of a purge that already committed, or rows a trigger kept: as with a
+            # mark written into the rows, they stay marked until the leader id is refreshed.
+            self._check_epoch()
+        else:
+            self._handed.settled(ids)
         self._vacuum.purged(len(ids))
 
     def reset(self, ids: Sequence[int]) -> None:
-        """Unmark records whose delivery failed, in one statement (idempotent)."""
-        self._fenced_change(self._ready().statements.reset, ids)
-
-    def _fenced_change(self, statement: sql.Composed, ids: Sequence[int]) -> None:
-        if not ids:
-            return
-        cur = self._execute(statement, (self._table.qualified, self._epoch, list(ids)))
-        if cur.rowcount < len(ids):  # fenced, or a retry of a change that already committed
-            self._check_epoch()
+        """Make records whose delivery failed eligible for the next mark (no statement: a mark
+        writes nothing to undo)."""
+        self._handed.settled(ids)
 
     def fail(self, failures: Sequence[Failure]) -> None:
         """Unmark permanently failed records, counting the attempt and keeping the error."""
@@ -287,6 +327,7 @@ class PostgresStore:
         cur = self._execute(statement, (self._table.qualified, self._epoch, ids, errors))
         if cur.rowcount < len(failures):
             self._check_epoch()
+        self._handed.settled(ids)
 
     def dead_letter(self, failures: Sequence[Failure], leader_id: UUID) -> None:
         """Move records into the dead-letter table in one statement; the first one applies the
@@ -320,6 +361,7 @@ class PostgresStore:
         )
         if cur.rowcount < len(failures):
             self._check_epoch()
+        self._handed.settled(ids)
 
     def head(self) -> tuple[int, float | None]:
         """A cheap backlog sample: (max id - min id + 1, age in seconds of the oldest record)."""
