@@ -9,6 +9,9 @@ Prints:
      single-write ``DELETE ... RETURNING`` drain, the limit of one connection), then the harvester
      draining it with goharvest's default limits and with tuned limits: records/s, the share of
      each ceiling, and CPU seconds per 1,000 records of the harvester process and of PostgreSQL;
+     under each drain, where the database's work went: the buffers one read from the head of the id
+     order touches early and late in the drain (EXPLAIN (ANALYZE, BUFFERS)), row versions written,
+     vacuums, and WAL bytes per record;
   3. a burst COPied into an outbox that was empty while the harvester idled (default limits);
   4. the harvester under steady concurrent inserts;
   5. latency from insert commit to delivery ack at a fixed insert rate (p50/p99/max);
@@ -153,7 +156,9 @@ class TimedPublisher(KafkaPublisher):
         super().__init__(config, timed)
 
 
-def run_engine(table: TableName, limits: Limits, acked: dict[int, float] | None = None) -> tuple[Engine, PostgresStore]:
+def run_engine(
+    table: TableName, limits: Limits, acked: dict[int, float] | None = None, metrics: HarvesterMetrics | None = None
+) -> tuple[Engine, PostgresStore]:
     store = PostgresStore.open(DSN, table, vacuum_every=limits.vacuum_every_records)
     config = producer_config({"bootstrap.servers": BOOTSTRAP}, {})
     sink: dict[int, float] = acked if acked is not None else {}
@@ -161,7 +166,7 @@ def run_engine(table: TableName, limits: Limits, acked: dict[int, float] | None 
     def factory(cb: DeliveryCallback) -> KafkaPublisher:
         return TimedPublisher(config, cb, sink)
 
-    engine = Engine(store, at_least_once(store, factory), limits, HarvesterMetrics(), lambda e: None)
+    engine = Engine(store, at_least_once(store, factory), limits, metrics or HarvesterMetrics(), lambda e: None)
     engine.start()
     engine.on_leader_event(LeaderAcquired(uuid.uuid4()))
     return engine, store
@@ -187,20 +192,65 @@ class Drain:
     rate: float  # records/s
     cpu_own: float  # CPU seconds per 1,000 records: this process (the harvester)
     cpu_postgres: float  # ... and the PostgreSQL server
+    evidence: str  # where the database's work goes (see Probe)
+
+
+class Probe:
+    """Where PostgreSQL's work per record goes during a drain: the buffers one walk from the head
+    of the id order touches (what a mark reads) early and late, row versions written (updates, HOT
+    or not, and deletes), vacuums, and WAL bytes per record."""
+
+    def __init__(self, conn: psycopg.Connection[Any], table: TableName, records: int) -> None:
+        self._conn, self._table, self._records = conn, table, records
+        self._wal = self._lsn()
+        self.buffers: list[int] = []
+
+    def _lsn(self) -> int:
+        row = self._conn.execute("SELECT pg_current_wal_lsn() - '0/0'::pg_lsn").fetchone()
+        return int(row[0]) if row else 0
+
+    def walk(self, batch: int) -> None:
+        """EXPLAIN (ANALYZE, BUFFERS) of reading ``batch`` ids from the head, as the mark does."""
+        head = sql.SQL("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) SELECT id FROM {} ORDER BY id LIMIT %s")
+        row = self._conn.execute(head.format(self._table.ident), (batch,)).fetchone()
+        plan = row[0][0]["Plan"] if row else {}
+        self.buffers.append(int(plan.get("Shared Hit Blocks", 0)) + int(plan.get("Shared Read Blocks", 0)))
+
+    def report(self) -> str:
+        wal = (self._lsn() - self._wal) / self._records
+        self._conn.execute("SELECT pg_stat_force_next_flush()")
+        row = self._conn.execute(
+            "SELECT n_tup_upd, n_tup_hot_upd, n_tup_del, vacuum_count + autovacuum_count"
+            " FROM pg_stat_user_tables WHERE relid = to_regclass(%s)",
+            (self._table.quoted,),
+        ).fetchone()
+        upd, hot, deleted, vacuums = row if row else (0, 0, 0, 0)
+        walks = "/".join(str(b) for b in self.buffers) or "-"
+        return (
+            f"buffers per head walk early/late {walks}; updates {upd} ({hot} HOT), deletes {deleted},"
+            f" vacuums {vacuums}; WAL {wal:.0f} bytes/record"
+        )
 
 
 def drain_preloaded(conn: psycopg.Connection[Any], records: int, keys: int, limits: Limits) -> Drain:
     table, topic = fresh_outbox(conn), fresh_topic()
     preload(conn, table, topic, records, keys)
     meter = CpuMeter(conn)
+    probe = Probe(conn, table, records)
     before = meter.sample()
     started = time.perf_counter()
-    engine, store = run_engine(table, limits)
+    metrics = HarvesterMetrics()
+    engine, store = run_engine(table, limits, metrics=metrics)
+    time.sleep(0.5)
+    probe.walk(limits.mark_sizes[1])
+    while metrics.purged._value.get() < records * 0.9 and time.perf_counter() - started < 900:
+        time.sleep(0.02)
+    probe.walk(limits.mark_sizes[1])
     wait_empty(conn, table)
     elapsed = time.perf_counter() - started
     after = meter.sample()
     stop(engine, store)
-    return Drain(records / elapsed, *per_thousand(before, after, records))
+    return Drain(records / elapsed, *per_thousand(before, after, records), probe.report())
 
 
 def burst_into_idle(conn: psycopg.Connection[Any], records: int, keys: int, limits: Limits) -> float:
@@ -333,6 +383,7 @@ def backlog_rows(conn: psycopg.Connection[Any], backlog: int, keys: int, tuned: 
             f" {d.rate / producer:4.0%} of producer;"
             f" CPU s/1000 records: harvester {d.cpu_own:.3f}, PostgreSQL {d.cpu_postgres:.3f}"
         )
+        print(f"           {d.evidence}")
 
 
 # goharvest's documented defaults, set explicitly (this project's defaults are 'auto').
