@@ -18,7 +18,7 @@ from harvester.postgres.identifiers import TableName
 from harvester.postgres.migrations import dead_letter_table
 from tests.reaper.test_e2e import insert, wait_for
 from tests.reaper.test_http_port import CLI, Process, environment, goharvest_yaml
-from tests.support import ROOT, Services, delete_topics, unique
+from tests.support import ROOT, Services, create_goharvest_outbox, delete_topics, unique
 
 pytestmark = pytest.mark.integration
 
@@ -162,3 +162,19 @@ def test_status_mistakes_are_one_line(services: Services, tmp_path: Path) -> Non
         done.stderr
         == f"reaper: error: harvest.outboxTable: outbox table {table} does not exist (run 'reaper migrate')\n"
     )
+
+
+def test_status_of_a_goharvest_table_never_migrated(
+    services: Services, pg: psycopg.Connection[tuple[object, ...]], schema: str, tmp_path: Path
+) -> None:
+    # goharvest's own table: no fence table, no dead-letter table; nobody ever led it from here.
+    table = TableName(schema, "outbox")
+    create_goharvest_outbox(pg, table)
+    config = tmp_path / "reaper.yaml"
+    config.write_text(goharvest_yaml(services, table, unique("reaper-goharvest")))
+    code, doc = status_json(config)
+    assert code == 1
+    assert (doc["leader"], doc["term"], doc["dead_letters"], doc["backlog_records"]) == (None, None, None, 0)
+    text = status(config)
+    assert text.returncode == 1
+    assert "dead letters: none (no dead-letter table)" in text.stdout and "last term" not in text.stdout
