@@ -124,7 +124,14 @@ as_pg() {
   if [ "$(id -u)" = 0 ]; then runuser -u postgres -- "$@"; else "$@"; fi
 }
 
-pg_running() { [ -f "$PG_DATA/postmaster.pid" ] && as_pg "$(pg_bindir)/pg_ctl" -D "$PG_DATA" status >/dev/null 2>&1; }
+# The binaries a running server was started from (recorded by pg_start), so that status and stop
+# find it whatever PG_FROM says now.
+pg_ctl_bin() {
+  local d; d=$(cat "$PG_DIR/bindir" 2>/dev/null || pg_bindir || true)
+  printf '%s/pg_ctl' "$d"
+}
+
+pg_running() { [ -f "$PG_DATA/postmaster.pid" ] && as_pg "$(pg_ctl_bin)" -D "$PG_DATA" status >/dev/null 2>&1; }
 
 pg_start() {
   pg_install
@@ -149,8 +156,14 @@ CONF
     # Loopback only, trust: this cluster exists for local development and tests.
     printf 'local all all trust\nhost all all 127.0.0.1/32 trust\n' >"$PG_DATA/pg_hba.conf"
   fi
+  local made_by major
+  made_by=$(cat "$PG_DATA/PG_VERSION")
+  major=$("$bin/postgres" --version | sed -E 's/.* ([0-9]+)[.0-9]*.*/\1/')
+  [ "$made_by" = "$major" ] ||
+    die "$PG_DATA was created by PostgreSQL $made_by, the server found is $major ($bin); set HARVESTER_LOCAL_DIR to another directory, or PG_FROM to the other source"
   as_pg "$bin/pg_ctl" -D "$PG_DATA" -l "$PG_LOG" -o "-p $PGPORT" -w -t 60 start >/dev/null ||
     { tail -n 20 "$PG_LOG" >&2; die "PostgreSQL did not start (log: $PG_LOG)"; }
+  printf '%s\n' "$bin" >"$PG_DIR/bindir"
   local psql=(as_pg "$bin/psql" -h 127.0.0.1 -p "$PGPORT" -U postgres -d postgres -qtAX -v ON_ERROR_STOP=1)
   "${psql[@]}" -c "DO \$\$BEGIN IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname='$PG_USER') THEN CREATE ROLE $PG_USER LOGIN SUPERUSER PASSWORD '$PG_PASSWORD'; END IF; END\$\$" >/dev/null
   if [ -z "$("${psql[@]}" -c "SELECT 1 FROM pg_database WHERE datname='$PG_DB'")" ]; then
@@ -161,7 +174,7 @@ CONF
 
 pg_stop() {
   if pg_running; then
-    as_pg "$(pg_bindir)/pg_ctl" -D "$PG_DATA" -m fast -w -t 60 stop >/dev/null
+    as_pg "$(pg_ctl_bin)" -D "$PG_DATA" -m fast -w -t 60 stop >/dev/null
     say "postgres: stopped"
   else
     say "postgres: not running"
