@@ -45,6 +45,15 @@ class Term:
 
 
 @dataclass(frozen=True, slots=True)
+class Heartbeat:
+    """The newest heartbeat on partition 0 of the leader topic: who sent it, for which term, how long ago."""
+
+    member: str
+    leader_id: str
+    age_seconds: float  # by the sender's clock: the message's timestamp against this host's
+
+
+@dataclass(frozen=True, slots=True)
 class Status:
     """What ``reaper status`` reports."""
 
@@ -56,6 +65,8 @@ class Status:
     members: list[Member]
     leader: str | None  # name of the member holding partition 0, None when nobody leads
     term: Term | None  # None when no reaper ever led over this outbox
+    heartbeat: Heartbeat | None  # None when no heartbeat was ever sent
+    heartbeat_timeout_seconds: float
     backlog_records: int
     oldest_record_age_seconds: float | None
     in_flight_records: int
@@ -79,6 +90,17 @@ class Status:
             lines.append(f"leader: none (no member holds partition 0 of {self.leader_topic})")
             if term:
                 lines.append(f"last term: {term}")
+        beat = self.heartbeat
+        if beat is not None:
+            lines.append(
+                f"last heartbeat: {beat.age_seconds:.1f} s ago, from {beat.member}, leader id {beat.leader_id}"
+            )
+            if self.leader is not None and beat.age_seconds > self.heartbeat_timeout_seconds:
+                lines.append(
+                    f"warning: no heartbeat for more than harvest.limits.heartbeatTimeout "
+                    f"({self.heartbeat_timeout_seconds:g} s): {self.leader} may have fenced itself "
+                    "(or this host's clock is ahead of its)"
+                )
         lines.append(f"members: {len(self.members)} (group {self.group_state.lower()})")
         lines += [f"  {m.name}  host {m.host}{'  leads' if m.leads else ''}" for m in self.members]
         age = self.oldest_record_age_seconds
@@ -95,7 +117,7 @@ class Status:
 
 def status(settings: ReaperSettings, timeout: float, *, as_json: bool) -> int:
     """Print the status; 0 when a member leads, 1 when nobody does."""
-    members, state = _group(settings, timeout)
+    members, state, beat = _group(settings, timeout)
     leader = next((m.name for m in members if m.leads), None)
     term, backlog, oldest, in_flight, dead = _database(settings, timeout)
     report = Status(
@@ -107,6 +129,8 @@ def status(settings: ReaperSettings, timeout: float, *, as_json: bool) -> int:
         members=members,
         leader=leader,
         term=term,
+        heartbeat=beat,
+        heartbeat_timeout_seconds=settings.harvest.limits.heartbeat_timeout.total_seconds(),
         backlog_records=backlog,
         oldest_record_age_seconds=oldest,
         in_flight_records=in_flight,
@@ -116,8 +140,8 @@ def status(settings: ReaperSettings, timeout: float, *, as_json: bool) -> int:
     return 0 if leader is not None else 1
 
 
-def _group(settings: ReaperSettings, timeout: float) -> tuple[list[Member], str]:
-    """The leader group's members and state, as the group coordinator knows them."""
+def _group(settings: ReaperSettings, timeout: float) -> tuple[list[Member], str, Heartbeat | None]:
+    """The leader group's members and state, as the group coordinator knows them, and the newest heartbeat."""
     from confluent_kafka import KafkaException
     from confluent_kafka.admin import AdminClient
 
@@ -152,7 +176,43 @@ def _group(settings: ReaperSettings, timeout: float) -> tuple[list[Member], str]
         name = m.client_id.removeprefix(_CLIENT_PREFIX)
         members.append(Member(name=name, host=m.host.lstrip("/"), member_id=m.member_id, leads=leads))
     members.sort(key=lambda m: (not m.leads, m.name))
-    return members, str(group.state.name)
+    return members, str(group.state.name), _last_heartbeat(settings, quiet, deadline)
+
+
+def _last_heartbeat(settings: ReaperSettings, quiet: logging.Logger, deadline: float) -> Heartbeat | None:
+    """Read the last message of partition 0 of the leader topic, without joining any group."""
+    from confluent_kafka import Consumer, KafkaException, TopicPartition
+
+    from leader.state import HEARTBEAT_FORMAT
+
+    harvest = settings.harvest
+    # A group id is required by the client, but assign() joins no group and nothing is committed.
+    config = {**harvest.base_kafka_config, "group.id": f"{harvest.group_id}.status", "enable.auto.commit": False}
+    consumer = Consumer({**config, "logger": quiet})
+    try:
+        partition = TopicPartition(harvest.topic, 0)
+        try:
+            low, high = consumer.get_watermark_offsets(partition, timeout=max(1.0, deadline - time.monotonic()))
+        except KafkaException:
+            return None  # no leader topic yet: nobody ever led
+        if high <= low:
+            return None
+        consumer.assign([TopicPartition(harvest.topic, 0, high - 1)])
+        while time.monotonic() < deadline + 5:
+            message = consumer.poll(0.5)
+            if message is None or message.error() is not None:
+                continue
+            try:
+                doc = json.loads(message.value() or b"")
+            except ValueError:
+                return None
+            if not isinstance(doc, dict) or doc.get("format") != HEARTBEAT_FORMAT:
+                return None
+            age = max(0.0, time.time() - message.timestamp()[1] / 1000)
+            return Heartbeat(member=str(doc.get("member")), leader_id=str(doc.get("leader_id")), age_seconds=age)
+        return None
+    finally:
+        consumer.close()
 
 
 def _database(settings: ReaperSettings, timeout: float) -> tuple[Term | None, int, float | None, int, int | None]:

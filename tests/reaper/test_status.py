@@ -7,6 +7,7 @@ import json
 import signal
 import subprocess
 from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -14,13 +15,12 @@ import psycopg
 import pytest
 from psycopg import sql
 
+from harvester.daemon.status import Heartbeat, Member, Status, Term
 from harvester.postgres.identifiers import TableName
 from harvester.postgres.migrations import dead_letter_table
 from tests.reaper.test_e2e import insert, wait_for
 from tests.reaper.test_http_port import CLI, Process, environment, goharvest_yaml
 from tests.support import ROOT, Services, create_goharvest_outbox, delete_topics, unique
-
-pytestmark = pytest.mark.integration
 
 
 def status(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -48,6 +48,7 @@ def fence_acquired(reaper: Process) -> dict[str, Any]:
     return reaper.events("fence_acquired")[-1]
 
 
+@pytest.mark.integration
 def test_status_with_nobody_then_a_leader_then_after_a_handover(
     services: Services,
     pg: psycopg.Connection[tuple[object, ...]],
@@ -79,7 +80,7 @@ def test_status_with_nobody_then_a_leader_then_after_a_handover(
 
     code, doc = status_json(config)
     assert code == 1
-    assert doc["leader"] is None and doc["members"] == [] and doc["term"] is None
+    assert doc["leader"] is None and doc["members"] == [] and doc["term"] is None and doc["heartbeat"] is None
     assert (doc["outbox_table"], doc["group"], doc["leader_topic"]) == (table.qualified, group, f"{group}.neli")
     assert doc["delivery"] == "at_least_once"
     assert (doc["backlog_records"], doc["in_flight_records"], doc["dead_letters"]) == (3, 2, 1)
@@ -107,6 +108,11 @@ def test_status_with_nobody_then_a_leader_then_after_a_handover(
         assert doc["term"]["leader_id"] == term["leader_id"] and doc["term"]["epoch"] == term["epoch"]
         assert [(m["name"], m["leads"]) for m in doc["members"]] == [(leader.name, True), (standby.name, False)]
         assert doc["group_state"] == "STABLE"
+        # The newest heartbeat is the leader's, of the term the fence row shows.
+        wait_for("a heartbeat", lambda: status_json(config)[1]["heartbeat"] is not None, 30)
+        beat = status_json(config)[1]["heartbeat"]
+        assert (beat["member"], beat["leader_id"]) == (leader.name, term["leader_id"])
+        assert doc["heartbeat_timeout_seconds"] == 5.0
         assert (doc["in_flight_records"], doc["dead_letters"], doc["oldest_record_age_seconds"]) == (0, 1, None)
         text = status(config)
         assert text.returncode == 0, text.stderr
@@ -132,12 +138,14 @@ def test_status_with_nobody_then_a_leader_then_after_a_handover(
         assert text.returncode == 1
         assert f"last term: leader id {fence_acquired(standby)['leader_id']}, epoch {term['epoch'] + 1}" in text.stdout
         assert "members: 0 (group empty)" in text.stdout
+        assert f"from {standby.name}, leader id {fence_acquired(standby)['leader_id']}" in text.stdout
     finally:
         for r in reapers:
             r.kill()
         delete_topics(services.bootstrap, [f"{group}.neli"])
 
 
+@pytest.mark.integration
 def test_status_mistakes_are_one_line(services: Services, tmp_path: Path) -> None:
     config = tmp_path / "reaper.yaml"
     config.write_text("harvest:\n  outboxTabel: outbox\n")
@@ -164,6 +172,7 @@ def test_status_mistakes_are_one_line(services: Services, tmp_path: Path) -> Non
     )
 
 
+@pytest.mark.integration
 def test_status_of_a_goharvest_table_never_migrated(
     services: Services, pg: psycopg.Connection[tuple[object, ...]], schema: str, tmp_path: Path
 ) -> None:
@@ -178,3 +187,30 @@ def test_status_of_a_goharvest_table_never_migrated(
     text = status(config)
     assert text.returncode == 1
     assert "dead letters: none (no dead-letter table)" in text.stdout and "last term" not in text.stdout
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("age", "warned"), [(0.4, False), (5.0, False), (7.5, True)])
+def test_a_leader_without_recent_heartbeats_is_flagged(age: float, warned: bool) -> None:
+    # A member can hold partition 0 after fencing itself (it cannot read its heartbeats back);
+    # the group alone would call it the leader.
+    report = Status(
+        outbox_table="public.outbox",
+        group="g",
+        leader_topic="g.neli",
+        delivery="at_least_once",
+        group_state="STABLE",
+        members=[Member(name="a", host="10.0.0.1", member_id="neli-a-1", leads=True)],
+        leader="a",
+        term=Term(leader_id="l1", epoch=3, since=datetime(2026, 1, 1, tzinfo=UTC)),
+        heartbeat=Heartbeat(member="a", leader_id="l1", age_seconds=age),
+        heartbeat_timeout_seconds=5.0,
+        backlog_records=0,
+        oldest_record_age_seconds=None,
+        in_flight_records=0,
+        dead_letters=None,
+    )
+    text = report.to_text()
+    assert f"last heartbeat: {age:.1f} s ago, from a, leader id l1" in text
+    assert ("warning: no heartbeat for more than harvest.limits.heartbeatTimeout (5 s): a may have" in text) is warned
+    assert json.loads(report.to_json())["heartbeat"] == {"member": "a", "leader_id": "l1", "age_seconds": age}
