@@ -51,8 +51,8 @@ configuration:
   Any string may refer to a secret: ${{env:NAME}} or ${{file:/path/to/secret}}.
 
 exit codes:
-  0 ok; 1 runtime failure (or check found something missing); 2 configuration mistake or
-  unreachable service; 128+N after a second signal N.
+  0 ok; 1 runtime failure (or check found something missing, or status found nobody leading);
+  2 configuration mistake or unreachable service; 128+N after a second signal N.
 
 See docs/reaper.md for every setting, the metrics and the endpoints.
 """
@@ -116,7 +116,8 @@ def _parser() -> argparse.ArgumentParser:
         help="who leads, the group's members, the backlog, records in flight and dead letters",
         description="Ask Kafka which member of the leader group holds partition 0 of the leader topic (it "
         "leads) and PostgreSQL for the fence row (leader id, epoch, since when), the outbox's backlog and "
-        "oldest record, the records in flight (marked by a leader) and the dead letters waiting. No reaper "
+        "oldest record, the records in flight (marked by a leader) and the dead letters waiting; the newest "
+        "heartbeat on the leader topic tells which member sent it and how long ago. No reaper "
         "needs to be reachable. Exit 0 when a member leads, 1 when nobody does (or the outbox table is "
         "missing), 2 on a configuration mistake or an unreachable service.",
     )
