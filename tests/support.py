@@ -167,7 +167,7 @@ class PrivateKafka:
     """A broker of its own (own port, own data directory) for tests that restart or stop Kafka,
     so that they never disturb the shared broker other tests use."""
 
-    def __init__(self, name: str, port: int) -> None:
+    def __init__(self, name: str, port: int, **env: str) -> None:
         self.port = port
         self.bootstrap = f"127.0.0.1:{port}"
         self._env = {
@@ -176,6 +176,7 @@ class PrivateKafka:
             "KAFKA_PORT": str(port),
             "KAFKA_CONTROLLER_PORT": str(port + 1),
             "KAFKA_HEAP": "512m",
+            **env,  # services.sh's settings, such as KAFKA_VERSION
         }
 
     def _run(self, command: str) -> None:
@@ -242,10 +243,15 @@ class PrivatePostgres:
     """A PostgreSQL cluster of its own (own port and data directory) for tests that restart the
     database, so that they never disturb the shared one."""
 
-    def __init__(self, name: str, port: int) -> None:
+    def __init__(self, name: str, port: int, **env: str) -> None:
         self.port = port
         self.dsn = f"host=127.0.0.1 port={port} user=harvester password=local-dev-secret dbname=harvester"
-        self._env = {**os.environ, "HARVESTER_LOCAL_DIR": str(ROOT / ".local" / f"private-{name}"), "PGPORT": str(port)}
+        self._env = {
+            **os.environ,
+            "HARVESTER_LOCAL_DIR": str(ROOT / ".local" / f"private-{name}"),
+            "PGPORT": str(port),
+            **env,  # services.sh's settings, such as PG_FROM
+        }
 
     def _run(self, command: str) -> None:
         subprocess.run(["bash", str(SERVICES), command], check=True, env=self._env, stdout=subprocess.DEVNULL)

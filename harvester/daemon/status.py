@@ -1,0 +1,262 @@
+"""``reaper status``: who leads a group and how its outbox is doing, without reaching any reaper.
+
+Leadership is read where it is decided: the member of the leader group that holds partition 0 of
+the leader topic leads (Kafka's admin API, describing the consumer group). The fence row in
+PostgreSQL adds the term's leader id, epoch and start, written by the leader when its term began.
+The outbox itself gives the backlog (an exact count), the oldest record's age and the records in
+flight (marked by a leader); the dead-letter table the dead letters waiting.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from harvester.daemon.check import connect_pg, kafka_reason, pg_reason
+from harvester.daemon.errors import FailError
+from harvester.daemon.settings import ReaperSettings
+
+# Answers a group describe can give while the coordinator is still being found or loaded; asked again.
+_TRANSIENT = ("NOT_COORDINATOR", "COORDINATOR_NOT_AVAILABLE", "COORDINATOR_LOAD_IN_PROGRESS")
+_CLIENT_PREFIX = "neli-"  # the elector's client.id is "neli-<instance name>"
+
+
+@dataclass(frozen=True, slots=True)
+class Member:
+    """One reaper in the leader group."""
+
+    name: str
+    host: str
+    member_id: str
+    leads: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Term:
+    """The fence row: the latest leadership term that began."""
+
+    leader_id: str | None
+    epoch: int
+    since: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    """The newest heartbeat on partition 0 of the leader topic: who sent it, for which term, how long ago."""
+
+    member: str
+    leader_id: str
+    age_seconds: float  # by the sender's clock: the message's timestamp against this host's
+
+
+@dataclass(frozen=True, slots=True)
+class Status:
+    """What ``reaper status`` reports."""
+
+    outbox_table: str
+    group: str
+    leader_topic: str
+    delivery: str
+    group_state: str
+    members: list[Member]
+    leader: str | None  # name of the member holding partition 0, None when nobody leads
+    term: Term | None  # None when no reaper ever led over this outbox
+    heartbeat: Heartbeat | None  # None when no heartbeat was ever sent
+    heartbeat_timeout_seconds: float
+    backlog_records: int
+    oldest_record_age_seconds: float | None
+    in_flight_records: int
+    dead_letters: int | None  # None without a dead-letter table
+
+    def to_json(self) -> str:
+        doc = asdict(self)
+        if self.term is not None:
+            doc["term"]["since"] = self.term.since.isoformat()
+        return json.dumps(doc, indent=2)
+
+    def to_text(self) -> str:
+        lines = [f"outbox {self.outbox_table}: delivery {self.delivery}; group {self.group}, topic {self.leader_topic}"]
+        term = ""
+        if self.term is not None:
+            since = self.term.since.strftime("%Y-%m-%d %H:%M:%S %Z").strip()
+            term = f"leader id {self.term.leader_id}, epoch {self.term.epoch}, since {since}"
+        if self.leader is not None:
+            lines.append(f"leader: {self.leader}" + (f"; {term}" if term else ""))
+        else:
+            lines.append(f"leader: none (no member holds partition 0 of {self.leader_topic})")
+            if term:
+                lines.append(f"last term: {term}")
+        beat = self.heartbeat
+        if beat is not None:
+            lines.append(
+                f"last heartbeat: {beat.age_seconds:.1f} s ago, from {beat.member}, leader id {beat.leader_id}"
+            )
+            if self.leader is not None and beat.age_seconds > self.heartbeat_timeout_seconds:
+                lines.append(
+                    f"warning: no heartbeat for more than harvest.limits.heartbeatTimeout "
+                    f"({self.heartbeat_timeout_seconds:g} s): {self.leader} may have fenced itself "
+                    "(or this host's clock is ahead of its)"
+                )
+        lines.append(f"members: {len(self.members)} (group {self.group_state.lower()})")
+        lines += [f"  {m.name}  host {m.host}{'  leads' if m.leads else ''}" for m in self.members]
+        age = self.oldest_record_age_seconds
+        lines.append(
+            f"backlog: {self.backlog_records} record(s)" + (f", oldest {age:.1f} s old" if age is not None else "")
+        )
+        lines.append(f"in flight: {self.in_flight_records} record(s) marked by a leader")
+        if self.dead_letters is None:
+            lines.append("dead letters: none (no dead-letter table)")
+        else:
+            lines.append(f"dead letters: {self.dead_letters} waiting")
+        return "\n".join(lines)
+
+
+def status(settings: ReaperSettings, timeout: float, *, as_json: bool) -> int:
+    """Print the status; 0 when a member leads, 1 when nobody does."""
+    members, state, beat = _group(settings, timeout)
+    leader = next((m.name for m in members if m.leads), None)
+    term, backlog, oldest, in_flight, dead = _database(settings, timeout)
+    report = Status(
+        outbox_table=settings.harvest.table.qualified,
+        group=settings.harvest.group_id,
+        leader_topic=settings.harvest.topic,
+        delivery=settings.harvest.delivery,
+        group_state=state,
+        members=members,
+        leader=leader,
+        term=term,
+        heartbeat=beat,
+        heartbeat_timeout_seconds=settings.harvest.limits.heartbeat_timeout.total_seconds(),
+        backlog_records=backlog,
+        oldest_record_age_seconds=oldest,
+        in_flight_records=in_flight,
+        dead_letters=dead,
+    )
+    print(report.to_json() if as_json else report.to_text())
+    return 0 if leader is not None else 1
+
+
+def _group(settings: ReaperSettings, timeout: float) -> tuple[list[Member], str, Heartbeat | None]:
+    """The leader group's members and state, as the group coordinator knows them, and the newest heartbeat."""
+    from confluent_kafka import KafkaException
+    from confluent_kafka.admin import AdminClient
+
+    harvest = settings.harvest
+    servers = harvest.base_kafka_config.get("bootstrap.servers", "?")
+    quiet = logging.getLogger("reaper.status.kafka")
+    quiet.setLevel(logging.CRITICAL)  # librdkafka's retries would repeat what the one-line error says
+    try:
+        config: dict[str, Any] = {**harvest.base_kafka_config, "logger": quiet}
+        admin = AdminClient(config)
+    except (KafkaException, TypeError, ValueError) as exc:
+        raise FailError(f"harvest.baseKafkaConfig: {kafka_reason(exc)}") from None
+    deadline = time.monotonic() + timeout
+    while True:
+        left = max(1.0, deadline - time.monotonic())
+        try:
+            described = admin.describe_consumer_groups([harvest.group_id], request_timeout=left)[harvest.group_id]
+            group = described.result()
+            break
+        except KafkaException as exc:
+            reason = kafka_reason(exc)
+            if time.monotonic() < deadline and any(t in str(exc) for t in _TRANSIENT):
+                time.sleep(0.2)
+                continue
+            raise FailError(
+                f"Kafka: cannot describe group {harvest.group_id} at {servers} (harvest.baseKafkaConfig): {reason}"
+            ) from None
+    members = []
+    for m in group.members:
+        partitions = m.assignment.topic_partitions if m.assignment is not None else []
+        leads = any(tp.topic == harvest.topic and tp.partition == 0 for tp in partitions)
+        name = m.client_id.removeprefix(_CLIENT_PREFIX)
+        members.append(Member(name=name, host=m.host.lstrip("/"), member_id=m.member_id, leads=leads))
+    members.sort(key=lambda m: (not m.leads, m.name))
+    return members, str(group.state.name), _last_heartbeat(settings, quiet, deadline)
+
+
+def _last_heartbeat(settings: ReaperSettings, quiet: logging.Logger, deadline: float) -> Heartbeat | None:
+    """Read the last message of partition 0 of the leader topic, without joining any group."""
+    from confluent_kafka import Consumer, KafkaException, TopicPartition
+
+    from leader.state import HEARTBEAT_FORMAT
+
+    harvest = settings.harvest
+    # A group id is required by the client, but assign() joins no group and nothing is committed.
+    config = {**harvest.base_kafka_config, "group.id": f"{harvest.group_id}.status", "enable.auto.commit": False}
+    consumer = Consumer({**config, "logger": quiet})
+    try:
+        partition = TopicPartition(harvest.topic, 0)
+        try:
+            low, high = consumer.get_watermark_offsets(partition, timeout=max(1.0, deadline - time.monotonic()))
+        except KafkaException:
+            return None  # no leader topic yet: nobody ever led
+        if high <= low:
+            return None
+        consumer.assign([TopicPartition(harvest.topic, 0, high - 1)])
+        while time.monotonic() < deadline + 5:
+            message = consumer.poll(0.5)
+            if message is None or message.error() is not None:
+                continue
+            try:
+                doc = json.loads(message.value() or b"")
+            except ValueError:
+                return None
+            if not isinstance(doc, dict) or doc.get("format") != HEARTBEAT_FORMAT:
+                return None
+            age = max(0.0, time.time() - message.timestamp()[1] / 1000)
+            return Heartbeat(member=str(doc.get("member")), leader_id=str(doc.get("leader_id")), age_seconds=age)
+        return None
+    finally:
+        consumer.close()
+
+
+def _database(settings: ReaperSettings, timeout: float) -> tuple[Term | None, int, float | None, int, int | None]:
+    """The fence row, the outbox's backlog, oldest age and marked records, and the dead letters waiting."""
+    import psycopg
+    from psycopg import sql
+
+    from harvester.postgres.migrations import dead_letter_table, fence_table
+
+    table = settings.harvest.table
+    fence, dead = fence_table(table), dead_letter_table(table)
+    with connect_pg(settings, timeout) as conn:
+        try:
+            found = conn.execute(
+                "SELECT to_regclass(%s) IS NOT NULL, to_regclass(%s) IS NOT NULL, to_regclass(%s) IS NOT NULL",
+                (table.quoted, fence.quoted, dead.quoted),
+            ).fetchone()
+            has_outbox, has_fence, has_dead = found if found else (False, False, False)
+            if not has_outbox:
+                raise FailError(
+                    f"harvest.outboxTable: outbox table {table} does not exist (run 'reaper migrate')", code=1
+                )
+            term = None
+            if has_fence:
+                row = conn.execute(
+                    sql.SQL("SELECT leader_id, epoch, acquired_at FROM {} WHERE outbox_table = %s").format(fence.ident),
+                    (table.qualified,),
+                ).fetchone()
+                if row is not None:
+                    term = Term(
+                        leader_id=str(row[0]) if row[0] else None, epoch=int(row[1]), since=row[2].astimezone(UTC)
+                    )
+            counts = conn.execute(
+                sql.SQL(
+                    "SELECT count(*), count(leader_id),"
+                    " extract(epoch FROM now() - (SELECT create_time FROM {t} ORDER BY id LIMIT 1))::float8 FROM {t}"
+                ).format(t=table.ident)
+            ).fetchone()
+            assert counts is not None  # an aggregate always returns a row
+            dead_letters = None
+            if has_dead:
+                row = conn.execute(sql.SQL("SELECT count(*) FROM {}").format(dead.ident)).fetchone()
+                dead_letters = int(row[0]) if row else 0
+        except psycopg.Error as exc:
+            raise FailError(f"PostgreSQL: reading {table} failed: {pg_reason(exc)}", code=1) from None
+    oldest = float(counts[2]) if counts[2] is not None else None
+    return term, int(counts[0]), oldest, int(counts[1]), dead_letters
