@@ -72,6 +72,13 @@ class HarvesterConfig(BaseModel):
         default=None,
         description="Stable producer name in the identity headers; default '<db system id>/<table>'.",
     )
+    shards: int = Field(
+        default=1,
+        ge=1,
+        le=256,
+        description="Split the outbox's keys into this many shards, each harvested by its own leader "
+        "(docs/sharding.md); every reaper of a group must use the same number.",
+    )
     limits: Limits = Field(default_factory=Limits)
 
     @field_validator("outbox_table")

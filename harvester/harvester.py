@@ -1,10 +1,16 @@
-"""The embeddable harvester: store + publisher + elector + MP/R engine, wired from a config."""
+"""The embeddable harvester: store + publisher + elector + MP/R engine, wired from a config.
+
+With ``shards: N`` > 1 the harvester holds one pipeline per shard (store, publisher, engine,
+metrics), each independent of the others: the elector's events for shard ``i`` drive pipeline ``i``
+only. The pipelines are threads of this process (docs/sharding.md says what that costs).
+"""
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from uuid import UUID
 
 import psycopg
@@ -19,15 +25,15 @@ from harvester.core.engine import Engine
 from harvester.core.events import Event, MeterRead
 from harvester.core.exactly_once import exactly_once
 from harvester.core.identity import IdentityHeaders
-from harvester.core.metrics import HarvesterMetrics
+from harvester.core.metrics import HarvesterMetrics, ShardLabels
 from harvester.core.protocols import BatchScope, DeliveryCallback, Elector, StoreError
 from harvester.kafka.publisher import KafkaPublisher, producer_config
-from harvester.kafka.topics import ensure_topic
+from harvester.kafka.topics import ensure_topic, require_partitions
 from harvester.kafka.transactions import KafkaTransactionalPublisher
 from harvester.postgres.store import PostgresStore
 
 if TYPE_CHECKING:
-    from leader import ElectorConfig
+    from leader import ElectorConfig, LeaderEvent, LeaderStatus
 
 log = structlog.get_logger("harvester")
 
@@ -46,6 +52,7 @@ def elector_config(config: HarvesterConfig) -> ElectorConfig:
         min_poll_interval=limits.min_poll_interval.total_seconds(),
         max_poll_interval=limits.max_poll_interval.total_seconds(),
         name=config.name,
+        partitions=config.shards,
     )
 
 
@@ -54,6 +61,24 @@ def neli_elector(config: HarvesterConfig) -> Elector:
     from leader import NeliElector
 
     return NeliElector(elector_config(config))
+
+
+@runtime_checkable
+class ShardedElector(Elector, Protocol):
+    """An elector of several shards (NELI over a topic of several partitions)."""
+
+    def status_of(self, shard: int) -> LeaderStatus:
+        """The view of shard ``shard``'s leadership."""
+        ...
+
+
+@dataclass(slots=True)
+class _Pipeline:
+    """One shard's MP/R pipeline."""
+
+    store: PostgresStore
+    metrics: HarvesterMetrics
+    engine: Engine | None = None
 
 
 class Harvester:
@@ -73,9 +98,17 @@ class Harvester:
         elector: Elector | None = None,
     ) -> None:
         self.config = config
-        self.metrics = HarvesterMetrics(registry)
+        shards = config.shards
+        self._registry = registry if registry is not None else CollectorRegistry()
+        # One shard exports its series as they always were; several, each in a private registry
+        # exported with a shard label.
+        per_shard = [HarvesterMetrics(self._registry if shards == 1 else None) for _ in range(shards)]
+        if shards > 1:
+            self._registry.register(ShardLabels(per_shard))
+        self.metrics = per_shard[0]
+        self._shard_metrics = per_shard
         self._on_event = on_event
-        self._store = PostgresStore(
+        store = PostgresStore(
             config.data_source,
             config.table,
             application_name=f"outbox-harvester {config.name}"[:63],
@@ -83,9 +116,13 @@ class Harvester:
             producer_name=config.producer_name,
             hold_dead_letter_keys=config.dead_letter_policy == "hold_key",
             vacuum_every=config.limits.vacuum_every_records,
+            shards=shards,
         )
+        self._pipelines = [_Pipeline(store, per_shard[0])]  # the other shards' are built by start()
         self._elector = elector if elector is not None else neli_elector(config)
-        self._engine: Engine | None = None
+        if shards > 1 and not isinstance(self._elector, ShardedElector):
+            raise ValueError(f"shards: {shards} needs an elector of several shards (status_of), such as NeliElector")
+        self._failure: str | None = None
         self._started = threading.Event()
         self._stopping = threading.Event()
         self._stopped = threading.Event()
@@ -94,62 +131,111 @@ class Harvester:
     @property
     def registry(self) -> CollectorRegistry:
         """The Prometheus registry holding this harvester's series."""
-        return self.metrics.registry
+        return self._registry
+
+    @property
+    def shard_metrics(self) -> list[HarvesterMetrics]:
+        """Each shard's metrics, by shard (one item when the outbox is not sharded)."""
+        return list(self._shard_metrics)
 
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
-        """Check the outbox table, then start competing for leadership and harvesting."""
-        columns = self._store.prepare()  # fails fast on a missing or unsupported table
+        """Check the outbox table, then start competing for leadership and harvesting.
+
+        Raises :class:`harvester.core.protocols.ShardCountError` when the outbox's fence records
+        another number of shards, besides the errors of a missing table or an unreachable service."""
+        first = self._pipelines[0].store
+        columns = first.prepare()  # fails fast on a missing or unsupported table, or on another N
         if not columns.tracks_attempts:
             log.warning("attempts_in_memory", hint="run 'reaper migrate' so attempt counts survive failover")
         cfg = self.config
-        elector = self._elector
-        self._engine = Engine(
-            self._store,
-            self._dispatcher(),
-            cfg.limits,
-            self.metrics,
-            self._emit_event,
-            listen_notify=cfg.listen_notify,
-            still_leader=lambda: elector.status.is_leader,
-            **_tracing(),
-        )
-        self._engine.start()
-        self._elector.start(self._engine.on_leader_event)
+        self._pipelines += [
+            _Pipeline(first.sibling(i), metrics) for i, metrics in enumerate(self._shard_metrics[1:], start=1)
+        ]
+        tracing = _tracing()
+        for shard, pipeline in enumerate(self._pipelines):
+            pipeline.engine = Engine(
+                pipeline.store,
+                self._dispatcher(pipeline.store, shard),
+                cfg.limits,
+                pipeline.metrics,
+                self._emit_event,
+                listen_notify=cfg.listen_notify,
+                still_leader=self._leader_check(shard),
+                shard=shard if cfg.shards > 1 else None,
+                on_fatal=self._fatal,
+                **tracing,
+            )
+        for pipeline in self._pipelines:
+            assert pipeline.engine is not None
+            pipeline.engine.start()
+        self._elector.start(self._on_leader_event)
         self._meter.start()
         self._started.set()
-        log.info("harvester_started", table=cfg.table.qualified, group=cfg.group_id, topic=cfg.topic)
+        log.info(
+            "harvester_started", table=cfg.table.qualified, group=cfg.group_id, topic=cfg.topic, shards=cfg.shards
+        )
 
-    def _dispatcher(self) -> DispatcherFactory:
-        """The configured delivery mode's dispatcher, over this harvester's store and Kafka."""
+    def _leader_check(self, shard: int) -> Callable[[], bool]:
+        elector = self._elector
+        if isinstance(elector, ShardedElector) and self.config.shards > 1:
+            return lambda: elector.status_of(shard).is_leader
+        return lambda: elector.status.is_leader
+
+    def _on_leader_event(self, event: LeaderEvent) -> None:
+        engine = self._pipelines[event.shard].engine if event.shard < len(self._pipelines) else None
+        if engine is not None:
+            engine.on_leader_event(event)
+
+    def _dispatcher(self, store: PostgresStore, shard: int) -> DispatcherFactory:
+        """The configured delivery mode's dispatcher, over one shard's store and Kafka."""
         cfg = self.config
         kafka = producer_config(cfg.base_kafka_config, cfg.producer_kafka_config)
         if cfg.delivery == "exactly_once":
-            ensure_topic(cfg.base_kafka_config, cfg.checkpoints)
-            transactions = KafkaTransactionalPublisher(kafka, f"{cfg.group_id}.harvester", cfg.checkpoints)
-            return exactly_once(self._store, transactions)
+            ensure_topic(cfg.base_kafka_config, cfg.checkpoints, partitions=cfg.shards)
+            if cfg.shards > 1:
+                require_partitions(cfg.base_kafka_config, cfg.checkpoints, cfg.shards)
+            # One shard keeps the group's transactional id of before sharding; several fence per shard.
+            transactional_id = f"{cfg.group_id}.harvester" + (f".{shard}" if cfg.shards > 1 else "")
+            transactions = KafkaTransactionalPublisher(kafka, transactional_id, cfg.checkpoints, shard)
+            return exactly_once(store, transactions)
 
         def publisher(callback: DeliveryCallback) -> KafkaPublisher:
             return KafkaPublisher(kafka, callback)
 
-        return at_least_once(self._store, publisher)
+        return at_least_once(store, publisher)
+
+    def _fatal(self, error: Exception) -> None:
+        """A pipeline cannot go on (the group disagrees on the number of shards): stop everything;
+        :attr:`failure` says why."""
+        if self._failure is None:
+            self._failure = str(error)
+            threading.Thread(target=self.stop, name="harvester-fatal-stop", daemon=True).start()
+
+    @property
+    def failure(self) -> str | None:
+        """Why the harvester stopped by itself, or None."""
+        return self._failure
 
     def stop(self, timeout: float | None = None) -> None:
         """Stop gracefully: finish in-flight work (up to ``timeout``), then leave the group."""
-        if self._stopped.is_set():
+        if self._stopped.is_set() or self._stopping.is_set():
+            self._stopped.wait(None if timeout is None else timeout + 5)
             return
         self._stopping.set()
         budget = self.config.limits.drain_interval.total_seconds() if timeout is None else timeout
-        engine = self._engine
-        if engine is not None:
+        engines = [p.engine for p in self._pipelines if p.engine is not None]
+        for engine in engines:
             engine.stop_marking()
+        for engine in engines:
             if not engine.drain(budget):
                 log.warning("stop_drain_timeout", in_flight=engine.in_flight_records)
         self._elector.close()
-        if engine is not None:
+        for engine in engines:
             engine.close(max(budget, 1.0))
-        self._store.close()
+        for pipeline in self._pipelines:
+            pipeline.store.close()
         self._stopped.set()
         if self._started.is_set():  # a failed start is reported by whoever called start()
             log.info("harvester_stopped")
@@ -161,33 +247,47 @@ class Harvester:
     # ------------------------------------------------------------------ state
 
     @property
+    def _engines(self) -> list[Engine]:
+        return [p.engine for p in self._pipelines if p.engine is not None]
+
+    @property
     def alive(self) -> bool:
         """False when one of the harvester's threads (marking, completion, election, metering) died
         while it should run; such a process harvests no more and should be restarted."""
-        engine = self._engine
-        if engine is None or not self._started.is_set() or self._stopping.is_set():
+        engines = self._engines
+        if not engines or not self._started.is_set() or self._stopping.is_set():
             return True
-        return engine.alive and self._elector.running and self._meter.is_alive()
+        return all(e.alive for e in engines) and self._elector.running and self._meter.is_alive()
 
     @property
     def is_leader(self) -> bool:
-        """Whether this instance is harvesting now."""
-        return self._engine is not None and self._engine.leader_id is not None
+        """Whether this instance is harvesting now (some shard of the outbox)."""
+        return bool(self.leading_shards)
+
+    @property
+    def leading_shards(self) -> list[int]:
+        """The shards this instance harvests now."""
+        return [shard for shard, p in enumerate(self._pipelines) if p.engine is not None and p.engine.leader_id]
 
     @property
     def leader_id(self) -> UUID | None:
-        """The id this instance marks records with, while leader."""
-        return None if self._engine is None else self._engine.leader_id
+        """The id this instance marks records with, while leader (of the first shard it leads)."""
+        return next((e.leader_id for e in self._engines if e.leader_id is not None), None)
 
     @property
     def in_flight_records(self) -> int:
         """Records published and not yet acknowledged and purged."""
-        return 0 if self._engine is None else self._engine.in_flight_records
+        return sum(e.in_flight_records for e in self._engines)
 
     @property
     def in_flight_keys(self) -> int:
         """Keys with a record in flight."""
-        return 0 if self._engine is None else self._engine.in_flight_keys
+        return sum(e.in_flight_keys for e in self._engines)
+
+    @property
+    def queued_records(self) -> int:
+        """Marked records waiting behind a busy key."""
+        return sum(e.queued_records for e in self._engines)
 
     def health(self) -> dict[str, Any]:
         """Liveness of the dependencies, for readiness probes (each check bounded to ~2 s)."""
@@ -207,7 +307,8 @@ class Harvester:
             "database_ok": db_ok,
             "kafka_ok": kafka_ok,
             "is_leader": self.is_leader,
-            "running": self._engine is not None and not self._stopped.is_set(),
+            "running": bool(self._engines) and not self._stopped.is_set(),
+            **({"leading_shards": self.leading_shards} if self.config.shards > 1 else {}),
         }
 
     # ------------------------------------------------------------------ internals
@@ -221,20 +322,20 @@ class Harvester:
         interval = self.config.limits.min_metrics_interval.total_seconds()
         while not self._stopped.wait(interval):
             try:
-                backlog, age = self._store.head()
+                backlog, age = self._pipelines[0].store.head()  # the whole outbox, every shard
             except StoreError:
                 continue
             self.metrics.backlog.set(backlog)
             self.metrics.oldest_age.set(age or 0.0)
-            engine = self._engine
+            engines, shards = self._engines, self.shard_metrics
             stats = {
                 "backlog": float(backlog),
                 "oldest_age_seconds": age or 0.0,
-                "in_flight_records": float(engine.in_flight_records if engine else 0),
-                "queued_records": float(engine.queued_records if engine else 0),
-                "published": self.metrics.published._value.get(),
-                "purged": self.metrics.purged._value.get(),
-                "reset": self.metrics.reset._value.get(),
+                "in_flight_records": float(sum(e.in_flight_records for e in engines)),
+                "queued_records": float(sum(e.queued_records for e in engines)),
+                "published": sum(m.published._value.get() for m in shards),
+                "purged": sum(m.purged._value.get() for m in shards),
+                "reset": sum(m.reset._value.get() for m in shards),
             }
             self._emit_event(MeterRead(stats))
 

@@ -4,6 +4,11 @@ Every competing process subscribes a consumer to the leader topic under the same
 that owns partition 0 leads. The owner also publishes heartbeats to partition 0 and reads them back, so
 it notices within ``heartbeat_timeout`` when it may have been cut off, without waiting for the group
 protocol. See :mod:`leader.state` for the rules and ``docs/leader.md`` for tuning failover time.
+
+With ``partitions`` > 1 (sharded harvesting) each partition ``i`` is an election of its own: its owner
+leads shard ``i``, heartbeats to partition ``i`` and reads them back, and is fenced and hands over per
+partition. The group coordinator spreads the partitions over the members (cooperative-sticky: a member
+joining or leaving moves as few as it can).
 """
 
 from __future__ import annotations
@@ -92,6 +97,9 @@ class ElectorConfig(BaseModel):
         description="This member's name in heartbeats, client ids and logs.",
     )
     poll_batch: PositiveInt = Field(default=100, description="Most messages handled per poll.")
+    partitions: PositiveInt = Field(
+        default=1, description="Partitions of the leader topic: one election (shard) per partition."
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -134,16 +142,18 @@ class NeliElector:
         self._config = config
         self._clock = clock
         self._lock = threading.Lock()
-        self._state = NeliState(config.heartbeat_timeout)
+        self._states = [NeliState(config.heartbeat_timeout, shard=p) for p in range(config.partitions)]
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self._on_event: Callable[[LeaderEvent], None] = lambda _: None
         self._consumer: Consumer | None = None
         self._producer: Producer | None = None
-        self._beat_id: UUID | None = None
-        self._next_beat = 0.0
+        # Per partition: the id of the last heartbeat sent and when the next is due, and the probe
+        # whose membership commit is awaited.
+        self._beat_id: list[UUID | None] = [None] * config.partitions
+        self._next_beat = [0.0] * config.partitions
         self._seq = 0
-        self._confirming: UUID | None = None
+        self._confirming: list[UUID | None] = [None] * config.partitions
 
     @property
     def config(self) -> ElectorConfig:
@@ -152,9 +162,13 @@ class NeliElector:
 
     @property
     def status(self) -> LeaderStatus:
-        """Current view; ``is_leader`` turns false as soon as the heartbeat deadline passes."""
+        """Current view of partition 0; ``is_leader`` turns false as soon as the heartbeat deadline passes."""
+        return self.status_of(0)
+
+    def status_of(self, shard: int) -> LeaderStatus:
+        """Current view of partition ``shard``, as :attr:`status` gives partition 0's."""
         with self._lock:
-            return self._state.status(self._clock())
+            return self._states[shard].status(self._clock())
 
     @property
     def running(self) -> bool:
@@ -234,15 +248,19 @@ class NeliElector:
         try:
             # Heartbeats are worthless after seconds; keep an hour for inspection.
             hour = {"retention.ms": _HOUR_MS, "segment.ms": _HOUR_MS}
-            created = ensure_topic(self._common(), c.topic, config=hour, timeout=c.startup_timeout)
+            created = ensure_topic(
+                self._common(), c.topic, partitions=c.partitions, config=hour, timeout=c.startup_timeout
+            )
         except KafkaException as e:
             err: KafkaError = e.args[0]
             raise LeaderTopicError(
                 f"leader topic {c.topic!r} does not exist and could not be created ({err.str()}); "
-                "create it with one partition, or allow this client to create topics"
+                f"create it with {_partitions(c.partitions)}, or allow this client to create topics"
             ) from e
         if created:
-            log.info("leader_topic_created", topic=c.topic)
+            log.info("leader_topic_created", topic=c.topic, partitions=c.partitions)
+        else:
+            self._require_topic()
 
     def _require_topic(self) -> None:
         c = self._config
@@ -253,7 +271,17 @@ class NeliElector:
         found = meta.topics.get(c.topic)
         if found is None or found.error is not None:
             raise LeaderTopicError(
-                f"leader topic {c.topic!r} does not exist and create_topic is off; create it (one partition)"
+                f"leader topic {c.topic!r} does not exist and create_topic is off; "
+                f"create it ({_partitions(c.partitions)})"
+            )
+        # One partition per shard: with fewer, some shard would have no leader; with more (and
+        # shards), a member could be given only partitions that lead nothing.
+        have = len(found.partitions)
+        if have < c.partitions or (c.partitions > 1 and have != c.partitions):
+            raise LeaderTopicError(
+                f"leader topic {c.topic!r} has {have} partition{'s' if have != 1 else ''} but {c.partitions} "
+                f"shard{'s' if c.partitions != 1 else ''} need {_partitions(c.partitions)}: "
+                "use another leader topic (see docs/sharding.md)"
             )
 
     # -- election thread -----------------------------------------------------------------------------
@@ -274,33 +302,35 @@ class NeliElector:
     def _pulse(self) -> None:
         assert self._consumer is not None and self._producer is not None
         # The deadline comes first: a process resuming from a freeze fences itself before anything else.
-        with self._lock:
-            event = self._state.tick(self._clock())
-        self._emit(event)
-        self._beat()
+        for state in self._states:
+            with self._lock:
+                event = state.tick(self._clock())
+            self._emit(event)
+        for partition in range(len(self._states)):
+            self._beat(partition)
         for message in self._consumer.consume(self._config.poll_batch, 0):
             self._read(message)
         self._producer.poll(0)
 
-    def _beat(self) -> None:
+    def _beat(self, partition: int) -> None:
         assert self._producer is not None
         now = self._clock()
         with self._lock:
-            beat_id = self._state.heartbeat_id
+            beat_id = self._states[partition].heartbeat_id
         if beat_id is None:
-            self._beat_id = None
+            self._beat_id[partition] = None
             return
-        if beat_id == self._beat_id and now < self._next_beat:
+        if beat_id == self._beat_id[partition] and now < self._next_beat[partition]:
             return
         self._seq += 1
         try:
             self._producer.produce(
-                self._config.topic, partition=0, value=encode_heartbeat(beat_id, self._seq, self._config.name)
+                self._config.topic, partition=partition, value=encode_heartbeat(beat_id, self._seq, self._config.name)
             )
         except (BufferError, KafkaException) as e:
-            log.warning("heartbeat_not_enqueued", error=str(e))
+            log.warning("heartbeat_not_enqueued", error=str(e), shard=partition)
             return
-        self._beat_id, self._next_beat = beat_id, now + self._config.heartbeat_interval
+        self._beat_id[partition], self._next_beat[partition] = beat_id, now + self._config.heartbeat_interval
 
     def _read(self, message: Message) -> None:
         assert self._consumer is not None
@@ -309,43 +339,49 @@ class NeliElector:
             if err.code() != KafkaError._PARTITION_EOF:
                 log.warning("leader_topic_consumer_error", error=str(err))
             return
-        sender = decode_heartbeat(message.value()) if message.partition() == 0 else None
-        if sender is None:
+        partition = message.partition()
+        owned = partition is not None and 0 <= partition < len(self._states)
+        sender = decode_heartbeat(message.value()) if owned else None
+        if sender is None or partition is None:
             return
         with self._lock:
-            probe = self._state.heartbeat(sender, self._clock())
+            probe = self._states[partition].heartbeat(sender, self._clock())
         if not probe:
             return
         # Reading the probe back shows the cluster is reachable; a commit shows the coordinator still
-        # counts this member in the generation that owns partition 0 (an expelled zombie is refused).
-        self._confirming = sender
+        # counts this member in the generation that owns the partition (an expelled zombie is refused).
+        self._confirming[partition] = sender
         offset = message.offset()
         assert offset is not None
         try:
-            self._consumer.commit(offsets=[TopicPartition(self._config.topic, 0, offset + 1)], asynchronous=True)
+            self._consumer.commit(
+                offsets=[TopicPartition(self._config.topic, partition, offset + 1)], asynchronous=True
+            )
         except KafkaException as e:
-            log.info("membership_unconfirmed", error=str(e.args[0]))
+            log.info("membership_unconfirmed", error=str(e.args[0]), shard=partition)
 
     def _on_commit(self, err: KafkaError | None, partitions: list[TopicPartition]) -> None:
-        probe = self._confirming
-        if probe is None:
-            return
-        failure = err or next((p.error for p in partitions if p.error is not None), None)
-        if failure is not None:
-            log.info("membership_unconfirmed", error=str(failure))
-            return
-        with self._lock:
-            event = self._state.confirmed(probe, self._clock())
-        if event is not None:
-            self._confirming = None
-        self._emit(event)
+        for committed in partitions:
+            p = committed.partition
+            probe = self._confirming[p] if 0 <= p < len(self._states) else None
+            if probe is None:
+                continue
+            failure = err or committed.error
+            if failure is not None:
+                log.info("membership_unconfirmed", error=str(failure), shard=p)
+                continue
+            with self._lock:
+                event = self._states[p].confirmed(probe, self._clock())
+            if event is not None:
+                self._confirming[p] = None
+            self._emit(event)
 
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         # Earlier heartbeats prove nothing for this term: start reading at the end.
         consumer.incremental_assign([TopicPartition(p.topic, p.partition, OFFSET_END) for p in partitions])
-        if any(p.partition == 0 for p in partitions):
+        for p in sorted(p.partition for p in partitions if p.partition < len(self._states)):
             with self._lock:
-                event = self._state.assigned(self._clock())
+                event = self._states[p].assigned(self._clock())
             self._emit(event)
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
@@ -355,22 +391,23 @@ class NeliElector:
         self._released(partitions, lost=True)
 
     def _released(self, partitions: list[TopicPartition], lost: bool) -> None:
-        if any(p.partition == 0 for p in partitions):
+        for p in sorted(p.partition for p in partitions if p.partition < len(self._states)):
             with self._lock:
-                event = self._state.released(lost)
-            self._confirming = None
+                event = self._states[p].released(lost)
+            self._confirming[p] = None
             self._emit(event)
 
     def _shutdown(self) -> None:
         assert self._consumer is not None and self._producer is not None
-        with self._lock:
-            # Past its deadline the term is fenced, not handed over.
-            event = self._state.tick(self._clock())
-        self._emit(event)
-        with self._lock:
-            event = self._state.released(lost=False)
-        # LeaderRevoked before leaving: partition 0 stays ours until the handler has wrapped up.
-        self._emit(event)
+        for state in self._states:
+            with self._lock:
+                # Past its deadline the term is fenced, not handed over.
+                event = state.tick(self._clock())
+            self._emit(event)
+            with self._lock:
+                event = state.released(lost=False)
+            # LeaderRevoked before leaving: the partition stays ours until the handler has wrapped up.
+            self._emit(event)
         try:
             self._consumer.close()
         except KafkaException as e:
@@ -382,11 +419,21 @@ class NeliElector:
     def _emit(self, event: LeaderEvent | None) -> None:
         if event is None:
             return
-        log.info("leader_event", kind=type(event).__name__, leader_id=str(event.leader_id), member=self._config.name)
+        log.info(
+            "leader_event",
+            kind=type(event).__name__,
+            leader_id=str(event.leader_id),
+            member=self._config.name,
+            shard=event.shard,
+        )
         try:
             self._on_event(event)
         except Exception:
             log.exception("leader_event_handler_failed", kind=type(event).__name__)
+
+
+def _partitions(count: int) -> str:
+    return "one partition" if count == 1 else f"{count} partitions"
 
 
 def _log_kafka_error(err: KafkaError) -> None:

@@ -1,4 +1,7 @@
-"""Leadership events an elector emits to its listener."""
+"""Leadership events an elector emits to its listener.
+
+Each event names the shard it concerns: the partition of the leader topic whose owner leads it
+(always 0 when the topic has one partition, as in plain NELI)."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ class LeaderAcquired:
     """This process became leader. ``leader_id`` is fresh and never reused."""
 
     leader_id: UUID
+    shard: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,6 +25,7 @@ class LeaderRevoked:
     """
 
     leader_id: UUID
+    shard: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +36,7 @@ class LeaderFenced:
     """
 
     leader_id: UUID
+    shard: int = 0
 
 
 LeaderEvent = LeaderAcquired | LeaderRevoked | LeaderFenced

@@ -1,4 +1,6 @@
-"""The Fast NELI state machine, free of I/O so that every transition is testable on its own.
+"""The Fast NELI state machine of one partition of the leader topic, free of I/O so that every
+transition is testable on its own. The elector keeps one per partition (per shard); "partition 0"
+below stands for the partition a state follows.
 
 :class:`leader.election.NeliElector` feeds it what Kafka reports (partition 0 assigned, revoked or
 lost; a heartbeat read back; an offset commit accepted) together with the current monotonic time,
@@ -52,7 +54,8 @@ def decode_heartbeat(value: bytes | None) -> UUID | None:
 class NeliState:
     """One member's view of leadership. Not thread-safe: the elector serialises access."""
 
-    def __init__(self, heartbeat_timeout: float, new_id: Callable[[], UUID] = uuid4) -> None:
+    def __init__(self, heartbeat_timeout: float, new_id: Callable[[], UUID] = uuid4, shard: int = 0) -> None:
+        self.shard = shard  # the partition this state follows; its events carry it
         self._timeout = heartbeat_timeout
         self._new_id = new_id
         self._used: set[UUID] = set()
@@ -98,7 +101,7 @@ class NeliState:
         if term is None:
             return None
         self._fenced = lost
-        return LeaderFenced(term) if lost else LeaderRevoked(term)
+        return LeaderFenced(term, self.shard) if lost else LeaderRevoked(term, self.shard)
 
     def heartbeat(self, sender: UUID, now: float) -> bool:
         """A heartbeat stamped ``sender`` was read back.
@@ -132,7 +135,7 @@ class NeliState:
         term, self.leader_id = self.leader_id, None
         self.probe_id, self._probe_seen = self._fresh_id(), False
         self._fenced = True
-        return LeaderFenced(term)
+        return LeaderFenced(term, self.shard)
 
     def status(self, now: float) -> LeaderStatus:
         """A snapshot; leadership already reads as lost once the deadline passed, before :meth:`tick` runs."""
@@ -146,4 +149,4 @@ class NeliState:
         self.leader_id, self._fenced = leader_id, False
         # The assignment (or the confirmed probe) is itself proof; the deadline runs from here.
         self._last_proof = now
-        return LeaderAcquired(leader_id)
+        return LeaderAcquired(leader_id, self.shard)

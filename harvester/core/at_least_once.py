@@ -58,7 +58,7 @@ class AtLeastOnceDispatcher:
         # Delivery reports; None tells the completion thread to exit.
         self._acks: queue.SimpleQueue[_Report | None] = queue.SimpleQueue()
         self._publisher = publisher(self._on_delivery)
-        self._threads = [worker(self._completion_loop, "harvester-complete")]
+        self._threads = [worker(self._completion_loop, "harvester-complete", context.labels)]
 
     @property
     def threads(self) -> Sequence[threading.Thread]:

@@ -10,8 +10,8 @@ pipeline). Both sides share one :class:`LeaderState` under one condition variabl
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 from uuid import UUID
 
@@ -61,6 +61,8 @@ class Context:
     settler: Settler
     backoff: RetryBackoff
     on_fenced: Callable[[FencedError], None]
+    # Bound to every log line of the pipeline's threads (``shard`` when the outbox is sharded).
+    labels: Mapping[str, object] = field(default_factory=dict)
 
 
 class Dispatcher(Protocol):
@@ -134,14 +136,18 @@ class Dispatcher(Protocol):
 DispatcherFactory = Callable[[Context], Dispatcher]
 
 
-def worker(loop: Callable[[], None], name: str) -> threading.Thread:
+def worker(loop: Callable[[], None], name: str, labels: Mapping[str, object] | None = None) -> threading.Thread:
     """A daemon thread running ``loop`` that logs the error ending it: the thread is gone then, and
-    :attr:`harvester.core.engine.Engine.alive` reports it."""
+    :attr:`harvester.core.engine.Engine.alive` reports it. ``labels`` are bound to every log line
+    the thread writes (and suffix its name: ``harvester-mark-2`` is shard 2's mark thread)."""
+    labels = dict(labels or {})
 
     def run() -> None:
+        structlog.contextvars.bind_contextvars(**labels)
         try:
             loop()
         except Exception:
             log.exception("thread_died", thread=threading.current_thread().name)
 
-    return threading.Thread(target=run, name=name, daemon=True)
+    suffix = "".join(f"-{v}" for v in labels.values())
+    return threading.Thread(target=run, name=name + suffix, daemon=True)

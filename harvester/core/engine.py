@@ -30,7 +30,7 @@ from harvester.core.dispatch import Context, DispatcherFactory, LeaderState, wor
 from harvester.core.events import Event, LeaderAcquired, LeaderFenced, LeaderRefreshed, LeaderRevoked
 from harvester.core.limits import Limits
 from harvester.core.metrics import HarvesterMetrics
-from harvester.core.protocols import BatchScope, FailedRecords, FencedError, MarkSource, StoreError
+from harvester.core.protocols import BatchScope, FailedRecords, FencedError, MarkSource, ShardCountError, StoreError
 from harvester.core.settle import RetryBackoff, Settler
 from leader.events import LeaderEvent
 
@@ -68,9 +68,13 @@ class Engine:
         listen_notify: bool = True,
         still_leader: Callable[[], bool] = lambda: True,
         batch_scope: BatchScope = lambda _batch: nullcontext(),
+        shard: int | None = None,
+        on_fatal: Callable[[Exception], None] = lambda _: None,
     ) -> None:
         self._store = store
         self._batch_scope = batch_scope
+        self._on_fatal = on_fatal
+        self._shard = shard or 0  # None: the outbox is not sharded (log lines carry no shard)
         self._limits = limits
         self._metrics = metrics
         self._emit = emit
@@ -80,8 +84,10 @@ class Engine:
         self._fenced_term = 0  # the term whose epoch the store holds (mark thread only)
         self._backoff = RetryBackoff(limits)
         settler = Settler(store, limits, metrics, self._backoff, self._fenced, lambda: state.leader_id)
-        self._dispatcher = dispatcher(Context(state, limits, metrics, settler, self._backoff, self._fenced))
-        self._threads = [worker(self._mark_loop, "harvester-mark"), *self._dispatcher.threads]
+        labels: dict[str, object] = {} if shard is None else {"shard": shard}
+        context = Context(state, limits, metrics, settler, self._backoff, self._fenced, labels)
+        self._dispatcher = dispatcher(context)
+        self._threads = [worker(self._mark_loop, "harvester-mark", labels), *self._dispatcher.threads]
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -239,7 +245,7 @@ class Engine:
                     dispatcher.before_remark()
                     previous, state.leader_id = state.leader_id, uuid4()
                     state.force_remark = False
-                    refreshed = LeaderRefreshed(state.leader_id, previous)
+                    refreshed = LeaderRefreshed(state.leader_id, previous, self._shard)
                 leader_id = state.leader_id
                 dispatcher.mark_started()
             if refreshed is not None:
@@ -288,6 +294,14 @@ class Engine:
             with self._state.cond:
                 self._state.epoch = epoch
             self._dispatcher.begin_term()
+        except ShardCountError as exc:
+            # Reapers of the group disagree on the number of shards: no term can be safe. Stop leading
+            # and let the owner of the engine end the process with the reason.
+            log.error("shard_count_mismatch", error=str(exc))
+            self._lose_leadership()
+            self._state.stopping.set()
+            self._on_fatal(exc)
+            return
         except FencedError as exc:
             self._fenced(exc)
             return

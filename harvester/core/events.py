@@ -14,6 +14,7 @@ class LeaderRefreshed:
 
     leader_id: UUID
     previous: UUID
+    shard: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -48,7 +48,7 @@ class ExactlyOnceDispatcher:
         self._pending_purges = 0  # guarded by state.cond
         # Committed batches waiting for their purge; None tells the purge thread to exit.
         self._purge_jobs: queue.SimpleQueue[tuple[list[MarkedRecord], int] | None] = queue.SimpleQueue()
-        self._threads = [worker(self._purge_loop, "harvester-complete")]
+        self._threads = [worker(self._purge_loop, "harvester-complete", context.labels)]
 
     @property
     def threads(self) -> Sequence[threading.Thread]:

@@ -1,8 +1,21 @@
-"""Prometheus metrics of one harvester, in a registry of its own (several may share a process)."""
+"""Prometheus metrics of one harvester, in a registry of its own (several may share a process).
+
+A sharded harvester keeps one set per shard, each in a private registry, and exports them through
+:class:`ShardLabels`: the same series with a ``shard`` label. An outbox of one shard exports its
+series without the label, as before sharding existed.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
+
+# Series about the whole outbox (sampled by the meter thread, which shard 0's set holds): exported
+# once, without a shard label, so that a sum over shards still means something.
+OUTBOX_WIDE = ("harvester_outbox_backlog_records", "harvester_outbox_oldest_record_age_seconds")
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -56,3 +69,26 @@ class HarvesterMetrics:
         self.oldest_age = Gauge(
             "harvester_outbox_oldest_record_age_seconds", "Age of the oldest outbox record (sampled).", registry=r
         )
+
+
+class ShardLabels(Collector):
+    """Exports several shards' :class:`HarvesterMetrics` as one set of series labelled ``shard``."""
+
+    def __init__(self, shards: Sequence[HarvesterMetrics]) -> None:
+        self._shards = list(shards)
+
+    def collect(self) -> Iterator[Metric]:
+        merged: dict[str, Metric] = {}
+        for shard, metrics in enumerate(self._shards):
+            for family in metrics.registry.collect():
+                if family.name in OUTBOX_WIDE:
+                    if shard == 0:
+                        yield family
+                    continue
+                out = merged.get(family.name)
+                if out is None:
+                    out = merged[family.name] = Metric(family.name, family.documentation, family.type, family.unit)
+                for sample in family.samples:
+                    labels = {"shard": str(shard), **sample.labels}
+                    out.add_sample(sample.name, labels, sample.value, sample.timestamp, sample.exemplar)
+        yield from merged.values()

@@ -25,6 +25,11 @@ class FencedError(StoreError):
     """A newer leader bumped the fence epoch: this process must stop leader work, not retry."""
 
 
+class ShardCountError(StoreError):
+    """The configured number of shards is not the one the outbox's fence records: a configuration
+    mistake (or a change of it under way), never retried."""
+
+
 class MarkSource(Protocol):
     """The engine core's view of the outbox: terms under an epoch fence, and marking."""
 

@@ -107,14 +107,21 @@ def _check_kafka(settings: ReaperSettings, timeout: float) -> list[str]:
         raise FailError(f"Kafka unreachable at {servers} (harvest.baseKafkaConfig): {kafka_reason(exc)}") from None
     print(f"kafka: reachable; {len(metadata.brokers)} broker(s) via {servers}, cluster {metadata.cluster_id}")
     topic = metadata.topics.get(harvest.topic)
+    shards = harvest.shards
     if topic is None:
-        # Not a problem: run's leader election creates its topic (one partition) when absent.
-        print(f"leader topic {harvest.topic}: absent; reaper run creates it (1 partition); group {harvest.group_id}")
+        # Not a problem: run's leader election creates its topic (one partition per shard) when absent.
+        print(
+            f"leader topic {harvest.topic}: absent; reaper run creates it ({shards} partition"
+            f"{'s' if shards > 1 else ''}); group {harvest.group_id}"
+        )
         return []
     if topic.error is not None:
         print(f"leader topic {harvest.topic}: present, not usable")
         return [f"leader topic {harvest.topic} (harvest.leaderTopic): {topic.error.str()}"]
-    print(f"leader topic {harvest.topic}: present, {len(topic.partitions)} partition(s); group {harvest.group_id}")
+    have = len(topic.partitions)
+    print(f"leader topic {harvest.topic}: present, {have} partition(s); group {harvest.group_id}")
+    if have < shards or (shards > 1 and have != shards):  # as run's election refuses it
+        return [f"leader topic {harvest.topic} (harvest.leaderTopic): {have} partition(s), harvest.shards {shards}"]
     return []
 
 

@@ -174,14 +174,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _migrate(settings: ReaperSettings) -> int:
     import psycopg
 
-    from harvester.postgres.migrations import migrate
+    from harvester.postgres.migrations import ensure_shard_index, migrate
+    from harvester.postgres.sharding import shard_index
 
-    table = settings.harvest.table
+    table, shards = settings.harvest.table, settings.harvest.shards
     with connect_pg(settings, 10) as conn:
         try:
             # migrate() creates a missing schema silently; look first, so the output can say so.
             new_schema = table.schema is not None and not _schema_exists(conn, table.schema)
             applied = migrate(conn, table)
+            indexed = ensure_shard_index(conn, table, shards)
         except psycopg.Error as exc:
             raise FailError(f"migrating {table} failed: {pg_reason(exc)}", code=1) from None
     if new_schema:
@@ -190,6 +192,8 @@ def _migrate(settings: ReaperSettings) -> int:
         print(f"outbox table {table}: applied {', '.join(applied)}")
     else:
         print(f"outbox table {table}: up to date")
+    if indexed:
+        print(f"outbox table {table}: created index {shard_index(table, shards).name} for {shards} shards")
     return 0
 
 

@@ -89,7 +89,8 @@ class _HealthCache:
             latest = dict(self._latest)
         # A standby is ready too: it reaches both services and takes over at once when needed.
         ok = bool(latest.get("running") and latest.get("database_ok") and latest.get("kafka_ok"))
-        return ok, {k: latest[k] for k in ("is_leader", "database_ok", "kafka_ok", "running") if k in latest}
+        keys = ("is_leader", "leading_shards", "database_ok", "kafka_ok", "running")
+        return ok, {k: latest[k] for k in keys if k in latest}
 
 
 def run(settings: ReaperSettings, version: str) -> int:
@@ -184,7 +185,8 @@ def _serve(
     """Start the harvester and run until a signal (or its unexpected end); return the exit code."""
     import structlog
 
-    from harvester.postgres.store import OutboxMissingError, StoreError
+    from harvester.kafka.topics import TopicError
+    from harvester.postgres.store import OutboxMissingError, ShardCountError, StoreError
     from leader.election import LeaderTopicError
 
     harvest = settings.harvest
@@ -193,6 +195,10 @@ def _serve(
         harvester.start()
     except Exception as exc:
         _abandon(harvester, server)
+        if isinstance(exc, ShardCountError):  # it names the setting and both numbers
+            raise FailError(str(exc)) from None
+        if isinstance(exc, TopicError):
+            raise FailError(f"harvest.checkpointTopic: {exc}") from None
         if isinstance(exc, OutboxMissingError):
             raise FailError(f"harvest.outboxTable: {exc}") from None
         if isinstance(exc, StoreError):  # PostgreSQL unreachable, or a table of an unsupported layout
@@ -209,15 +215,18 @@ def _serve(
         "reaper_started",
         version=version,
         table=harvest.table.qualified,
+        shards=harvest.shards,
         group=harvest.group_id,
         topic=harvest.topic,
         http_port=server.port if server else None,
     )
     while not signals.stop.wait(0.5):
         if harvester.wait(0):
-            log.error("harvester_ended_unexpectedly")
             health.close()
             _close(server)
+            if harvester.failure is not None:
+                raise FailError(harvester.failure, code=1)
+            log.error("harvester_ended_unexpectedly")
             return 1
     name = signal.Signals(signals.received).name if signals.received else "signal"
     timeout = settings.shutdown.timeout.total_seconds()

@@ -3,6 +3,8 @@
 Leadership is read where it is decided: the member of the leader group that holds partition 0 of
 the leader topic leads (Kafka's admin API, describing the consumer group). The fence row in
 PostgreSQL adds the term's leader id, epoch and start, written by the leader when its term began.
+With ``shards`` > 1 the holder of partition ``i`` leads shard ``i``: each member lists its shards,
+the fence row shown is the latest term of any shard, and every shard must have a leader.
 The outbox itself gives the backlog (an exact count), the oldest record's age and the records in
 flight (marked by a leader); the dead-letter table the dead letters waiting.
 """
@@ -12,7 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
@@ -33,6 +35,7 @@ class Member:
     host: str
     member_id: str
     leads: bool
+    shards: list[int] = field(default_factory=list)  # the shards (leader topic partitions) it holds
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +74,7 @@ class Status:
     oldest_record_age_seconds: float | None
     in_flight_records: int
     dead_letters: int | None  # None without a dead-letter table
+    shards: int = 1
 
     def to_json(self) -> str:
         doc = asdict(self)
@@ -102,7 +106,13 @@ class Status:
                     "(or this host's clock is ahead of its)"
                 )
         lines.append(f"members: {len(self.members)} (group {self.group_state.lower()})")
-        lines += [f"  {m.name}  host {m.host}{'  leads' if m.leads else ''}" for m in self.members]
+        if self.shards > 1:
+            held = sorted(s for m in self.members for s in m.shards)
+            unled = sorted(set(range(self.shards)) - set(held))
+            lines.append(f"shards: {self.shards}" + (f"; without a leader: {unled}" if unled else "; every one led"))
+            lines += [f"  {m.name}  host {m.host}  shards {m.shards}" for m in self.members]
+        else:
+            lines += [f"  {m.name}  host {m.host}{'  leads' if m.leads else ''}" for m in self.members]
         age = self.oldest_record_age_seconds
         lines.append(
             f"backlog: {self.backlog_records} record(s)" + (f", oldest {age:.1f} s old" if age is not None else "")
@@ -116,9 +126,11 @@ class Status:
 
 
 def status(settings: ReaperSettings, timeout: float, *, as_json: bool) -> int:
-    """Print the status; 0 when a member leads, 1 when nobody does."""
+    """Print the status; 0 when a member leads (every shard), 1 when nobody does (some shard has none)."""
     members, state, beat = _group(settings, timeout)
     leader = next((m.name for m in members if m.leads), None)
+    shards = settings.harvest.shards
+    every = {s for m in members for s in m.shards} >= set(range(shards))
     term, backlog, oldest, in_flight, dead = _database(settings, timeout)
     report = Status(
         outbox_table=settings.harvest.table.qualified,
@@ -135,9 +147,10 @@ def status(settings: ReaperSettings, timeout: float, *, as_json: bool) -> int:
         oldest_record_age_seconds=oldest,
         in_flight_records=in_flight,
         dead_letters=dead,
+        shards=shards,
     )
     print(report.to_json() if as_json else report.to_text())
-    return 0 if leader is not None else 1
+    return 0 if leader is not None and every else 1
 
 
 def _group(settings: ReaperSettings, timeout: float) -> tuple[list[Member], str, Heartbeat | None]:
@@ -172,9 +185,10 @@ def _group(settings: ReaperSettings, timeout: float) -> tuple[list[Member], str,
     members = []
     for m in group.members:
         partitions = m.assignment.topic_partitions if m.assignment is not None else []
-        leads = any(tp.topic == harvest.topic and tp.partition == 0 for tp in partitions)
+        held = sorted(tp.partition for tp in partitions if tp.topic == harvest.topic and tp.partition < harvest.shards)
+        leads = 0 in held
         name = m.client_id.removeprefix(_CLIENT_PREFIX)
-        members.append(Member(name=name, host=m.host.lstrip("/"), member_id=m.member_id, leads=leads))
+        members.append(Member(name=name, host=m.host.lstrip("/"), member_id=m.member_id, leads=leads, shards=held))
     members.sort(key=lambda m: (not m.leads, m.name))
     return members, str(group.state.name), _last_heartbeat(settings, quiet, deadline)
 
@@ -238,7 +252,11 @@ def _database(settings: ReaperSettings, timeout: float) -> tuple[Term | None, in
             term = None
             if has_fence:
                 row = conn.execute(
-                    sql.SQL("SELECT leader_id, epoch, acquired_at FROM {} WHERE outbox_table = %s").format(fence.ident),
+                    # The latest term of any shard (the only one without shards).
+                    sql.SQL(
+                        "SELECT leader_id, epoch, acquired_at FROM {} WHERE outbox_table = %s"
+                        " ORDER BY acquired_at DESC LIMIT 1"
+                    ).format(fence.ident),
                     (table.qualified,),
                 ).fetchone()
                 if row is not None:

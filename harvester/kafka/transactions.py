@@ -5,6 +5,9 @@ The group shares one ``transactional.id``: a new leader's ``init_transactions`` 
 the previous leader left open and fences its producer, so a zombie can no longer commit. The
 checkpoint topic records, per committed batch, the outbox ids it contained; a new leader re-reads
 the checkpoints it has not seen purged and purges those ids before its first mark.
+
+A sharded outbox has one transactional id per shard, and shard ``i`` keeps its checkpoints in
+partition ``i`` of the checkpoint topic.
 """
 
 from __future__ import annotations
@@ -33,7 +36,9 @@ class Checkpoint:
 class KafkaTransactionalPublisher:
     """:class:`harvester.core.protocols.TransactionalPublisher` over confluent-kafka."""
 
-    def __init__(self, config: Mapping[str, Any], transactional_id: str, checkpoint_topic: str) -> None:
+    def __init__(
+        self, config: Mapping[str, Any], transactional_id: str, checkpoint_topic: str, partition: int = 0
+    ) -> None:
         self._config = {
             **config,
             "transactional.id": transactional_id,
@@ -42,6 +47,7 @@ class KafkaTransactionalPublisher:
             "transaction.timeout.ms": int(config.get("transaction.timeout.ms", 60000)),
         }
         self._topic = checkpoint_topic
+        self._partition = partition
         self._producer: Producer | None = None
         self._lock = threading.Lock()
         self._failures: dict[int, Exception] = {}
@@ -75,7 +81,7 @@ class KafkaTransactionalPublisher:
             for record in records:
                 self._produce(producer, record)
             checkpoint = json.dumps({"epoch": epoch, "ids": [r.id for r in records]}).encode()
-            producer.produce(self._topic, value=checkpoint, partition=0, on_delivery=self._on_checkpoint)
+            producer.produce(self._topic, value=checkpoint, partition=self._partition, on_delivery=self._on_checkpoint)
             producer.commit_transaction(60)
             return self._position
         except KafkaException as exc:
@@ -115,7 +121,7 @@ class KafkaTransactionalPublisher:
     def recover(self, position: int) -> tuple[list[int], int]:
         """Outbox ids of committed checkpoints from ``position`` on, and the end position."""
         try:
-            checkpoints, end = read_checkpoints(self._config, self._topic, position)
+            checkpoints, end = read_checkpoints(self._config, self._topic, position, self._partition)
         except (KafkaException, TimeoutError) as exc:
             raise TransactionAbortedError(f"reading checkpoints: {exc}", {}) from exc
         return [i for c in checkpoints for i in c.ids], end
@@ -127,8 +133,11 @@ class KafkaTransactionalPublisher:
             self._producer = None
 
 
-def read_checkpoints(config: Mapping[str, Any], topic: str, position: int) -> tuple[list[Checkpoint], int]:
-    """Committed checkpoints from ``position`` to the end (read committed); and the end position."""
+def read_checkpoints(
+    config: Mapping[str, Any], topic: str, position: int, partition: int = 0
+) -> tuple[list[Checkpoint], int]:
+    """Committed checkpoints of ``partition`` from ``position`` to the end (read committed); and the
+    end position."""
     consumer = Consumer(
         {
             **{k: v for k, v in config.items() if not k.startswith(("transactional", "enable.idempotence", "acks"))},
@@ -142,11 +151,11 @@ def read_checkpoints(config: Mapping[str, Any], topic: str, position: int) -> tu
     found: list[Checkpoint] = []
     end = position
     try:
-        low, high = consumer.get_watermark_offsets(TopicPartition(topic, 0), timeout=10)
+        low, high = consumer.get_watermark_offsets(TopicPartition(topic, partition), timeout=10)
         start = max(position, low)
         if start >= high:
             return found, max(position, high)
-        consumer.assign([TopicPartition(topic, 0, start)])
+        consumer.assign([TopicPartition(topic, partition, start)])
         while True:
             msg = consumer.poll(10)
             if msg is None:

@@ -18,13 +18,15 @@ import psycopg
 from psycopg import sql
 
 from harvester.postgres.identifiers import TableName
+from harvester.postgres.sharding import shard_expression, shard_index
 
 _LOCK_KEY = 0x6F7574626F78  # "outbox": serialises concurrent migrations of any table
+_INDEX_LOCK_KEY = _LOCK_KEY + 1  # serialises the shard index builds of concurrent starts
 
 Feature = Literal["fence", "dead_letter", "spark_sink"]
 # The migrations each optional feature needs; :func:`ensure` applies them on first use.
 FEATURES: dict[Feature, tuple[str, ...]] = {
-    "fence": ("0003_fence", "0007_checkpoint"),
+    "fence": ("0003_fence", "0007_checkpoint", "0009_fence_shards"),
     "dead_letter": ("0006_dead_letter", "0008_dead_letter_key_index"),
     "spark_sink": ("0005_spark_sink",),
 }
@@ -90,6 +92,7 @@ def render(migration: Migration, table: TableName, conn: psycopg.Connection[tupl
         channel=channel,
         channel_literal=q(sql.Literal(channel)),
         fence=q(fence_table(table).ident),
+        fence_literal=q(sql.Literal(fence_table(table).quoted)),
         dead_letter=q(dead_letter_table(table).ident),
         dead_letter_key_index=q(sql.Identifier(f"{table.name}_dead_letter_key_idx"[:63])),
         # Only the dead-letter migration needs it: spare the other migrations the catalog query.
@@ -161,3 +164,32 @@ def ensure(conn: psycopg.Connection[tuple[object, ...]], table: TableName, featu
 def applied(conn: psycopg.Connection[tuple[object, ...]], table: TableName) -> list[str]:
     """The versions applied to ``table``, in order (for ``reaper check``)."""
     return sorted(_recorded(conn, table))
+
+
+def ensure_shard_index(conn: psycopg.Connection[tuple[object, ...]], table: TableName, shards: int) -> bool:
+    """Create the index a shard's mark query walks when there are ``shards`` shards (none for one);
+    True if this call built it. ``conn`` must be in autocommit mode.
+
+    Built ``CONCURRENTLY``, so inserts into a large outbox go on meanwhile, and outside the ledger:
+    the index depends on the configured number of shards, not on the package's version. A build
+    left invalid by an interrupted one is dropped and done again."""
+    if shards <= 1:
+        return False
+    index = shard_index(table, shards)
+    conn.execute("SELECT pg_advisory_lock(%s)", (_INDEX_LOCK_KEY,))
+    try:
+        row = conn.execute(
+            "SELECT i.indisvalid FROM pg_index i WHERE i.indexrelid = to_regclass(%s)", (index.quoted,)
+        ).fetchone()
+        if row is not None and row[0]:
+            return False
+        if row is not None:
+            conn.execute(sql.SQL("DROP INDEX CONCURRENTLY IF EXISTS {}").format(index.ident))
+        conn.execute(
+            sql.SQL("CREATE INDEX CONCURRENTLY {} ON {} ({}, id)").format(
+                sql.Identifier(index.name), table.ident, shard_expression(shards)
+            )
+        )
+        return True
+    finally:
+        conn.execute("SELECT pg_advisory_unlock(%s)", (_INDEX_LOCK_KEY,))

@@ -18,9 +18,10 @@ from psycopg import sql
 from harvester.postgres.catalog import OutboxColumns
 from harvester.postgres.identifiers import TableName
 from harvester.postgres.migrations import dead_letter_table, fence_table
+from harvester.postgres.sharding import shard_expression
 
 _RETURNING = "id, create_time, kafka_topic, kafka_key, {value}, kafka_header_keys, kafka_header_values, {attempts}"
-_GUARD = "WITH fence AS (SELECT 1 FROM {f} WHERE outbox_table = %s AND epoch = %s FOR SHARE) "
+_GUARD = "WITH fence AS (SELECT 1 FROM {f} WHERE outbox_table = %s AND shard = %s AND epoch = %s FOR SHARE) "
 # The ids a purge is given, as a sub-select: the planner does not see how many there are and reads
 # them by the primary key, where 500 literal ids against the statistics of an outbox that was empty
 # a moment ago make a whole-table scan look cheaper (tests/engine/test_plans.py).
@@ -38,6 +39,7 @@ class Statements:
     purge: sql.Composed
     fail: sql.Composed | None  # None without the attempt columns: a failure is a reset then
     dead_letter: sql.Composed
+    recorded: sql.Composed
     acquire: sql.Composed
     epoch: sql.Composed
     checkpoint_position: sql.Composed
@@ -45,9 +47,12 @@ class Statements:
     head: sql.Composed
 
     @classmethod
-    def build(cls, table: TableName, columns: OutboxColumns, *, hold_dead_letter_keys: bool) -> Statements:
+    def build(
+        cls, table: TableName, columns: OutboxColumns, *, hold_dead_letter_keys: bool, shards: int = 1
+    ) -> Statements:
         """The statements for ``table``; with ``hold_dead_letter_keys`` the mark skips keys that
-        have a dead letter."""
+        have a dead letter. With ``shards`` > 1 the mark takes the shard and the next one as two
+        more parameters (before the ids it skips) and reads only that shard's rows."""
         t, f = table.ident, fence_table(table).ident
         dead = dead_letter_table(table).ident
         value = "kafka_value::text" if columns.limits.value_kind == "json" else "kafka_value"
@@ -56,6 +61,19 @@ class Statements:
         if hold_dead_letter_keys:
             held = sql.SQL(" AND NOT EXISTS (SELECT 1 FROM {d} WHERE {d}.kafka_key = {t}.kafka_key)")
             held = held.format(d=dead, t=t)
+        own: sql.Composable = sql.SQL("")
+        order: sql.Composable = sql.SQL("id")
+        ordered: sql.Composable = sql.SQL(" ORDER BY id")
+        if shards > 1:
+            # A range, not an equality, over the shard and an order by (shard, id): only the shard's
+            # index yields that order without sorting, and the store's sharded connections turn sorts
+            # off (harvester.postgres.sharding), so no statistics, stale or fresh, can lead the planner
+            # to another shard's rows (a primary-key walk filtering the shard) or to sorting them all.
+            # The store sorts the few rows it reads instead of the outer ORDER BY.
+            expression = shard_expression(shards)
+            own = sql.SQL("{e} >= %s AND {e} < %s AND ").format(e=expression)
+            order = sql.SQL("{}, id").format(expression)
+            ordered = sql.SQL("")
         fail = None
         if columns.tracks_attempts:
             fail = sql.SQL(
@@ -74,8 +92,8 @@ class Statements:
             mark=sql.SQL(
                 _GUARD + "SELECT " + _RETURNING.format(value=value, attempts=attempts) + " FROM {t}"
                 " WHERE EXISTS (SELECT 1 FROM fence) AND id = ANY(ARRAY("
-                "SELECT id FROM {t} WHERE id <> " + _SKIP + "{held} ORDER BY id LIMIT %s)) ORDER BY id"
-            ).format(t=t, f=f, held=held),
+                "SELECT id FROM {t} WHERE {own}id <> " + _SKIP + "{held} ORDER BY {order} LIMIT %s)){ordered}"
+            ).format(t=t, f=f, own=own, held=held, order=order, ordered=ordered),
             purge=sql.SQL(
                 _GUARD + "DELETE FROM {t} WHERE EXISTS (SELECT 1 FROM fence) AND id = " + _IDS
             ).format(t=t, f=f),
@@ -91,19 +109,26 @@ class Statements:
                 " FROM moved m JOIN unnest(%s::bigint[], %s::text[], %s::text[], %s::int[], %s::timestamptz[])"
                 " AS u(id, reason, err, attempts, first) ON u.id = m.id ON CONFLICT (id) DO NOTHING"
             ).format(t=t, d=dead, f=f),
+            recorded=sql.SQL("SELECT DISTINCT shards FROM {} WHERE outbox_table = %s ORDER BY shards").format(f),
+            # The epoch of a new term is one above every shard's of the outbox (under a lock per
+            # outbox), so no two terms of an outbox share an epoch: a reader tells shards' terms
+            # apart, and a key that moves to another shard (N changed) moves to higher epochs.
             acquire=sql.SQL(
-                "INSERT INTO {f} AS x (outbox_table, epoch, leader_id) VALUES (%s, 1, %s) "
-                "ON CONFLICT (outbox_table) DO UPDATE SET epoch = x.epoch + 1, leader_id = excluded.leader_id,"
-                " acquired_at = now() RETURNING epoch"
+                "INSERT INTO {f} AS x (outbox_table, shard, shards, epoch, leader_id)"
+                " SELECT %s, %s, %s, 1 + coalesce(max(epoch), 0), %s FROM {f} WHERE outbox_table = %s"
+                " ON CONFLICT (outbox_table, shard) DO UPDATE SET epoch = excluded.epoch,"
+                " leader_id = excluded.leader_id, acquired_at = now() RETURNING epoch"
             ).format(f=f),
-            epoch=sql.SQL("SELECT epoch FROM {} WHERE outbox_table = %s").format(f),
-            checkpoint_position=sql.SQL("SELECT checkpoint_position FROM {} WHERE outbox_table = %s").format(f),
+            epoch=sql.SQL("SELECT epoch FROM {} WHERE outbox_table = %s AND shard = %s").format(f),
+            checkpoint_position=sql.SQL(
+                "SELECT checkpoint_position FROM {} WHERE outbox_table = %s AND shard = %s"
+            ).format(f),
             # FOR UPDATE: the row lock also orders this against a newer leader's bump.
             purge_checkpointed=sql.SQL(
-                "WITH fence AS (SELECT 1 FROM {f} WHERE outbox_table = %s AND epoch = %s FOR UPDATE),"
-                " gone AS (DELETE FROM {t} WHERE EXISTS (SELECT 1 FROM fence) AND id = " + _IDS + ")"
+                "WITH fence AS (SELECT 1 FROM {f} WHERE outbox_table = %s AND shard = %s AND epoch = %s"
+                " FOR UPDATE), gone AS (DELETE FROM {t} WHERE EXISTS (SELECT 1 FROM fence) AND id = " + _IDS + ")"
                 " UPDATE {f} SET checkpoint_position = greatest(checkpoint_position, %s)"
-                " WHERE outbox_table = %s AND EXISTS (SELECT 1 FROM fence)"
+                " WHERE outbox_table = %s AND shard = %s AND EXISTS (SELECT 1 FROM fence)"
             ).format(t=t, f=f),
             head=sql.SQL(
                 "SELECT (SELECT id FROM {t} ORDER BY id LIMIT 1), (SELECT id FROM {t} ORDER BY id DESC LIMIT 1),"

@@ -28,16 +28,17 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 
 from harvester.core.identity import IdentityHeaders
-from harvester.core.protocols import FencedError, StoreError
+from harvester.core.protocols import FencedError, ShardCountError, StoreError
 from harvester.core.records import Failure, MarkedRecord
 from harvester.postgres import catalog, migrations
 from harvester.postgres.catalog import OutboxColumns, OutboxMissingError
 from harvester.postgres.identifiers import TableName
 from harvester.postgres.migrations import notify_channel
+from harvester.postgres.sharding import SHARD_PLANNER_OPTIONS, mismatch
 from harvester.postgres.statements import Statements
 from harvester.postgres.vacuum import Vacuumer
 
-__all__ = ["FencedError", "OutboxMissingError", "PostgresStore", "StoreError"]
+__all__ = ["FencedError", "OutboxMissingError", "PostgresStore", "ShardCountError", "StoreError"]
 
 
 def _malformed(key: str | None, hkeys: list[str] | None, hvalues: list[str | None] | None) -> str | None:
@@ -99,7 +100,9 @@ class _Prepared:
 
 
 class PostgresStore:
-    """The store roles of :mod:`harvester.core.protocols` over one outbox table."""
+    """The store roles of :mod:`harvester.core.protocols` over one outbox table, or over shard
+    ``shard`` of its ``shards`` (:mod:`harvester.postgres.sharding`): then it marks only that
+    shard's rows and runs under that shard's fence row."""
 
     def __init__(
         self,
@@ -111,8 +114,15 @@ class PostgresStore:
         producer_name: str | None = None,
         hold_dead_letter_keys: bool = False,
         vacuum_every: int = 0,
+        shard: int = 0,
+        shards: int = 1,
     ) -> None:
+        if not 0 <= shard < shards:
+            raise ValueError(f"shard {shard} is not one of {shards} shards")
         self._dsn = dsn
+        self._shard = shard
+        self._shards = shards
+        self._fence = (table.qualified, shard)  # the fence row: the first parameters of every guard
         self._table = table
         self._names = identity or IdentityHeaders()
         self._producer_name = producer_name
@@ -122,7 +132,10 @@ class PostgresStore:
         # outbox was small (an idle outbox, before a burst) would scan the whole table on every mark
         # and purge until autoanalyze ran; a custom plan sees the table's current size each time, for
         # a fraction of a millisecond of planning. Added to the DSN's own options, if it has any.
-        self._options = " ".join(filter(None, [_dsn_options(dsn), "-c plan_cache_mode=force_custom_plan"]))
+        options = [_dsn_options(dsn), "-c plan_cache_mode=force_custom_plan"]
+        if shards > 1:
+            options.append(SHARD_PLANNER_OPTIONS)
+        self._options = " ".join(filter(None, options))
         connect = {"connect_timeout": 5, "application_name": application_name, "options": self._options}
         self._vacuum = Vacuumer(dsn, table, vacuum_every, connect)
         self._epoch = 0
@@ -171,11 +184,14 @@ class PostgresStore:
         conn = self._conn()
         try:
             return conn.execute(query, params, prepare=True)
-        except psycopg.OperationalError as exc:
-            self._forget(conn)
-            raise StoreError(f"database error: {exc.sqlstate or type(exc).__name__}") from exc
         except psycopg.Error as exc:
-            raise StoreError(f"statement failed: {exc.sqlstate or type(exc).__name__}") from exc
+            raise self._failed(conn, exc) from exc
+
+    def _failed(self, conn: psycopg.Connection[Any], exc: psycopg.Error) -> StoreError:
+        if isinstance(exc, psycopg.OperationalError):
+            self._forget(conn)
+            return StoreError(f"database error: {exc.sqlstate or type(exc).__name__}")
+        return StoreError(f"statement failed: {exc.sqlstate or type(exc).__name__}")
 
     def _run(self, query: sql.Composed | str, params: Sequence[Any]) -> list[tuple[Any, ...]]:
         cur = self._execute(query, params)
@@ -196,10 +212,13 @@ class PostgresStore:
 
     def prepare(self) -> OutboxColumns:
         """Read the table's shape, apply the fence (and, holding dead-lettered keys, the dead-letter)
-        migrations through the ledger if they are missing, and build the statements. Idempotent.
+        migrations through the ledger if they are missing, check the number of shards against the
+        recorded one (building the shards' index if it is missing), and build the statements.
+        Idempotent.
 
         Raises :class:`OutboxMissingError` or :class:`StoreError` on a missing or unsupported table
-        or an unreachable database."""
+        or an unreachable database, :class:`ShardCountError` when other reapers harvest the outbox
+        with another number of shards."""
         if self._prepared is not None:
             return self._prepared.columns
         conn = self._conn()
@@ -208,6 +227,8 @@ class PostgresStore:
             migrations.ensure(conn, self._table, "fence")
             if self._hold:
                 migrations.ensure(conn, self._table, "dead_letter")
+            self._check_shards(conn)
+            migrations.ensure_shard_index(conn, self._table, self._shards)
             producer = self._producer_name
             if producer is None:
                 row = conn.execute("SELECT system_identifier FROM pg_control_system()").fetchone()
@@ -217,9 +238,42 @@ class PostgresStore:
             raise StoreError(f"database error: {exc.sqlstate or type(exc).__name__}") from exc
         except psycopg.Error as exc:
             raise StoreError(f"preparing {self._table} failed: {exc.sqlstate or type(exc).__name__}") from exc
-        statements = Statements.build(self._table, columns, hold_dead_letter_keys=self._hold)
+        statements = Statements.build(self._table, columns, hold_dead_letter_keys=self._hold, shards=self._shards)
         self._prepared = _Prepared(columns, statements, producer.encode("utf-8"))
         return columns
+
+    def _check_shards(self, conn: psycopg.Connection[Any]) -> None:
+        fence = migrations.fence_table(self._table)
+        rows = conn.execute(
+            sql.SQL("SELECT DISTINCT shards FROM {} WHERE outbox_table = %s").format(fence.ident),
+            (self._table.qualified,),
+        ).fetchall()
+        other = sorted({int(r[0]) for r in rows} - {self._shards})
+        if other:
+            raise ShardCountError(mismatch(self._table, self._shards, other[0]))
+
+    def sibling(self, shard: int) -> PostgresStore:
+        """A store of another shard of the same outbox, sharing what :meth:`prepare` learnt (so it
+        needs no catalog query) but no connection."""
+        prepared = self._ready()
+        store = PostgresStore(
+            self._dsn,
+            self._table,
+            application_name=self._app,
+            identity=self._names,
+            producer_name=self._producer_name,
+            hold_dead_letter_keys=self._hold,
+            vacuum_every=self._vacuum.every,
+            shard=shard,
+            shards=self._shards,
+        )
+        store._prepared = prepared
+        return store
+
+    @property
+    def shard(self) -> int:
+        """The shard this store harvests (0 when the outbox is not sharded)."""
+        return self._shard
 
     def _ready(self) -> _Prepared:
         prepared = self._prepared
@@ -240,27 +294,42 @@ class PostgresStore:
         return self._epoch
 
     def acquire(self, leader_id: UUID) -> int:
-        """Bump the fence epoch and run under the new epoch."""
-        rows = self._run(self._ready().statements.acquire, (self._table.qualified, leader_id))
-        self._epoch = int(rows[0][0])
+        """Bump the fence epoch of this store's shard and run under the new epoch.
+
+        Raises :class:`ShardCountError` when a shard's fence records another number of shards."""
+        statements = self._ready().statements
+        q = self._table.qualified
+        conn = self._conn()
+        try:
+            with conn.transaction():
+                # One acquisition of the outbox at a time: each takes an epoch above all others.
+                conn.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (f"harvester_fence {q}",))
+                other = sorted({int(r[0]) for r in conn.execute(statements.recorded, (q,))} - {self._shards})
+                if other:
+                    raise ShardCountError(mismatch(self._table, self._shards, other[0]))
+                row = conn.execute(statements.acquire, (q, self._shard, self._shards, leader_id, q)).fetchone()
+        except psycopg.Error as exc:
+            raise self._failed(conn, exc) from exc
+        assert row is not None
+        self._epoch = int(row[0])
         return self._epoch
 
     def _check_epoch(self) -> None:
         """Raise :class:`FencedError` if a newer epoch superseded ours (called on short results only)."""
-        rows = self._run(self._ready().statements.epoch, (self._table.qualified,))
+        rows = self._run(self._ready().statements.epoch, self._fence)
         current = int(rows[0][0]) if rows else 0
         if current != self._epoch:
             raise FencedError(f"fenced: epoch {self._epoch} superseded by {current}")
 
     def checkpoint_position(self) -> int:
         """Where exactly-once recovery starts reading the checkpoint topic."""
-        rows = self._run(self._ready().statements.checkpoint_position, (self._table.qualified,))
+        rows = self._run(self._ready().statements.checkpoint_position, self._fence)
         return int(rows[0][0]) if rows else 0
 
     def purge_checkpointed(self, ids: Sequence[int], position: int) -> None:
         """Purge records of committed transactions and advance the checkpoint position, atomically."""
-        q = self._table.qualified
-        cur = self._execute(self._ready().statements.purge_checkpointed, (q, self._epoch, list(ids), position, q))
+        params = (*self._fence, self._epoch, list(ids), position, *self._fence)
+        cur = self._execute(self._ready().statements.purge_checkpointed, params)
         if cur.rowcount == 0:
             raise FencedError(f"fenced: epoch {self._epoch} superseded")
         self._handed.settled(ids)
@@ -280,10 +349,13 @@ class PostgresStore:
         epoch = str(self._epoch).encode()
         names = self._names
         skip = self._handed.exclude(leader_id)
-        rows = self._run(prepared.statements.mark, (self._table.qualified, self._epoch, skip, limit))
+        own = (self._shard, self._shard + 1) if self._shards > 1 else ()
+        rows = self._run(prepared.statements.mark, (*self._fence, self._epoch, *own, skip, limit))
         if not rows:
             self._check_epoch()
             return []
+        if self._shards > 1:
+            rows.sort(key=lambda r: r[0])  # a sharded mark leaves the order to us (see statements)
         self._handed.add(leader_id, [r[0] for r in rows])
         out: list[MarkedRecord] = []
         for rid, created, topic, key, raw, hkeys, hvalues, attempts, first_failure in rows:
@@ -301,7 +373,7 @@ class PostgresStore:
         """Delete delivered records in one statement (idempotent)."""
         if not ids:
             return
-        cur = self._execute(self._ready().statements.purge, (self._table.qualified, self._epoch, list(ids)))
+        cur = self._execute(self._ready().statements.purge, (*self._fence, self._epoch, list(ids)))
         if cur.rowcount < len(ids):
             # Fenced, a retry of a purge that already committed, or rows a trigger kept: as with a
             # mark written into the rows, they stay marked until the leader id is refreshed.
@@ -324,7 +396,7 @@ class PostgresStore:
             self.reset([f.id for f in failures])
             return
         ids, errors = [f.id for f in failures], [f.error for f in failures]
-        cur = self._execute(statement, (self._table.qualified, self._epoch, ids, errors))
+        cur = self._execute(statement, (*self._fence, self._epoch, ids, errors))
         if cur.rowcount < len(failures):
             self._check_epoch()
         self._handed.settled(ids)
@@ -347,7 +419,7 @@ class PostgresStore:
         cur = self._execute(
             statement,
             (
-                self._table.qualified,
+                *self._fence,
                 self._epoch,
                 ids,
                 self._epoch,

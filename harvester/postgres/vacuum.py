@@ -49,6 +49,11 @@ class Vacuumer:
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
 
+    @property
+    def every(self) -> int:
+        """Purged records between two vacuums (0: never)."""
+        return self._every
+
     def purged(self, records: int) -> None:
         """``records`` left the outbox; start a vacuum when enough have."""
         if self._every <= 0 or records <= 0:

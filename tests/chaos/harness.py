@@ -84,6 +84,7 @@ class ChaosSettings:
     topics: int = 2
     partitions: int = 3
     harvesters: int = 3
+    shards: int = 1  # with more, every process may lead some shards; faults hit one that leads any
     min_gap: float = 2.0  # seconds between the end of one fault and the start of the next
     max_gap: float = 8.0
     heartbeat_timeout: float = 2.0
@@ -330,6 +331,7 @@ class HarvesterGroup:
             name,
             session_timeout=s.session_timeout,
             delivery=s.delivery,
+            shards=s.shards,
             limits={
                 "heartbeat_timeout": f"{int(s.heartbeat_timeout * 1000)}ms",
                 "io_error_backoff": "200ms",
@@ -365,14 +367,18 @@ class HarvesterGroup:
                 self.replace(proc)
 
     def leader(self) -> HarvesterProcess | None:
-        """The running process whose latest leadership event is LeaderAcquired (the latest such)."""
+        """The running process that leads a shard under the latest LeaderAcquired of any shard it leads."""
         best: tuple[float, HarvesterProcess] | None = None
         for proc in self.running:
             if proc.proc.poll() is not None:
                 continue
-            latest = next((e for e in reversed(list(proc.events)) if e["event"] in LEADERSHIP), None)
-            if latest is not None and latest["event"] == "LeaderAcquired" and (best is None or latest["t"] > best[0]):
-                best = (latest["t"], proc)
+            latest: dict[int, dict[str, Any]] = {}
+            for e in list(proc.events):
+                if e["event"] in LEADERSHIP:
+                    latest[int(e.get("shard", 0))] = e
+            acquired = [e["t"] for e in latest.values() if e["event"] == "LeaderAcquired"]
+            if acquired and (best is None or max(acquired) > best[0]):
+                best = (max(acquired), proc)
         return None if best is None else best[1]
 
     def wait_leader(self, timeout: float) -> HarvesterProcess | None:
@@ -391,7 +397,12 @@ class HarvesterGroup:
 
     def timeline(self, started: float) -> list[str]:
         """Every process's events (start, leadership, exit), in time order; ``started`` is wall time."""
-        events = [(e["t"], p.name, e["event"]) for p in self.running + self.retired for e in list(p.events)]
+        sharded = self._settings.shards > 1
+        events = [
+            (e["t"], p.name, e["event"] + (f" shard {e['shard']}" if sharded and "shard" in e else ""))
+            for p in self.running + self.retired
+            for e in list(p.events)
+        ]
         return [f"{t - started:7.1f}s  {name:<10} {event}" for t, name, event in sorted(events)]
 
     def save_logs(self, directory: Path) -> None:
@@ -723,7 +734,8 @@ class ChaosReport:
         by_kind = Counter(x.kind for x in self.faults)
         lines = [
             f"chaos run: seed {s.seed}, delivery {s.delivery}, {s.fault_seconds:.0f}s of faults, "
-            f"{s.harvesters} harvesters, {s.writers} writers, {s.keys}+{s.hot_keys} keys, "
+            f"{s.harvesters} harvesters{f' over {s.shards} shards' if s.shards > 1 else ''}, {s.writers} writers, "
+            f"{s.keys}+{s.hot_keys} keys, "
             f"~{s.records_per_second:.0f} records/s",
             "",
             f"{'fault':<24}{'injected':>10}{'skipped':>10}",

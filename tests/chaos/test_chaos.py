@@ -3,8 +3,10 @@ SIGKILL and SIGSTOP, Kafka and PostgreSQL restarts, terminated connections); aft
 may be lost or reordered, and no duplicate may survive de-duplication.
 
 The seed is printed (and part of every failure message); replay with ``CHAOS_SEED=<seed>``.
-``CHAOS_SECONDS`` changes the length of the fault window (default 90 s). ``bench/soak.py`` runs the
-same scenario for longer.
+``CHAOS_SECONDS`` changes the length of the fault window (default 90 s); ``CHAOS_PG_PORT`` and
+``CHAOS_KAFKA_PORT`` the private services' ports (15432 and 29092). It runs unsharded and with
+``shards: 4`` (the three processes then share the shards, and faults hit any process that leads
+one). ``bench/soak.py`` runs the same scenario for longer.
 """
 
 from __future__ import annotations
@@ -21,11 +23,19 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 # One run per delivery mode the config offers (HarvesterConfig.delivery): the checks differ by mode.
 @pytest.mark.timeout(900)
+@pytest.mark.parametrize("shards", [1, 4])
 @pytest.mark.parametrize("delivery", delivery_modes())
-def test_chaos(delivery: str) -> None:
+def test_chaos(delivery: str, shards: int) -> None:
     seed = int(os.environ.get("CHAOS_SEED") or random.SystemRandom().randrange(1 << 31))
     print(f"chaos seed {seed} (replay: CHAOS_SEED={seed})", flush=True)
-    settings = ChaosSettings(seed=seed, delivery=delivery, fault_seconds=float(os.environ.get("CHAOS_SECONDS", "90")))
+    settings = ChaosSettings(
+        seed=seed,
+        delivery=delivery,
+        shards=shards,
+        fault_seconds=float(os.environ.get("CHAOS_SECONDS", "90")),
+        pg_port=int(os.environ.get("CHAOS_PG_PORT", "15432")),
+        kafka_port=int(os.environ.get("CHAOS_KAFKA_PORT", "29092")),
+    )
     report = run_chaos(settings, log=lambda line: print(line, flush=True))
     print(report.table())
     assert report.violations() == [], report.failure_text()

@@ -81,7 +81,7 @@ def test_busy_key_does_not_stall_other_keys(
     got = read_messages(services.bootstrap, [good], 500)
     assert len(got) == 500
     assert h.in_flight_records == 1 and h.in_flight_keys == 1  # "slow" is still in flight
-    assert h._engine is not None and h._engine.queued_records == 1  # its successor waits behind it
+    assert h.queued_records == 1  # its successor waits behind it
     verdict = check(got, {f"k{i}": 5 for i in range(100)})
     assert verdict.lost == [] and verdict.out_of_order == []
 
@@ -140,7 +140,7 @@ def test_a_dead_marking_thread_makes_the_harvester_not_alive(
         raise RuntimeError("a bug, not a database error")
 
     # Not a StoreError: nothing retries it, the thread ends, and only a restart would help.
-    monkeypatch.setattr(h._store, "mark", bug)
+    monkeypatch.setattr(h._pipelines[0].store, "mark", bug)
     insert(services.pg_dsn, outbox, [(topic, "k", "k:1")])
     assert wait_until(lambda: not h.alive)
     h.stop()

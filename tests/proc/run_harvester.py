@@ -38,12 +38,14 @@ def main() -> None:
             min_poll_interval=config.limits.min_poll_interval.total_seconds(),
             session_timeout=session_timeout,
             group_heartbeat_interval=0.5,
+            partitions=config.shards,
         )
     )
 
     def on_event(event: Event) -> None:
         if not isinstance(event, MeterRead):
-            emit({"event": type(event).__name__, "leader_id": str(getattr(event, "leader_id", ""))})
+            leader_id, shard = str(getattr(event, "leader_id", "")), getattr(event, "shard", 0)
+            emit({"event": type(event).__name__, "leader_id": leader_id, "shard": shard})
 
     h = Harvester(config, on_event=on_event, elector=elector)
     done = threading.Event()
@@ -52,14 +54,14 @@ def main() -> None:
     emit({"event": "started", "name": config.name})
     done.wait()
     h.stop(timeout=10)
-    m = h.metrics
+    shards = h.shard_metrics
     emit(
         {
             "event": "exit",
-            "published": m.published._value.get(),
-            "purged": m.purged._value.get(),
-            "fenced_statements": m.fenced_statements._value.get(),
-            "fenced": m.fenced._value.get(),
+            "published": sum(m.published._value.get() for m in shards),
+            "purged": sum(m.purged._value.get() for m in shards),
+            "fenced_statements": sum(m.fenced_statements._value.get() for m in shards),
+            "fenced": sum(m.fenced._value.get() for m in shards),
         }
     )
 

@@ -1,0 +1,184 @@
+"""Sharded harvesting: the aggregate drain of one pre-loaded outbox by N shards, with CPU per record.
+
+    ./dev.sh bench shards [--records 1000000] [--keys 1000] [--runs 1x1,2x2,4x4,2x1,4x1]
+
+Each run ``SxP`` creates a fresh outbox (and the index of S shards, as ``reaper migrate`` builds
+it), starts P ``reaper run`` processes with ``shards: S`` and waits until the group coordinator has
+spread the shards over them; then one transaction COPies the backlog in (a burst that becomes
+visible at once, at its commit, like a Spark job's), and the drain is timed from that commit to the
+empty table. It prints the aggregate rate, its ratio to ``1x1`` of the same run, which process led
+which shards, and CPU seconds per 1,000 records of the reapers (together) and of PostgreSQL. A run
+with fewer processes than shards (``2x1``, ``4x1``) shows what one process leading several shards
+gets out of its threads: its CPU per wall second above 1.0 is work done outside the GIL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from confluent_kafka.admin import AdminClient
+from cpu import CpuMeter, process_seconds
+from harvest import BOOTSTRAP, DSN, copy_rows, fresh_topic
+from psycopg import sql
+
+from harvester import TableName, migrate
+from harvester.postgres.migrations import ensure_shard_index
+
+REAPER = str(Path(sys.executable).parent / "reaper")
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    shards: int
+    processes: int
+    rate: float  # records/s, first purge to empty
+    cpu_reapers: float  # CPU seconds per 1,000 records, all reaper processes
+    cpu_postgres: float
+    reaper_cores: float  # the reapers' CPU seconds per wall second of the drain
+    led: list[list[int]]  # the shards each process led when the drain ended
+
+
+class Reaper:
+    """One ``reaper run`` process; follows its JSON log for the shards it leads."""
+
+    def __init__(self, config: Path) -> None:
+        self.proc = subprocess.Popen(
+            [REAPER, "run", "-f", str(config)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        self.led: set[int] = set()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if event.get("event") == "LeaderAcquired":
+                self.led.add(int(event.get("shard", 0)))
+            elif event.get("event") in ("LeaderRevoked", "LeaderFenced"):
+                self.led.discard(int(event.get("shard", 0)))
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def config_file(directory: Path, table: TableName, shards: int, group: str) -> Path:
+    path = directory / f"{group}.yaml"
+    path.write_text(
+        json.dumps(
+            {
+                "harvest": {
+                    "dataSource": DSN,
+                    "outboxTable": table.qualified,
+                    "leaderGroupID": group,
+                    "baseKafkaConfig": {"bootstrap.servers": BOOTSTRAP},
+                    "shards": shards,
+                },
+                "logging": {"format": "json"},
+                "http": {"enabled": False},
+            }
+        ),
+        "utf-8",
+    )
+    return path
+
+
+def spread(reapers: list[Reaper], shards: int) -> bool:
+    """Every shard has a leader and every process leads some (or as many as there are shards)."""
+    sets = [set(r.led) for r in reapers]
+    busy = min(len(reapers), shards)
+    return sorted(s for led in sets for s in led) == list(range(shards)) and sum(1 for led in sets if led) == busy
+
+
+def drain(conn: psycopg.Connection[Any], shards: int, processes: int, records: int, keys: int) -> Run:
+    # Not "bench_": bench/harvest.py drops every such schema when it cleans up, other runs' too.
+    table = TableName(f"shardbench_{uuid.uuid4().hex[:8]}", "outbox")
+    migrate(conn, table)
+    topic = fresh_topic()
+    ensure_shard_index(conn, table, shards)
+    probe = sql.SQL("SELECT 1 FROM {} LIMIT 1").format(table.ident)
+    meter = CpuMeter(conn)
+    group = f"bench_{uuid.uuid4().hex[:8]}"
+    with tempfile.TemporaryDirectory() as tmp:
+        config = config_file(Path(tmp), table, shards, group)
+        reapers = [Reaper(config) for _ in range(processes)]
+        try:
+            deadline = time.monotonic() + 120
+            while not spread(reapers, shards):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"shards not spread over the reapers: {[sorted(r.led) for r in reapers]}")
+                time.sleep(0.1)
+            time.sleep(1.0)  # let the last term starts (fence, first idle mark) settle
+            conn.execute("CHECKPOINT")
+            # One transaction: the whole backlog becomes visible at once, at its commit.
+            copy_rows(conn, table, topic, records, keys)
+            pids = [r.proc.pid for r in reapers]
+            before, own_before, started = meter.sample(), sum(map(process_seconds, pids)), time.perf_counter()
+            while conn.execute(probe).fetchone() is not None:
+                time.sleep(0.02)
+            elapsed = time.perf_counter() - started
+            after, own_after = meter.sample(), sum(map(process_seconds, pids))
+            led = [sorted(r.led) for r in reapers]
+        finally:
+            for r in reapers:
+                r.stop()
+    conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(str(table.schema))))
+    admin = AdminClient({"bootstrap.servers": BOOTSTRAP})
+    for future in admin.delete_topics([topic, f"{group}.neli"]).values():
+        future.result(30)
+    scale = 1000 / records
+    return Run(
+        shards,
+        processes,
+        records / elapsed,
+        (own_after - own_before) * scale,
+        (after.postgres - before.postgres) * scale,
+        (own_after - own_before) / elapsed,
+        led,
+    )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--records", type=int, default=1_000_000, help="backlog COPied in one transaction per run")
+    p.add_argument("--keys", type=int, default=1000)
+    p.add_argument("--runs", default="1x1,2x2,4x4,2x1,4x1", help="comma-separated SHARDSxPROCESSES")
+    args = p.parse_args()
+    runs = [tuple(int(n) for n in r.split("x")) for r in args.runs.split(",")]
+    print(f"workload: bursts of {args.records} records, {args.keys} keys, default limits; {os.cpu_count()} cores")
+    print("run   records/s  vs 1x1  reapers CPU s/1k  PostgreSQL CPU s/1k  reaper cores  shards led per process")
+    base: float | None = None
+    with psycopg.connect(DSN, autocommit=True) as conn:
+        for shards, processes in runs:
+            r = drain(conn, shards, processes, args.records, args.keys)
+            base = r.rate if base is None and (shards, processes) == (1, 1) else base
+            ratio = f"{r.rate / base:5.2f}x" if base else "   - "
+            print(
+                f"{shards}x{processes}  {r.rate:10.0f}  {ratio}  {r.cpu_reapers:17.3f}  {r.cpu_postgres:19.3f}"
+                f"  {r.reaper_cores:12.2f}  {r.led}",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
