@@ -5,6 +5,7 @@ move; another number of shards is refused; one shard harvests a plain goharvest 
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import signal
 import subprocess
@@ -43,9 +44,14 @@ Spawn = Callable[..., HarvesterProcess]
 
 
 @pytest.fixture
-def spawn(services: Services, outbox: TableName) -> Iterator[Spawn]:
+def group() -> str:
+    """The leader group of this test's harvester processes."""
+    return unique("group")
+
+
+@pytest.fixture
+def spawn(services: Services, outbox: TableName, group: str) -> Iterator[Spawn]:
     """Factory of harvester processes of one group over this test's outbox; stopped afterwards."""
-    group = unique("group")
     made: list[HarvesterProcess] = []
 
     def make(name: str, table: TableName = outbox, **settings: object) -> HarvesterProcess:
@@ -320,3 +326,43 @@ def test_a_running_reaper_stops_when_the_recorded_number_of_shards_changes(
     )
     left = pg.execute(sql.SQL("SELECT count(*) FROM {} WHERE leader_id IS NULL").format(outbox.ident)).fetchone()
     assert left == (20,)  # fenced before it marked anything
+
+
+def test_reaper_status_names_each_members_shards(
+    services: Services, outbox: TableName, spawn: Spawn, group: str, tmp_path: Path
+) -> None:
+    members = [spawn("a", shards=SHARDS), spawn("b", shards=SHARDS)]
+    assert wait_until(lambda: spread(members), timeout=90)
+    path = tmp_path / "reaper.yaml"
+    path.write_text(
+        f"harvest:\n  dataSource: {services.pg_dsn}\n  outboxTable: {outbox.qualified}\n"
+        f"  leaderGroupID: {group}\n  shards: {SHARDS}\n"
+        f"  baseKafkaConfig:\n    bootstrap.servers: '{services.bootstrap}'\n",
+        "utf-8",
+    )
+    found = subprocess.run(
+        [sys.executable, "-m", "harvester.daemon.cli", "status", "-f", str(path), "--json"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+        check=False,
+    )
+    assert found.returncode == 0, found.stdout + found.stderr
+    doc = json.loads(found.stdout)
+    assert doc["shards"] == SHARDS
+    # (the processes' member names are the elector's defaults, host and pid)
+    assert sorted(m["shards"] for m in doc["members"]) == sorted(sorted(leading(m)) for m in members)
+    members[1].terminate()
+    assert wait_until(lambda: leading(members[0]) == set(range(SHARDS)), timeout=60)
+    text = subprocess.run(
+        [sys.executable, "-m", "harvester.daemon.cli", "status", "-f", str(path)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+        check=False,
+    )
+    assert text.returncode == 0, text.stdout + text.stderr
+    assert f"shards: {SHARDS}; every one led" in text.stdout
+    assert f"shards {list(range(SHARDS))}" in text.stdout
