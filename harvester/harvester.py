@@ -8,7 +8,7 @@ only. The pipelines are threads of this process (docs/sharding.md says what that
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from uuid import UUID
@@ -56,11 +56,12 @@ def elector_config(config: HarvesterConfig) -> ElectorConfig:
     )
 
 
-def neli_elector(config: HarvesterConfig) -> Elector:
-    """The default elector: Fast NELI over the configured leader group and topic."""
+def neli_elector(config: HarvesterConfig, report: Callable[[int], Mapping[str, int]] | None = None) -> Elector:
+    """The default elector: Fast NELI over the configured leader group and topic; its heartbeats
+    carry ``report`` of their shard."""
     from leader import NeliElector
 
-    return NeliElector(elector_config(config))
+    return NeliElector(elector_config(config), report=report)
 
 
 @runtime_checkable
@@ -119,7 +120,7 @@ class Harvester:
             shards=shards,
         )
         self._pipelines = [_Pipeline(store, per_shard[0])]  # the other shards' are built by start()
-        self._elector = elector if elector is not None else neli_elector(config)
+        self._elector = elector if elector is not None else neli_elector(config, self._heartbeat_report)
         if shards > 1 and not isinstance(self._elector, ShardedElector):
             raise ValueError(f"shards: {shards} needs an elector of several shards (status_of), such as NeliElector")
         self._failure: str | None = None
@@ -273,6 +274,12 @@ class Harvester:
     def leader_id(self) -> UUID | None:
         """The id this instance marks records with, while leader (of the first shard it leads)."""
         return next((e.leader_id for e in self._engines if e.leader_id is not None), None)
+
+    def _heartbeat_report(self, shard: int) -> Mapping[str, int]:
+        """What a shard's heartbeats tell ``reaper status``: the records its leader has marked and
+        not yet purged (marks live in the leader's memory, not in the table)."""
+        engine = self._pipelines[shard].engine if shard < len(self._pipelines) else None
+        return {"in_flight": engine.in_flight_records + engine.queued_records} if engine is not None else {}
 
     @property
     def in_flight_records(self) -> int:

@@ -17,7 +17,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 from uuid import UUID
 
@@ -138,9 +138,16 @@ class NeliElector:
     return, but no longer than ``max_poll_interval``); ``LeaderFenced`` handlers must return at once.
     """
 
-    def __init__(self, config: ElectorConfig, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        config: ElectorConfig,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        report: Callable[[int], Mapping[str, int]] | None = None,
+    ) -> None:
         self._config = config
         self._clock = clock
+        self._report = report  # fields a partition's heartbeats carry (its leader's records in flight)
         self._lock = threading.Lock()
         self._states = [NeliState(config.heartbeat_timeout, shard=p) for p in range(config.partitions)]
         self._stopping = threading.Event()
@@ -325,7 +332,11 @@ class NeliElector:
         self._seq += 1
         try:
             self._producer.produce(
-                self._config.topic, partition=partition, value=encode_heartbeat(beat_id, self._seq, self._config.name)
+                self._config.topic,
+                partition=partition,
+                value=encode_heartbeat(
+                    beat_id, self._seq, self._config.name, self._report(partition) if self._report else None
+                ),
             )
         except (BufferError, KafkaException) as e:
             log.warning("heartbeat_not_enqueued", error=str(e), shard=partition)

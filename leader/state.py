@@ -22,7 +22,7 @@ and forwards the events it returns. Rules:
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from uuid import UUID, uuid4
 
 from leader.events import LeaderAcquired, LeaderEvent, LeaderFenced, LeaderRevoked, LeaderStatus
@@ -30,12 +30,12 @@ from leader.events import LeaderAcquired, LeaderEvent, LeaderFenced, LeaderRevok
 HEARTBEAT_FORMAT = "neli-heartbeat/1"
 
 
-def encode_heartbeat(leader_id: UUID, seq: int, member: str) -> bytes:
-    """The value of a heartbeat message: JSON naming the term (``leader_id``) that sent it."""
-    return json.dumps(
-        {"format": HEARTBEAT_FORMAT, "leader_id": str(leader_id), "seq": seq, "member": member},
-        separators=(",", ":"),
-    ).encode()
+def encode_heartbeat(leader_id: UUID, seq: int, member: str, report: Mapping[str, int] | None = None) -> bytes:
+    """The value of a heartbeat message: JSON naming the term (``leader_id``) that sent it, with the
+    leader's ``report`` (such as its records in flight) for readers like ``reaper status``."""
+    doc: dict[str, object] = {**(report or {})}
+    doc.update(format=HEARTBEAT_FORMAT, leader_id=str(leader_id), seq=seq, member=member)
+    return json.dumps(doc, separators=(",", ":")).encode()
 
 
 def decode_heartbeat(value: bytes | None) -> UUID | None:

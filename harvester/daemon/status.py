@@ -49,11 +49,13 @@ class Term:
 
 @dataclass(frozen=True, slots=True)
 class Heartbeat:
-    """The newest heartbeat on partition 0 of the leader topic: who sent it, for which term, how long ago."""
+    """The newest heartbeat on a partition of the leader topic: who sent it, for which term, how long
+    ago, and the records its leader had in flight (None from a reaper that does not report them)."""
 
     member: str
     leader_id: str
     age_seconds: float  # by the sender's clock: the message's timestamp against this host's
+    in_flight: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +74,7 @@ class Status:
     heartbeat_timeout_seconds: float
     backlog_records: int
     oldest_record_age_seconds: float | None
-    in_flight_records: int
+    in_flight_records: int | None  # from the leaders' heartbeats: marks are kept in memory, not in the table
     dead_letters: int | None  # None without a dead-letter table
     shards: int = 1
 
@@ -117,7 +119,10 @@ class Status:
         lines.append(
             f"backlog: {self.backlog_records} record(s)" + (f", oldest {age:.1f} s old" if age is not None else "")
         )
-        lines.append(f"in flight: {self.in_flight_records} record(s) marked by a leader")
+        if self.in_flight_records is None:
+            lines.append("in flight: not reported (no leader's heartbeat carries it)")
+        else:
+            lines.append(f"in flight: {self.in_flight_records} record(s) marked, as the leaders' heartbeats report")
         if self.dead_letters is None:
             lines.append("dead letters: none (no dead-letter table)")
         else:
@@ -127,11 +132,14 @@ class Status:
 
 def status(settings: ReaperSettings, timeout: float, *, as_json: bool) -> int:
     """Print the status; 0 when a member leads (every shard), 1 when nobody does (some shard has none)."""
-    members, state, beat = _group(settings, timeout)
+    members, state, beats = _group(settings, timeout)
     leader = next((m.name for m in members if m.leads), None)
     shards = settings.harvest.shards
     every = {s for m in members for s in m.shards} >= set(range(shards))
-    term, backlog, oldest, in_flight, dead = _database(settings, timeout)
+    term, backlog, oldest, dead = _database(settings, timeout)
+    # Only shards someone leads now: a gone leader's last heartbeat says nothing about the present.
+    led = {s for m in members for s in m.shards}
+    reported = [b.in_flight for shard, b in beats.items() if shard in led and b.in_flight is not None]
     report = Status(
         outbox_table=settings.harvest.table.qualified,
         group=settings.harvest.group_id,
@@ -141,11 +149,11 @@ def status(settings: ReaperSettings, timeout: float, *, as_json: bool) -> int:
         members=members,
         leader=leader,
         term=term,
-        heartbeat=beat,
+        heartbeat=beats.get(0),
         heartbeat_timeout_seconds=settings.harvest.limits.heartbeat_timeout.total_seconds(),
         backlog_records=backlog,
         oldest_record_age_seconds=oldest,
-        in_flight_records=in_flight,
+        in_flight_records=sum(reported) if reported else None,
         dead_letters=dead,
         shards=shards,
     )
@@ -153,8 +161,9 @@ def status(settings: ReaperSettings, timeout: float, *, as_json: bool) -> int:
     return 0 if leader is not None and every else 1
 
 
-def _group(settings: ReaperSettings, timeout: float) -> tuple[list[Member], str, Heartbeat | None]:
-    """The leader group's members and state, as the group coordinator knows them, and the newest heartbeat."""
+def _group(settings: ReaperSettings, timeout: float) -> tuple[list[Member], str, dict[int, Heartbeat]]:
+    """The leader group's members and state, as the group coordinator knows them, and the newest
+    heartbeat of each shard."""
     from confluent_kafka import KafkaException
     from confluent_kafka.admin import AdminClient
 
@@ -190,11 +199,11 @@ def _group(settings: ReaperSettings, timeout: float) -> tuple[list[Member], str,
         name = m.client_id.removeprefix(_CLIENT_PREFIX)
         members.append(Member(name=name, host=m.host.lstrip("/"), member_id=m.member_id, leads=leads, shards=held))
     members.sort(key=lambda m: (not m.leads, m.name))
-    return members, str(group.state.name), _last_heartbeat(settings, quiet, deadline)
+    return members, str(group.state.name), _last_heartbeats(settings, quiet, deadline)
 
 
-def _last_heartbeat(settings: ReaperSettings, quiet: logging.Logger, deadline: float) -> Heartbeat | None:
-    """Read the last message of partition 0 of the leader topic, without joining any group."""
+def _last_heartbeats(settings: ReaperSettings, quiet: logging.Logger, deadline: float) -> dict[int, Heartbeat]:
+    """The last message of each shard's partition of the leader topic, read without joining any group."""
     from confluent_kafka import Consumer, KafkaException, TopicPartition
 
     from leader.state import HEARTBEAT_FORMAT
@@ -203,34 +212,46 @@ def _last_heartbeat(settings: ReaperSettings, quiet: logging.Logger, deadline: f
     # A group id is required by the client, but assign() joins no group and nothing is committed.
     config = {**harvest.base_kafka_config, "group.id": f"{harvest.group_id}.status", "enable.auto.commit": False}
     consumer = Consumer({**config, "logger": quiet})
+    beats: dict[int, Heartbeat] = {}
     try:
-        partition = TopicPartition(harvest.topic, 0)
-        try:
-            low, high = consumer.get_watermark_offsets(partition, timeout=max(1.0, deadline - time.monotonic()))
-        except KafkaException:
-            return None  # no leader topic yet: nobody ever led
-        if high <= low:
-            return None
-        consumer.assign([TopicPartition(harvest.topic, 0, high - 1)])
-        while time.monotonic() < deadline + 5:
+        last: list[TopicPartition] = []
+        for shard in range(harvest.shards):
+            partition = TopicPartition(harvest.topic, shard)
+            try:
+                low, high = consumer.get_watermark_offsets(partition, timeout=max(1.0, deadline - time.monotonic()))
+            except KafkaException:
+                return beats  # no leader topic yet: nobody ever led
+            if high > low:
+                last.append(TopicPartition(harvest.topic, shard, high - 1))
+        consumer.assign(last)
+        waiting = {tp.partition for tp in last}
+        while waiting and time.monotonic() < deadline + 5:
             message = consumer.poll(0.5)
-            if message is None or message.error() is not None:
+            got = message.partition() if message is not None and message.error() is None else None
+            if message is None or got is None or got not in waiting:
                 continue
+            waiting.discard(got)
             try:
                 doc = json.loads(message.value() or b"")
             except ValueError:
-                return None
+                continue
             if not isinstance(doc, dict) or doc.get("format") != HEARTBEAT_FORMAT:
-                return None
+                continue
             age = max(0.0, time.time() - message.timestamp()[1] / 1000)
-            return Heartbeat(member=str(doc.get("member")), leader_id=str(doc.get("leader_id")), age_seconds=age)
-        return None
+            in_flight = doc.get("in_flight")
+            beats[got] = Heartbeat(
+                member=str(doc.get("member")),
+                leader_id=str(doc.get("leader_id")),
+                age_seconds=age,
+                in_flight=in_flight if isinstance(in_flight, int) else None,
+            )
+        return beats
     finally:
         consumer.close()
 
 
-def _database(settings: ReaperSettings, timeout: float) -> tuple[Term | None, int, float | None, int, int | None]:
-    """The fence row, the outbox's backlog, oldest age and marked records, and the dead letters waiting."""
+def _database(settings: ReaperSettings, timeout: float) -> tuple[Term | None, int, float | None, int | None]:
+    """The fence row, the outbox's backlog and oldest age, and the dead letters waiting."""
     import psycopg
     from psycopg import sql
 
@@ -265,7 +286,7 @@ def _database(settings: ReaperSettings, timeout: float) -> tuple[Term | None, in
                     )
             counts = conn.execute(
                 sql.SQL(
-                    "SELECT count(*), count(leader_id),"
+                    "SELECT count(*),"
                     " extract(epoch FROM now() - (SELECT create_time FROM {t} ORDER BY id LIMIT 1))::float8 FROM {t}"
                 ).format(t=table.ident)
             ).fetchone()
@@ -276,5 +297,5 @@ def _database(settings: ReaperSettings, timeout: float) -> tuple[Term | None, in
                 dead_letters = int(row[0]) if row else 0
         except psycopg.Error as exc:
             raise FailError(f"PostgreSQL: reading {table} failed: {pg_reason(exc)}", code=1) from None
-    oldest = float(counts[2]) if counts[2] is not None else None
-    return term, int(counts[0]), oldest, int(counts[1]), dead_letters
+    oldest = float(counts[1]) if counts[1] is not None else None
+    return term, int(counts[0]), oldest, dead_letters

@@ -136,6 +136,9 @@ def test_heartbeat_codec() -> None:
     assert decode_heartbeat(value) == term
     for junk in (None, b"", b"not json", b"[]", b'{"leader_id": "x"}', b'{"format": "neli-heartbeat/1"}'):
         assert decode_heartbeat(junk) is None
+    # A leader's report rides along; it cannot override the heartbeat's own fields.
+    reported = json.loads(encode_heartbeat(term, 8, "member-a", {"in_flight": 42, "seq": 0}))
+    assert (reported["in_flight"], reported["seq"], reported["member"]) == (42, 8, "member-a")
 
 
 @pytest.mark.parametrize("how", ["deadline", "lost"])
