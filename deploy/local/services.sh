@@ -136,7 +136,7 @@ pg_running() { [ -f "$PG_DATA/postmaster.pid" ] && as_pg "$(pg_ctl_bin)" -D "$PG
 pg_start() {
   pg_install
   local bin; bin=$(pg_bindir)
-  if pg_running; then say "postgres: already running on 127.0.0.1:$PGPORT"; return 0; fi
+  if pg_running; then pg_ensure_logical; say "postgres: already running on 127.0.0.1:$PGPORT"; return 0; fi
   if port_open "$PGPORT"; then
     die "port $PGPORT is taken by a process this script did not start; set PGPORT to a free port, or point the tests at that server (see README, 'Development')"
   fi
@@ -152,9 +152,12 @@ max_connections = 200
 shared_buffers = 256MB
 fsync = on
 synchronous_commit = on
+wal_level = logical
+max_replication_slots = 20
+max_wal_senders = 20
 CONF
     # Loopback only, trust: this cluster exists for local development and tests.
-    printf 'local all all trust\nhost all all 127.0.0.1/32 trust\n' >"$PG_DATA/pg_hba.conf"
+    printf 'local all all trust\nhost all all 127.0.0.1/32 trust\nhost replication all 127.0.0.1/32 trust\n' >"$PG_DATA/pg_hba.conf"
   fi
   local made_by major
   made_by=$(cat "$PG_DATA/PG_VERSION")
@@ -169,7 +172,20 @@ CONF
   if [ -z "$("${psql[@]}" -c "SELECT 1 FROM pg_database WHERE datname='$PG_DB'")" ]; then
     "${psql[@]}" -c "CREATE DATABASE $PG_DB OWNER $PG_USER" >/dev/null
   fi
+  pg_ensure_logical
   say "postgres: started on 127.0.0.1:$PGPORT"
+}
+
+# The log source (and bench/peers' Debezium) read the outbox through logical decoding. A cluster
+# created before this setting existed gets it once, with one restart.
+pg_ensure_logical() {
+  local bin; bin=$(pg_bindir)
+  local psql=(as_pg "$bin/psql" -h 127.0.0.1 -p "$PGPORT" -U postgres -d postgres -qtAX -v ON_ERROR_STOP=1)
+  [ "$("${psql[@]}" -c "SHOW wal_level")" = logical ] && return 0
+  say "postgres: setting wal_level = logical (one restart) ..."
+  "${psql[@]}" -c "ALTER SYSTEM SET wal_level = logical" >/dev/null
+  as_pg "$bin/pg_ctl" -D "$PG_DATA" -l "$PG_LOG" -o "-p $PGPORT" -m fast -w -t 60 restart >/dev/null ||
+    { tail -n 20 "$PG_LOG" >&2; die "PostgreSQL did not restart with wal_level = logical (log: $PG_LOG)"; }
 }
 
 pg_stop() {
