@@ -8,13 +8,17 @@ Defaults match goharvest's documented defaults.
 from __future__ import annotations
 
 import os
+import re
 import socket
 from typing import Any, Literal
 
-from pydantic import AliasChoices, BaseModel, Field, field_validator
+from pydantic import AliasChoices, BaseModel, Field, field_validator, model_validator
 
 from harvester.core.limits import BOTH_SPELLINGS, Limits
 from harvester.postgres.identifiers import TableName
+
+# PostgreSQL's rule for replication slot names; publications follow it too here, for symmetry.
+_SLOT = re.compile(r"^[a-z0-9_]{1,63}$")
 
 
 class HarvesterConfig(BaseModel):
@@ -79,7 +83,46 @@ class HarvesterConfig(BaseModel):
         description="Split the outbox's keys into this many shards, each harvested by its own leader "
         "(docs/sharding.md); every reaper of a group must use the same number.",
     )
+    source: Literal["mark_purge", "log"] = Field(
+        default="mark_purge",
+        description="mark_purge: mark, publish, purge rows of the table; log: read the table's inserts from a "
+        "logical replication slot (needs wal_level=logical; see docs/log-source.md).",
+    )
+    log_slot: str | None = Field(
+        default=None, description="Replication slot of the log source; default 'harvester_<schema>_<table>'."
+    )
+    log_publication: str | None = Field(
+        default=None, description="Publication of the log source; default the slot's name."
+    )
     limits: Limits = Field(default_factory=Limits)
+
+    @field_validator("log_slot", "log_publication")
+    @classmethod
+    def _slot_name(cls, value: str | None) -> str | None:
+        if value is not None and not _SLOT.match(value):
+            raise ValueError(f"{value!r}: 1-63 lower-case letters, digits or underscores")
+        return value
+
+    @model_validator(mode="after")
+    def _log_source(self) -> HarvesterConfig:
+        if self.source == "log" and self.delivery == "exactly_once":
+            raise ValueError("source 'log' does not support delivery 'exactly_once' yet: use at_least_once")
+        if self.source == "log" and self.shards > 1:
+            raise ValueError("source 'log' reads one replication slot: it does not support shards > 1")
+        if self.source == "log" and self.dead_letter_policy == "hold_key":
+            raise ValueError("source 'log' does not support deadLetterPolicy 'hold_key': use release")
+        return self
+
+    @property
+    def slot(self) -> str:
+        """The log source's replication slot."""
+        default = re.sub(r"[^a-z0-9_]", "_", f"harvester_{self.table.qualified}".lower())
+        return self.log_slot or default[:63]
+
+    @property
+    def publication(self) -> str:
+        """The log source's publication."""
+        return self.log_publication or self.slot
 
     @field_validator("outbox_table")
     @classmethod

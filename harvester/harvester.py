@@ -30,6 +30,8 @@ from harvester.core.protocols import BatchScope, DeliveryCallback, Elector, Stor
 from harvester.kafka.publisher import KafkaPublisher, producer_config
 from harvester.kafka.topics import ensure_topic, require_partitions
 from harvester.kafka.transactions import KafkaTransactionalPublisher
+from harvester.postgres.log_store import LogStore
+from harvester.postgres.logical import LogSetup
 from harvester.postgres.store import PostgresStore
 
 if TYPE_CHECKING:
@@ -109,15 +111,18 @@ class Harvester:
         self.metrics = per_shard[0]
         self._shard_metrics = per_shard
         self._on_event = on_event
-        store = PostgresStore(
-            config.data_source,
-            config.table,
-            application_name=f"outbox-harvester {config.name}"[:63],
-            identity=IdentityHeaders(config.identity_header_prefix),
-            producer_name=config.producer_name,
-            hold_dead_letter_keys=config.dead_letter_policy == "hold_key",
-            vacuum_every=config.limits.vacuum_every_records,
-            shards=shards,
+        options: dict[str, Any] = {
+            "application_name": f"outbox-harvester {config.name}"[:63],
+            "identity": IdentityHeaders(config.identity_header_prefix),
+            "producer_name": config.producer_name,
+            "hold_dead_letter_keys": config.dead_letter_policy == "hold_key",
+            "vacuum_every": config.limits.vacuum_every_records,
+            "shards": shards,
+        }
+        store = (
+            LogStore(config.data_source, LogSetup(config.table, config.slot, config.publication), **options)
+            if config.source == "log"
+            else PostgresStore(config.data_source, config.table, **options)
         )
         self._pipelines = [_Pipeline(store, per_shard[0])]  # the other shards' are built by start()
         self._elector = elector if elector is not None else neli_elector(config, self._heartbeat_report)
@@ -334,6 +339,15 @@ class Harvester:
                 continue
             self.metrics.backlog.set(backlog)
             self.metrics.oldest_age.set(age or 0.0)
+            store = self._pipelines[0].store
+            if isinstance(store, LogStore):
+                try:
+                    slot = store.slot_bytes()
+                except StoreError:
+                    slot = None
+                if slot is not None:
+                    self.metrics.slot_lag.set(slot[0])
+                    self.metrics.slot_retained.set(slot[1])
             engines, shards = self._engines, self.shard_metrics
             stats = {
                 "backlog": float(backlog),

@@ -66,6 +66,12 @@ class HarvesterMetrics:
             registry=r,
         )
         self.backlog = Gauge("harvester_outbox_backlog_records", "Outbox records (id span, sampled).", registry=r)
+        self.slot_lag = Gauge(
+            "harvester_log_slot_lag_bytes", "WAL bytes the log source's slot has not consumed (sampled).", registry=r
+        )
+        self.slot_retained = Gauge(
+            "harvester_log_slot_retained_bytes", "WAL bytes the log source's slot retains (sampled).", registry=r
+        )
         self.oldest_age = Gauge(
             "harvester_outbox_oldest_record_age_seconds", "Age of the oldest outbox record (sampled).", registry=r
         )

@@ -1,0 +1,279 @@
+"""The log source: the outbox's inserts read from a logical replication slot (``pgoutput`` over a
+publication of the table), in commit order, instead of marked in the table.
+
+Reading: ``pg_logical_slot_peek_binary_changes`` returns whole committed transactions from the
+slot's position on, without moving it. The store keeps the transactions it read, in commit order,
+until every record of each is done (acknowledged and deleted, or dead-lettered); then it advances
+the slot past the done prefix with ``pg_replication_slot_advance``. The advance and the deletes run
+under the epoch fence, so a fenced process moves neither the slot nor the table; a new leader starts
+reading where the slot stands, so it republishes whatever was not yet confirmed (at least once).
+
+``mark(leader_id, ...)`` keeps the engine's meaning: it hands out records not yet handed out under
+``leader_id``. A new leader id (a new term, or a forced remark after a failure) starts a new pass
+over the slot, which hands out every record of the unadvanced transactions that is not done yet.
+Within a pass a peek skips the transactions already handed out; while many records are handed out
+and not done, the next peek waits for their completion rather than read them all again.
+
+Why the SQL functions and not the streaming replication protocol: psycopg 3 does not speak the
+replication protocol, and the functions run on the store's ordinary connections (with the fence in
+the same statement as the advance). The price: each peek and advance decodes the log again from the
+slot's restart position (docs/log-source.md).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+from uuid import UUID
+
+import psycopg
+from psycopg import sql
+
+from harvester.core.protocols import StoreError
+from harvester.core.records import Failure, MarkedRecord
+from harvester.postgres import logical, pgoutput
+from harvester.postgres.logical import LogSetup
+from harvester.postgres.migrations import fence_table
+from harvester.postgres.store import PostgresStore, _malformed
+
+# Changes (messages) one peek returns at most; it always ends at a transaction's end.
+_PEEK_CHANGES = 20_000
+# Text forms the decoding session writes values in: fixed, whatever the server's defaults are.
+_SESSION = "-c DateStyle=ISO -c TimeZone=UTC -c bytea_output=hex"
+
+
+@dataclass(slots=True, eq=False)
+class _Transaction:
+    end_lsn: int
+    pending: set[int] = field(default_factory=set)  # ids read and not done yet
+
+
+class _Columns:
+    """Where the outbox's columns are in a Relation message's tuple."""
+
+    def __init__(self, relation: pgoutput.Relation) -> None:
+        index = {name: i for i, name in enumerate(relation.columns)}
+        try:
+            self.id, self.time, self.topic, self.key, self.value, self.hkeys, self.hvalues = (
+                index[c]
+                for c in (
+                    "id",
+                    "create_time",
+                    "kafka_topic",
+                    "kafka_key",
+                    "kafka_value",
+                    "kafka_header_keys",
+                    "kafka_header_values",
+                )
+            )
+        except KeyError as exc:
+            raise StoreError(f"the published outbox has no column {exc.args[0]}") from None
+
+
+class LogStore(PostgresStore):
+    """:class:`PostgresStore` whose records come from a logical replication slot."""
+
+    def __init__(self, dsn: str, setup: LogSetup, **options: Any) -> None:
+        super().__init__(dsn, setup.table, **options)
+        self._setup = setup
+        self._options = f"{self._options} {_SESSION}"
+        self._slot_lock = threading.Lock()  # one reader of the slot at a time in this process
+        self._state = threading.Lock()  # guards everything below (mark and completion threads)
+        self._pass: UUID | None = None  # the leader id of the current pass over the slot
+        self._buffer: deque[MarkedRecord] = deque()  # read in this pass, not yet handed out
+        self._read_upto = 0  # end LSN of the last transaction read in this pass
+        self._transactions: deque[_Transaction] = deque()  # read, not yet advanced past
+        self._by_end: dict[int, _Transaction] = {}
+        self._of_id: dict[int, _Transaction] = {}
+        self._relations: dict[int, _Columns] = {}
+        self._deferred = threading.Event()  # clear while a peek waits for completions
+        self._deferred.set()
+        self._defer_below = 0  # ... until fewer records than this are handed out and not done
+        self._oid = 0  # the outbox table's oid, as Relation and Insert messages name it
+        self._peek: sql.Composed | None = None
+        self._advance: sql.Composed | None = None
+
+    def prepare(self) -> Any:
+        """As :meth:`PostgresStore.prepare`, and check that the slot and publication can be read."""
+        columns = super().prepare()
+        if self._peek is None:
+            try:
+                problems = logical.missing(self._conn(), self._setup)
+            except psycopg.Error as exc:
+                raise StoreError(f"checking the log source failed: {exc.sqlstate or type(exc).__name__}") from exc
+            if problems:
+                raise StoreError(f"log source: {problems[0]}")
+            row = self._run("SELECT to_regclass(%s)::oid", (self._table.quoted,))
+            self._oid = int(row[0][0])
+            self._peek = sql.SQL(
+                "SELECT data FROM pg_logical_slot_peek_binary_changes(%s, NULL, %s,"
+                " 'proto_version', '1', 'publication_names', %s)"
+            ).format()
+            # The fence row stays share-locked while the slot moves: a newer epoch's bump waits for it.
+            self._advance = sql.SQL(
+                "WITH fence AS (SELECT 1 FROM {f} WHERE outbox_table = %s AND epoch = %s FOR SHARE)"
+                " SELECT pg_replication_slot_advance(s.slot_name, greatest(%s::pg_lsn, s.confirmed_flush_lsn))"
+                " FROM fence, pg_replication_slots s WHERE s.slot_name = %s"
+            ).format(f=fence_table(self._table).ident)
+        return columns
+
+    @property
+    def tracks_attempts(self) -> bool:
+        """False: a record read from the log carries no attempt count, the engine keeps it."""
+        return False
+
+    # ------------------------------------------------------------------ terms and reading
+
+    def acquire(self, leader_id: UUID) -> int:
+        """Bump the fence epoch; the term reads from the slot's position as it is now."""
+        epoch = super().acquire(leader_id)
+        with self._state:
+            self._pass = None
+            self._buffer.clear()
+            self._transactions.clear()
+            self._by_end.clear()
+            self._of_id.clear()
+        self._deferred.set()
+        return epoch
+
+    def mark(self, leader_id: UUID, limit: int) -> list[MarkedRecord]:
+        """Up to ``limit`` records in commit order, not yet handed out under ``leader_id``."""
+        with self._state:
+            if self._pass != leader_id:
+                self._pass, self._read_upto = leader_id, 0
+                self._buffer.clear()
+            elif not self._buffer and len(self._of_id) > limit:
+                # Most of what a peek would return is handed out already: wait for completions.
+                self._defer_below = limit
+                self._deferred.clear()
+                return []
+        if not self._buffer:
+            self._read(leader_id)
+        with self._state:
+            if self._pass != leader_id:
+                return []
+            return [self._buffer.popleft() for _ in range(min(limit, len(self._buffer)))]
+
+    def _read(self, leader_id: UUID) -> None:
+        assert self._peek is not None
+        setup = self._setup
+        with self._slot_lock:
+            rows = self._run(self._peek, (setup.slot, _PEEK_CHANGES, setup.publication))
+        epoch = str(self._epoch).encode()
+        names, producer = self._names, self._ready().producer
+        kind = self._ready().columns.limits.value_kind
+        with self._state:
+            if self._pass != leader_id:
+                return
+            inserts: list[pgoutput.Insert] = []
+            for (data,) in rows:
+                message = pgoutput.parse(data)
+                if isinstance(message, pgoutput.Insert):
+                    inserts.append(message)
+                elif isinstance(message, pgoutput.Begin):
+                    inserts = []
+                elif isinstance(message, pgoutput.Relation) and message.oid == self._oid:
+                    self._relations[message.oid] = _Columns(message)
+                elif isinstance(message, pgoutput.Commit) and message.end_lsn > self._read_upto:
+                    self._read_upto = message.end_lsn
+                    known = self._by_end.get(message.end_lsn)
+                    txn = known or _Transaction(message.end_lsn)
+                    for insert in inserts:
+                        columns = self._relations.get(insert.relation)
+                        if columns is None:
+                            continue
+                        record = _record(insert.values, columns, kind)
+                        record.headers += [(names.id, str(record.id).encode()), (names.epoch, epoch)]
+                        record.headers.append((names.producer, producer))
+                        if known is None:
+                            txn.pending.add(record.id)
+                            self._of_id[record.id] = txn
+                        elif record.id not in txn.pending:
+                            continue  # done in an earlier pass, waiting for the rest of its transaction
+                        self._buffer.append(record)
+                    if known is None:
+                        self._transactions.append(txn)
+                        self._by_end[txn.end_lsn] = txn
+
+    # ------------------------------------------------------------------ completion
+
+    def purge(self, ids: Sequence[int]) -> None:
+        """Delete delivered records (one fenced statement), then advance the slot past every
+        transaction whose records are all done (a second one)."""
+        super().purge(ids)
+        self._done(ids)
+
+    def dead_letter(self, failures: Sequence[Failure], leader_id: UUID) -> None:
+        """Move the rows into the dead-letter table; they count as done for the slot."""
+        super().dead_letter(failures, leader_id)
+        self._done([f.id for f in failures])
+
+    def reset(self, ids: Sequence[int]) -> None:
+        """Nothing in the table: the records stay in the slot and the next pass reads them again."""
+
+    def fail(self, failures: Sequence[Failure]) -> None:
+        """Nothing in the table (attempts are counted in memory, see :attr:`tracks_attempts`)."""
+
+    def _done(self, ids: Sequence[int]) -> None:
+        target = 0
+        with self._state:
+            for rid in ids:
+                txn = self._of_id.pop(rid, None)
+                if txn is not None:
+                    txn.pending.discard(rid)
+            while self._transactions and not self._transactions[0].pending:
+                txn = self._transactions.popleft()
+                del self._by_end[txn.end_lsn]
+                target = txn.end_lsn
+            if len(self._of_id) < self._defer_below or not self._of_id:
+                self._deferred.set()
+        if target:
+            self._advance_to(target)
+
+    def _advance_to(self, lsn: int) -> None:
+        assert self._advance is not None
+        params = (self._table.qualified, self._epoch, pgoutput.lsn_text(lsn), self._setup.slot)
+        with self._slot_lock:
+            rows = self._run(self._advance, params)
+        if not rows:
+            self._check_epoch()
+            raise StoreError(f"replication slot {self._setup.slot} does not exist")
+
+    def wait_for_insert(self, timeout: float) -> bool:
+        """After a deferred peek, until records complete; otherwise as the mark-purge store waits."""
+        if not self._deferred.is_set():
+            return self._deferred.wait(timeout)
+        return super().wait_for_insert(timeout)
+
+    def slot_bytes(self) -> tuple[int, int] | None:
+        """(WAL bytes not consumed by the slot, WAL bytes it retains), or None without the slot."""
+        try:
+            return logical.slot_bytes(self._conn(), self._setup.slot)
+        except psycopg.Error as exc:
+            raise StoreError(f"reading the slot failed: {exc.sqlstate or type(exc).__name__}") from exc
+
+
+def _record(values: tuple[str | None, ...], c: _Columns, kind: str) -> MarkedRecord:
+    """A decoded insert as the engine publishes it, before the identity headers."""
+    rid = int(values[c.id] or 0)
+    raw = values[c.value]
+    value: bytes | None
+    if raw is None:
+        value = None
+    elif kind == "bytes":
+        value = bytes.fromhex(raw[2:])  # bytea's hex form: \x...
+    else:
+        value = raw.encode("utf-8")
+    hkeys, hvalues = pgoutput.text_array(values[c.hkeys]), pgoutput.text_array(values[c.hvalues])
+    key = values[c.key]
+    malformed = _malformed(key, hkeys, hvalues)  # type: ignore[arg-type]
+    headers: list[tuple[str, str | bytes | None]] = [
+        (k or "", v.encode("utf-8") if v is not None else b"") for k, v in zip(hkeys or (), hvalues or (), strict=False)
+    ]
+    created = values[c.time]
+    when = datetime.fromisoformat(created) if created else datetime.now(UTC)
+    return MarkedRecord(rid, when, values[c.topic] or "", key or "", value, headers, malformed=malformed)

@@ -1,0 +1,92 @@
+"""What the log source needs from the server: ``wal_level = logical``, a role that may read slots
+(REPLICATION or superuser), a publication of the outbox's inserts and a ``pgoutput`` slot.
+``reaper migrate`` creates the last two (:func:`create`); ``reaper check`` and the harvester's start
+report what is missing with the fix (:func:`missing`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from harvester.postgres.identifiers import TableName
+
+
+@dataclass(frozen=True, slots=True)
+class LogSetup:
+    """The names the log source reads through."""
+
+    table: TableName
+    slot: str
+    publication: str
+
+
+def missing(conn: psycopg.Connection[Any], setup: LogSetup) -> list[str]:
+    """What keeps the log source from reading ``setup``, each with its fix; empty when nothing."""
+    problems: list[str] = []
+    row = conn.execute(
+        "SELECT current_setting('wal_level'), r.rolreplication OR r.rolsuper, current_user"
+        " FROM pg_roles r WHERE r.rolname = current_user"
+    ).fetchone()
+    level, may_replicate, user = row if row else ("?", False, "?")
+    if level != "logical":
+        problems.append(
+            f"wal_level is {level}, the log source needs logical: ALTER SYSTEM SET wal_level = logical, then restart"
+            " PostgreSQL (managed services: their logical replication setting)"
+        )
+    if not may_replicate:
+        problems.append(f"role {user} may not read replication slots: ALTER ROLE {user} REPLICATION")
+    row = conn.execute(
+        "SELECT p.pubinsert, EXISTS (SELECT FROM pg_publication_rel r WHERE r.prpubid = p.oid"
+        " AND r.prrelid = to_regclass(%s)) OR p.puballtables FROM pg_publication p WHERE p.pubname = %s",
+        (setup.table.quoted, setup.publication),
+    ).fetchone()
+    if row is None:
+        problems.append(f"publication {setup.publication} does not exist: run 'reaper migrate'")
+    elif not (row[0] and row[1]):
+        problems.append(
+            f"publication {setup.publication} does not publish the inserts of {setup.table}: "
+            f"ALTER PUBLICATION {setup.publication} ADD TABLE {setup.table.quoted}, SET (publish = 'insert')"
+        )
+    row = conn.execute(
+        "SELECT plugin, database = current_database() FROM pg_replication_slots WHERE slot_name = %s", (setup.slot,)
+    ).fetchone()
+    if row is None:
+        problems.append(f"replication slot {setup.slot} does not exist: run 'reaper migrate'")
+    elif row[0] != "pgoutput" or not row[1]:
+        problems.append(
+            f"replication slot {setup.slot} is not a pgoutput slot of this database: choose another logSlot"
+        )
+    return problems
+
+
+def create(conn: psycopg.Connection[Any], setup: LogSetup) -> list[str]:
+    """Create the publication and the slot if absent (autocommit connection); what was created."""
+    created: list[str] = []
+    exists = conn.execute("SELECT FROM pg_publication WHERE pubname = %s", (setup.publication,)).fetchone()
+    if exists is None:
+        conn.execute(
+            sql.SQL("CREATE PUBLICATION {} FOR TABLE {} WITH (publish = 'insert')").format(
+                sql.Identifier(setup.publication), setup.table.ident
+            )
+        )
+        created.append(f"publication {setup.publication}")
+    exists = conn.execute("SELECT FROM pg_replication_slots WHERE slot_name = %s", (setup.slot,)).fetchone()
+    if exists is None:
+        # The slot starts at the current end of the log: rows already in the table before it are not
+        # in the slot (docs/log-source.md: switching an outbox to the log source).
+        conn.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (setup.slot,))
+        created.append(f"replication slot {setup.slot}")
+    return created
+
+
+def slot_bytes(conn: psycopg.Connection[Any], slot: str) -> tuple[int, int] | None:
+    """(bytes of WAL not yet consumed by the slot, bytes of WAL the slot retains), or None if absent."""
+    row = conn.execute(
+        "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn),"
+        " pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn) FROM pg_replication_slots WHERE slot_name = %s",
+        (slot,),
+    ).fetchone()
+    return None if row is None else (int(row[0] or 0), int(row[1] or 0))
