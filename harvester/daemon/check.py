@@ -89,7 +89,19 @@ def _check_postgres(settings: ReaperSettings, timeout: float) -> list[str]:
             f"outbox table {table}: present; kafka_key {columns.type_of('kafka_key')}, "
             f"kafka_value {columns.type_of('kafka_value')}; migrations applied: {', '.join(applied) or 'none'}"
         )
-    return []
+        return _check_log_source(conn, settings)
+
+
+def _check_log_source(conn: Any, settings: ReaperSettings) -> list[str]:
+    from harvester.postgres import logical
+
+    harvest = settings.harvest
+    if harvest.source != "log":
+        return []
+    problems = logical.missing(conn, logical.LogSetup(harvest.table, harvest.slot, harvest.publication))
+    state = "ready" if not problems else "not ready"
+    print(f"log source: slot {harvest.slot}, publication {harvest.publication}: {state}")
+    return [f"log source: {p}" for p in problems]
 
 
 def _check_kafka(settings: ReaperSettings, timeout: float) -> list[str]:

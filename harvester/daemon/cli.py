@@ -184,6 +184,7 @@ def _migrate(settings: ReaperSettings) -> int:
             new_schema = table.schema is not None and not _schema_exists(conn, table.schema)
             applied = migrate(conn, table)
             indexed = ensure_shard_index(conn, table, shards)
+            created = _log_source(conn, settings)
         except psycopg.Error as exc:
             raise FailError(f"migrating {table} failed: {pg_reason(exc)}", code=1) from None
     if new_schema:
@@ -194,7 +195,23 @@ def _migrate(settings: ReaperSettings) -> int:
         print(f"outbox table {table}: up to date")
     if indexed:
         print(f"outbox table {table}: created index {shard_index(table, shards).name} for {shards} shards")
+    for name in created:
+        print(f"log source: created {name}")
     return 0
+
+
+def _log_source(conn: psycopg.Connection[Any], settings: ReaperSettings) -> list[str]:
+    """With ``source: log``, create the publication and the slot (after saying what the server lacks)."""
+    from harvester.postgres import logical
+
+    harvest = settings.harvest
+    if harvest.source != "log":
+        return []
+    setup = logical.LogSetup(harvest.table, harvest.slot, harvest.publication)
+    blocking = [p for p in logical.missing(conn, setup) if "reaper migrate" not in p]
+    if blocking:
+        raise FailError(f"log source: {blocking[0]}", code=1)
+    return logical.create(conn, setup)
 
 
 def _schema_exists(conn: psycopg.Connection[Any], schema: str) -> bool:

@@ -1,0 +1,109 @@
+"""A PostgreSQL with ``wal_level=logical`` for the log source's tests, and outboxes set up for it.
+
+The local services run with ``wal_level=logical`` (deploy/local/services.sh), so the shared server
+is used when it has it. A server started before that setting existed is not restarted under other
+tests' feet: a private cluster (deploy/local/services.sh in ``.local/private-logical``, on a free
+loopback port) serves these tests instead, and stops at the end of the session.
+``HARVESTER_TEST_LOGICAL_PG_DSN`` names another server with logical decoding.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from harvester import Harvester, HarvesterConfig, Limits
+from harvester.core.protocols import Elector
+from harvester.postgres import logical
+from harvester.postgres.identifiers import TableName
+from harvester.postgres.migrations import migrate
+from tests.support import HarvesterFactory, ManualElector, PrivatePostgres, Services, unique
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _logical(dsn: str) -> bool:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute("SHOW wal_level").fetchone()
+    return row is not None and row[0] == "logical"
+
+
+@pytest.fixture(scope="session")
+def logical_dsn(services: Services) -> Iterator[str]:
+    given = os.environ.get("HARVESTER_TEST_LOGICAL_PG_DSN")
+    if given:
+        yield given
+        return
+    if _logical(services.pg_dsn):
+        yield services.pg_dsn
+        return
+    private = PrivatePostgres("logical", _free_port())
+    private.start()
+    try:
+        yield private.dsn
+    finally:
+        private.stop()
+
+
+@pytest.fixture
+def log_outbox(logical_dsn: str) -> Iterator[TableName]:
+    """A migrated outbox with its publication and slot (``reaper migrate``'s work), removed afterwards."""
+    schema = unique("t")
+    table = TableName(schema, "outbox")
+    config = HarvesterConfig(outbox_table=table.qualified)
+    setup = logical.LogSetup(table, config.slot, config.publication)
+    with psycopg.connect(logical_dsn, autocommit=True) as conn:
+        migrate(conn, table)
+        logical.create(conn, setup)
+    yield table
+    with psycopg.connect(logical_dsn, autocommit=True) as conn:
+        conn.execute(
+            "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = %s AND NOT active",
+            (setup.slot,),
+        )
+        conn.execute(sql.SQL("DROP PUBLICATION IF EXISTS {}").format(sql.Identifier(setup.publication)))
+        conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(schema)))
+
+
+@pytest.fixture
+def make_log_harvester(services: Services, logical_dsn: str, log_outbox: TableName) -> Iterator[HarvesterFactory]:
+    """Build (and afterwards stop) log-source harvesters on this test's outbox."""
+    made: list[Harvester] = []
+
+    def make(*, elector: Elector | None = None, start: bool = True, **limits: Any) -> Harvester:
+        config = HarvesterConfig(
+            data_source=logical_dsn,
+            outbox_table=log_outbox.qualified,
+            source="log",
+            base_kafka_config={"bootstrap.servers": services.bootstrap},
+            limits=Limits(**{"io_error_backoff": "100ms", **limits}),
+        )
+        h = Harvester(config, elector=elector if elector is not None else ManualElector())
+        made.append(h)
+        if start:
+            h.start()
+        return h
+
+    yield make
+    for h in made:
+        h.stop(timeout=5)
+
+
+def slot_position(dsn: str, table: TableName) -> str:
+    """The slot's confirmed position (an LSN's text)."""
+    slot = HarvesterConfig(outbox_table=table.qualified).slot
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s", (slot,))
+        found = row.fetchone()
+    assert found is not None
+    return str(found[0])

@@ -1,0 +1,109 @@
+"""``reaper migrate`` creates the log source's publication and slot; ``reaper check`` names what is
+missing, with the fix; ``exactly_once`` with the log source is refused in one line."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+from psycopg import sql
+from psycopg.conninfo import make_conninfo
+
+from harvester import HarvesterConfig
+from harvester.daemon import logs
+from harvester.daemon.cli import main
+from harvester.postgres.identifiers import TableName
+from tests.support import Services, unique
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(autouse=True)
+def _reset_logging() -> Iterator[None]:
+    yield
+    logs.reset()
+
+
+@pytest.fixture
+def fresh_table(logical_dsn: str) -> Iterator[TableName]:
+    """A table name in a schema of its own; its slot, publication and schema are removed afterwards."""
+    schema = unique("t")
+    table = TableName(schema, "outbox")
+    yield table
+    config = HarvesterConfig(outbox_table=table.qualified)
+    with psycopg.connect(logical_dsn, autocommit=True) as conn:
+        conn.execute("SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = %s",
+                     (config.slot,))  # fmt: skip
+        conn.execute(sql.SQL("DROP PUBLICATION IF EXISTS {}").format(sql.Identifier(config.publication)))
+        conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
+
+
+def write_config(tmp_path: Path, dsn: str, services: Services, table: TableName, extra: str = "") -> str:
+    path = tmp_path / "reaper.yaml"
+    path.write_text(
+        f"harvest:\n  dataSource: '{dsn}'\n  outboxTable: {table}\n  source: log\n"
+        f"  baseKafkaConfig:\n    bootstrap.servers: {services.bootstrap}\n{extra}"
+    )
+    return str(path)
+
+
+def test_migrate_creates_publication_and_slot_and_check_agrees(
+    services: Services, logical_dsn: str, fresh_table: TableName, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write_config(tmp_path, logical_dsn, services, fresh_table)
+    config = HarvesterConfig(outbox_table=fresh_table.qualified)
+    assert main(["check", "-f", path]) == 1
+    assert f"outbox table {fresh_table}: absent" in capsys.readouterr().out
+    assert main(["migrate", "-f", path]) == 0
+    out = capsys.readouterr().out
+    assert f"log source: created publication {config.publication}" in out
+    assert f"log source: created replication slot {config.slot}" in out
+    assert main(["migrate", "-f", path]) == 0
+    assert "log source: created" not in capsys.readouterr().out
+    assert main(["check", "-f", path]) == 0, capsys.readouterr().out
+    assert f"log source: slot {config.slot}, publication {config.publication}: ready" in capsys.readouterr().out
+
+    with psycopg.connect(logical_dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP PUBLICATION {}").format(sql.Identifier(config.publication)))
+    assert main(["check", "-f", path]) == 1
+    out = capsys.readouterr().out
+    assert f"problem: log source: publication {config.publication} does not exist: run 'reaper migrate'" in out
+
+
+def test_check_names_a_role_without_replication(
+    services: Services, logical_dsn: str, fresh_table: TableName, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    role, schema = unique("r"), str(fresh_table.schema)
+    with psycopg.connect(logical_dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE ROLE {} LOGIN PASSWORD 'role-secret'").format(sql.Identifier(role)))
+        conn.execute(
+            sql.SQL("GRANT CREATE ON DATABASE {} TO {}").format(sql.Identifier(conn.info.dbname), sql.Identifier(role))
+        )
+    try:
+        dsn = make_conninfo(logical_dsn, user=role, password="role-secret")
+        path = write_config(tmp_path, dsn, services, fresh_table)
+        with psycopg.connect(logical_dsn, autocommit=True) as conn:
+            conn.execute(sql.SQL("CREATE SCHEMA {} AUTHORIZATION {}").format(
+                sql.Identifier(schema), sql.Identifier(role)))  # fmt: skip
+        assert main(["migrate", "-f", path]) == 1
+        err = capsys.readouterr().err
+        assert f"may not read replication slots: ALTER ROLE {role} REPLICATION" in err
+        assert err.count("\n") == 1
+        assert main(["check", "-f", path]) == 1
+        assert f"problem: log source: role {role} may not read replication slots" in capsys.readouterr().out
+    finally:
+        with psycopg.connect(logical_dsn, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
+            conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
+            conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
+
+
+@pytest.mark.unit
+def test_exactly_once_with_the_log_source_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "reaper.yaml"
+    path.write_text("harvest:\n  source: log\n  delivery: exactly_once\n")
+    assert main(["run", "-f", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "source 'log' does not support delivery 'exactly_once' yet" in err and err.count("\n") == 1
