@@ -157,9 +157,15 @@ class TimedPublisher(KafkaPublisher):
 
 
 def run_engine(
-    table: TableName, limits: Limits, acked: dict[int, float] | None = None, metrics: HarvesterMetrics | None = None
+    table: TableName,
+    limits: Limits,
+    acked: dict[int, float] | None = None,
+    metrics: HarvesterMetrics | None = None,
+    store: PostgresStore | None = None,
 ) -> tuple[Engine, PostgresStore]:
-    store = PostgresStore.open(DSN, table, vacuum_every=limits.vacuum_every_records)
+    """An engine leading at once over ``store`` (default: a mark-purge store of ``table``)."""
+    if store is None:
+        store = PostgresStore.open(DSN, table, vacuum_every=limits.vacuum_every_records)
     config = producer_config({"bootstrap.servers": BOOTSTRAP}, {})
     sink: dict[int, float] = acked if acked is not None else {}
 

@@ -16,8 +16,10 @@ outbox (goharvest's layout) and times, from that commit:
   - Debezium: until all N records are on the routed topic (sum of its end offsets; the EventRouter
     maps kafka_topic to the topic, kafka_key to the key and kafka_value to the value, pgoutput,
     ``snapshot.mode=no_data``, connector and worker defaults otherwise);
-  - the harvester in-process with default limits (``auto``) and tuned limits (500 / 5000): until the
-    last record is acknowledged by Kafka, and until the outbox is empty.
+  - the harvester in-process with default limits (``auto``) and tuned limits (500 / 5000), with the
+    mark-purge/reset source and with the log source (its own publication and ``pgoutput`` slot,
+    created before the round's idle phase): until the last record is acknowledged by Kafka, and
+    until the outbox is empty.
 Relays alternate their order each round; the table prints medians: records/s, the ratio to Debezium's
 rate, and CPU seconds per 1,000 records of the relay process (the Connect JVM; this Python process for
 the harvester) and of the PostgreSQL server (every backend of the private postmaster, Debezium's WAL
@@ -60,6 +62,9 @@ from peer_services import (
 from psycopg import sql
 
 from harvester import Limits, TableName
+from harvester.postgres import logical
+from harvester.postgres.log_store import LogStore
+from harvester.postgres.logical import LogSetup
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,7 +201,7 @@ def _wait_streaming(conn: psycopg.Connection[Any], connect: ConnectWorker, name:
     raise MissingError(f"Debezium's connector did not start streaming within 90 s: {connect._last_error()}")
 
 
-def _drop_slot(conn: psycopg.Connection[Any], name: str) -> None:
+def _drop_slot(conn: psycopg.Connection[Any], name: str, publication: str | None = None) -> None:
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         row = conn.execute("SELECT active FROM pg_replication_slots WHERE slot_name = %s", (name,)).fetchone()
@@ -206,7 +211,7 @@ def _drop_slot(conn: psycopg.Connection[Any], name: str) -> None:
             conn.execute("SELECT pg_drop_replication_slot(%s)", (name,))
             break
         time.sleep(0.2)
-    conn.execute(sql.SQL("DROP PUBLICATION IF EXISTS {}").format(sql.Identifier(name)))
+    conn.execute(sql.SQL("DROP PUBLICATION IF EXISTS {}").format(sql.Identifier(publication or name)))
 
 
 def _check_record(topic: str) -> None:
@@ -235,10 +240,17 @@ def _check_record(topic: str) -> None:
         c.close()
 
 
-def harvester_burst(conn: psycopg.Connection[Any], records: int, keys: int, limits: Limits) -> Burst:
+def harvester_burst(conn: psycopg.Connection[Any], records: int, keys: int, limits: Limits, log: bool = False) -> Burst:
+    """The harvester in-process; ``log``: with the log source (its publication and slot made first)."""
     table, topic = fresh_outbox(conn), fresh_topic(PARTITIONS)
     acked: dict[int, float] = {}
-    engine, store = run_engine(table, limits, acked)
+    setup = LogSetup(table, f"{table.schema}_slot", f"{table.schema}_pub")
+    log_store: LogStore | None = None
+    if log:
+        logical.create(conn, setup)
+        log_store = LogStore(harvest.DSN, setup, vacuum_every=limits.vacuum_every_records)
+        log_store.prepare()
+    engine, store = run_engine(table, limits, acked, store=log_store)
     try:
         time.sleep(3.0)  # idle marks: enough for PostgreSQL to consider generic plans
         meter = CpuMeter(conn)
@@ -253,6 +265,8 @@ def harvester_burst(conn: psycopg.Connection[Any], records: int, keys: int, limi
         last_ack = max(acked.values()) - committed
     finally:
         stop(engine, store)
+        if log:
+            _drop_slot(conn, setup.slot, setup.publication)
         conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(table.schema)))
     scale = 1000 / records
     # The relay's CPU: this process after the commit (the COPY's client side ran before it).
@@ -306,6 +320,8 @@ def run(records: int, keys: int, rounds: int) -> None:
             ),
             ("harvester, default limits (auto)", lambda c, _r: harvester_burst(c, records, keys, Limits())),
             ("harvester, tuned 500 / 5000", lambda c, _r: harvester_burst(c, records, keys, TUNED)),
+            ("harvester, log source, default limits", lambda c, _r: harvester_burst(c, records, keys, Limits(), True)),
+            ("harvester, log source, tuned 500 / 5000", lambda c, _r: harvester_burst(c, records, keys, TUNED, True)),
         ]
         results: dict[str, list[Burst]] = {name: [] for name, _ in relays}
         with psycopg.connect(pg.dsn, autocommit=True) as conn:
@@ -313,7 +329,7 @@ def run(records: int, keys: int, rounds: int) -> None:
                 for name, fn in relays if r % 2 == 0 else relays[::-1]:
                     b = fn(conn, r)
                     results[name].append(b)
-                    print(f"  round {r + 1}: {name:<34} {b.rate:9.0f} records/s", flush=True)
+                    print(f"  round {r + 1}: {name:<42} {b.rate:9.0f} records/s", flush=True)
         report(results, records)
         print(f"took {time.monotonic() - started:.0f} s")
     finally:

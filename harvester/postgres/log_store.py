@@ -23,6 +23,7 @@ slot's restart position (docs/log-source.md).
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -42,6 +43,8 @@ from harvester.postgres.store import PostgresStore, _malformed
 
 # Changes (messages) one peek returns at most; it always ends at a transaction's end.
 _PEEK_CHANGES = 20_000
+# An idle leader writes a keepalive transaction this often, so the slot moves on an idle outbox.
+_KEEPALIVE_SECONDS = 10.0
 # Text forms the decoding session writes values in: fixed, whatever the server's defaults are.
 _SESSION = "-c DateStyle=ISO -c TimeZone=UTC -c bytea_output=hex"
 
@@ -94,6 +97,7 @@ class LogStore(PostgresStore):
         self._deferred.set()
         self._defer_below = 0  # ... until fewer records than this are handed out and not done
         self._oid = 0  # the outbox table's oid, as Relation and Insert messages name it
+        self._next_keepalive = 0.0  # monotonic time (mark thread only)
         self._peek: sql.Composed | None = None
         self._advance: sql.Composed | None = None
 
@@ -111,7 +115,7 @@ class LogStore(PostgresStore):
             self._oid = int(row[0][0])
             self._peek = sql.SQL(
                 "SELECT data FROM pg_logical_slot_peek_binary_changes(%s, NULL, %s,"
-                " 'proto_version', '1', 'publication_names', %s)"
+                " 'proto_version', '1', 'publication_names', %s, 'messages', 'true')"
             ).format()
             # The fence row stays share-locked while the slot moves: a newer epoch's bump waits for it.
             self._advance = sql.SQL(
@@ -156,7 +160,21 @@ class LogStore(PostgresStore):
         with self._state:
             if self._pass != leader_id:
                 return []
-            return [self._buffer.popleft() for _ in range(min(limit, len(self._buffer)))]
+            out = [self._buffer.popleft() for _ in range(min(limit, len(self._buffer)))]
+            settled = self._settled()
+            keepalive = not out and not self._transactions and time.monotonic() > self._next_keepalive
+        if settled:
+            self._advance_to(settled)
+        if keepalive:
+            self._keepalive()
+        return out
+
+    def _keepalive(self) -> None:
+        """Write a transaction the slot sees (an empty logical message): when it has been read, the
+        slot advances past it, and so past whatever other tables wrote meanwhile, which an idle
+        outbox would otherwise keep in the log."""
+        self._next_keepalive = time.monotonic() + _KEEPALIVE_SECONDS
+        self._run("SELECT pg_logical_emit_message(true, 'outbox-harvester', '')", ())
 
     def _read(self, leader_id: UUID) -> None:
         assert self._peek is not None
@@ -219,20 +237,26 @@ class LogStore(PostgresStore):
         """Nothing in the table (attempts are counted in memory, see :attr:`tracks_attempts`)."""
 
     def _done(self, ids: Sequence[int]) -> None:
-        target = 0
         with self._state:
             for rid in ids:
                 txn = self._of_id.pop(rid, None)
                 if txn is not None:
                     txn.pending.discard(rid)
-            while self._transactions and not self._transactions[0].pending:
-                txn = self._transactions.popleft()
-                del self._by_end[txn.end_lsn]
-                target = txn.end_lsn
+            target = self._settled()
             if len(self._of_id) < self._defer_below or not self._of_id:
                 self._deferred.set()
         if target:
             self._advance_to(target)
+
+    def _settled(self) -> int:
+        """Forget the leading transactions whose records are all done; the end LSN of the last one
+        (0 if none), the slot's next position (caller holds ``_state``)."""
+        target = 0
+        while self._transactions and not self._transactions[0].pending:
+            txn = self._transactions.popleft()
+            del self._by_end[txn.end_lsn]
+            target = txn.end_lsn
+        return target
 
     def _advance_to(self, lsn: int) -> None:
         assert self._advance is not None

@@ -172,3 +172,22 @@ def test_failover_resumes_at_the_slot_with_nothing_lost(
                 p.terminate()
     verdict = check(read_messages(services.bootstrap, [topic], 1800), {f"k{i}": 60 for i in range(30)})
     assert verdict.lost == [] and verdict.out_of_order == [] and verdict.unexpected == 0
+
+
+def test_an_idle_outbox_lets_the_slot_move_past_other_tables_writes(
+    services: Services,
+    logical_dsn: str,
+    log_outbox: TableName,
+    topics: Callable[..., str],
+    make_log_harvester: HarvesterFactory,
+) -> None:
+    topic = topics()
+    make_log_harvester()
+    insert(logical_dsn, log_outbox, [(topic, "k", "k:0")])
+    assert len(read_messages(services.bootstrap, [topic], 1)) == 1
+    other = TableName(log_outbox.schema, "other")
+    with psycopg.connect(logical_dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE TABLE {} AS SELECT i FROM generate_series(1, 10000) i").format(other.ident))
+    written = lsn(logical_dsn)
+    # The idle leader's keepalive (every 10 s) lets the slot pass the other table's writes.
+    assert wait_until(lambda: at_or_after(logical_dsn, slot_position(logical_dsn, log_outbox), written), timeout=40)
