@@ -181,19 +181,23 @@ class LogStore(PostgresStore):
         setup = self._setup
         with self._slot_lock:
             rows = self._run(self._peek, (setup.slot, _PEEK_CHANGES, setup.publication))
-        epoch = str(self._epoch).encode()
-        names, producer = self._names, self._ready().producer
+        names = self._names
+        identity = ((names.epoch, str(self._epoch).encode()), (names.producer, self._ready().producer))
         kind = self._ready().columns.limits.value_kind
         with self._state:
             if self._pass != leader_id:
                 return
             inserts: list[pgoutput.Insert] = []
+            skipping = False  # through a transaction this pass handed out already
             for (data,) in rows:
+                if skipping and data[:1] == b"I":
+                    continue
                 message = pgoutput.parse(data)
                 if isinstance(message, pgoutput.Insert):
                     inserts.append(message)
                 elif isinstance(message, pgoutput.Begin):
                     inserts = []
+                    skipping = message.final_lsn < self._read_upto
                 elif isinstance(message, pgoutput.Relation) and message.oid == self._oid:
                     self._relations[message.oid] = _Columns(message)
                 elif isinstance(message, pgoutput.Commit) and message.end_lsn > self._read_upto:
@@ -205,8 +209,7 @@ class LogStore(PostgresStore):
                         if columns is None:
                             continue
                         record = _record(insert.values, columns, kind)
-                        record.headers += [(names.id, str(record.id).encode()), (names.epoch, epoch)]
-                        record.headers.append((names.producer, producer))
+                        record.headers += ((names.id, str(record.id).encode()), *identity)
                         if known is None:
                             txn.pending.add(record.id)
                             self._of_id[record.id] = txn
@@ -281,23 +284,31 @@ class LogStore(PostgresStore):
             raise StoreError(f"reading the slot failed: {exc.sqlstate or type(exc).__name__}") from exc
 
 
-def _record(values: tuple[str | None, ...], c: _Columns, kind: str) -> MarkedRecord:
+def _record(values: tuple[bytes | None, ...], c: _Columns, kind: str) -> MarkedRecord:
     """A decoded insert as the engine publishes it, before the identity headers."""
-    rid = int(values[c.id] or 0)
     raw = values[c.value]
-    value: bytes | None
-    if raw is None:
-        value = None
-    elif kind == "bytes":
-        value = bytes.fromhex(raw[2:])  # bytea's hex form: \x...
-    else:
-        value = raw.encode("utf-8")
-    hkeys, hvalues = pgoutput.text_array(values[c.hkeys]), pgoutput.text_array(values[c.hvalues])
+    # A textual value's text form is the bytes Kafka carries; bytea's is hex (\x...).
+    value = bytes.fromhex(raw[2:].decode()) if raw is not None and kind == "bytes" else raw
+    raw_keys, raw_values = values[c.hkeys], values[c.hvalues]
+    headers: list[tuple[str, str | bytes | None]] = []
+    malformed = None
+    if raw_keys != b"{}" or raw_values != b"{}":
+        hkeys = pgoutput.text_array(None if raw_keys is None else raw_keys.decode())
+        hvalues = pgoutput.text_array(None if raw_values is None else raw_values.decode())
+        malformed = _malformed("", hkeys, hvalues)  # type: ignore[arg-type]
+        headers = [
+            (k or "", v.encode() if v is not None else b"") for k, v in zip(hkeys or (), hvalues or (), strict=False)
+        ]
     key = values[c.key]
-    malformed = _malformed(key, hkeys, hvalues)  # type: ignore[arg-type]
-    headers: list[tuple[str, str | bytes | None]] = [
-        (k or "", v.encode("utf-8") if v is not None else b"") for k, v in zip(hkeys or (), hvalues or (), strict=False)
-    ]
+    if key is None:
+        malformed = _malformed(None, [], [])
     created = values[c.time]
-    when = datetime.fromisoformat(created) if created else datetime.now(UTC)
-    return MarkedRecord(rid, when, values[c.topic] or "", key or "", value, headers, malformed=malformed)
+    return MarkedRecord(
+        int(values[c.id] or 0),
+        datetime.fromisoformat(created.decode()) if created else datetime.now(UTC),
+        (values[c.topic] or b"").decode(),
+        key.decode() if key is not None else "",
+        value,
+        headers,
+        malformed=malformed,
+    )

@@ -2,8 +2,8 @@
 that the log source needs: Begin, Relation, Insert and Commit. Every other message (Update, Delete,
 Truncate, Origin, Type, logical messages) parses to None and is ignored.
 
-Column values arrive in their text form (``None`` for SQL NULL); :func:`text_array` reads the text
-form of a one-dimensional array. Reference: PostgreSQL's "Logical Replication Message Formats".
+Column values arrive in their text form, as UTF-8 bytes (``None`` for SQL NULL); :func:`text_array`
+reads the text form of a one-dimensional array. Reference: PostgreSQL's "Logical Replication Message Formats".
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ class Relation:
 @dataclass(frozen=True, slots=True)
 class Insert:
     relation: int
-    values: tuple[str | None, ...]  # text form, None for NULL, in the Relation's column order
+    values: tuple[bytes | None, ...]  # text form (UTF-8), None for NULL, in the Relation's column order
 
 
 Message = Begin | Commit | Relation | Insert
@@ -56,17 +56,17 @@ def _cstring(data: bytes, at: int) -> tuple[str, int]:
     return data[at:end].decode("utf-8"), end + 1
 
 
-def _tuple(data: bytes, at: int) -> tuple[str | None, ...]:
+def _tuple(data: bytes, at: int) -> tuple[bytes | None, ...]:
     (count,) = _U16.unpack_from(data, at)
     at += 2
-    values: list[str | None] = []
+    values: list[bytes | None] = []
     for _ in range(count):
         kind = data[at]
         at += 1
         if kind == 0x74:  # 't': text
             (size,) = _I32.unpack_from(data, at)
             at += 4
-            values.append(data[at : at + size].decode("utf-8"))
+            values.append(data[at : at + size])
             at += size
         elif kind == 0x6E:  # 'n': NULL
             values.append(None)
@@ -109,6 +109,8 @@ def text_array(text: str | None) -> list[str | None] | None:
     """The elements of a one-dimensional array's text form (``{a,"b c",NULL}``); None for NULL."""
     if text is None:
         return None
+    if text == "{}":
+        return []
     if not (text.startswith("{") and text.endswith("}")):
         raise ProtocolError(f"not an array literal: {text[:40]!r}")
     out: list[str | None] = []
