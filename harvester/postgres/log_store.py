@@ -11,8 +11,9 @@ reading where the slot stands, so it republishes whatever was not yet confirmed 
 ``mark(leader_id, ...)`` keeps the engine's meaning: it hands out records not yet handed out under
 ``leader_id``. A new leader id (a new term, or a forced remark after a failure) starts a new pass
 over the slot, which hands out every record of the unadvanced transactions that is not done yet.
-Within a pass a peek skips the transactions already handed out; while many records are handed out
-and not done, the next peek waits for their completion rather than read them all again.
+Within a pass a peek skips the transactions already handed out; while the slot has more than a mark
+batch of records to advance past, the next peek waits for their completion rather than read them all
+again.
 
 Why the SQL functions and not the streaming replication protocol: psycopg 3 does not speak the
 replication protocol, and the functions run on the store's ordinary connections (with the fence in
@@ -52,7 +53,21 @@ _SESSION = "-c DateStyle=ISO -c TimeZone=UTC -c bytea_output=hex"
 @dataclass(slots=True, eq=False)
 class _Transaction:
     end_lsn: int
-    pending: set[int] = field(default_factory=set)  # ids read and not done yet
+    size: int  # the outbox inserts it holds
+    done: set[int] = field(default_factory=set)  # ids acknowledged (or dead-lettered)
+
+    @property
+    def settled(self) -> bool:
+        return len(self.done) >= self.size
+
+
+@dataclass(slots=True, eq=False)
+class _Segment:
+    """Consecutive buffered inserts of one transaction."""
+
+    txn: _Transaction
+    columns: _Columns
+    left: int
 
 
 class _Columns:
@@ -87,15 +102,17 @@ class LogStore(PostgresStore):
         self._slot_lock = threading.Lock()  # one reader of the slot at a time in this process
         self._state = threading.Lock()  # guards everything below (mark and completion threads)
         self._pass: UUID | None = None  # the leader id of the current pass over the slot
-        self._buffer: deque[MarkedRecord] = deque()  # read in this pass, not yet handed out
+        self._buffer: deque[bytes] = deque()  # Insert messages read in this pass, not yet handed out
+        self._segments: deque[_Segment] = deque()  # ... and whose they are
         self._read_upto = 0  # end LSN of the last transaction read in this pass
         self._transactions: deque[_Transaction] = deque()  # read, not yet advanced past
         self._by_end: dict[int, _Transaction] = {}
         self._of_id: dict[int, _Transaction] = {}
-        self._relations: dict[int, _Columns] = {}
+        self._unsettled = 0  # records of self._transactions, which every peek returns again
+        self._columns: _Columns | None = None  # from the outbox's latest Relation message
         self._deferred = threading.Event()  # clear while a peek waits for completions
         self._deferred.set()
-        self._defer_below = 0  # ... until fewer records than this are handed out and not done
+        self._defer_below = 0  # ... until at most this many records are unsettled
         self._oid = 0  # the outbox table's oid, as Relation and Insert messages name it
         self._next_keepalive = 0.0  # monotonic time (mark thread only)
         self._peek: sql.Composed | None = None
@@ -138,9 +155,11 @@ class LogStore(PostgresStore):
         with self._state:
             self._pass = None
             self._buffer.clear()
+            self._segments.clear()
             self._transactions.clear()
             self._by_end.clear()
             self._of_id.clear()
+            self._unsettled = 0
         self._deferred.set()
         return epoch
 
@@ -150,23 +169,48 @@ class LogStore(PostgresStore):
             if self._pass != leader_id:
                 self._pass, self._read_upto = leader_id, 0
                 self._buffer.clear()
-            elif not self._buffer and len(self._of_id) > limit:
+                self._segments.clear()
+            elif not self._buffer and self._unsettled > limit:
                 # Most of what a peek would return is handed out already: wait for completions.
                 self._defer_below = limit
                 self._deferred.clear()
                 return []
         if not self._buffer:
             self._read(leader_id)
+        out = self._hand_out(leader_id, limit)
         with self._state:
-            if self._pass != leader_id:
-                return []
-            out = [self._buffer.popleft() for _ in range(min(limit, len(self._buffer)))]
             settled = self._settled()
             keepalive = not out and not self._transactions and time.monotonic() > self._next_keepalive
         if settled:
             self._advance_to(settled)
         if keepalive:
             self._keepalive()
+        return out
+
+    def _hand_out(self, leader_id: UUID, limit: int) -> list[MarkedRecord]:
+        """Decode the next ``limit`` buffered inserts: only as they go out, so a large transaction
+        waits in the buffer as bytes, not as a crowd of objects for the garbage collector."""
+        taken: list[tuple[_Segment, bytes]] = []
+        with self._state:
+            if self._pass != leader_id:
+                return []
+            while len(taken) < limit and self._buffer:
+                segment = self._segments[0]
+                taken.append((segment, self._buffer.popleft()))
+                segment.left -= 1
+                if not segment.left:
+                    self._segments.popleft()
+        names, kind = self._names, self._ready().columns.limits.value_kind
+        identity = ((names.epoch, str(self._epoch).encode()), (names.producer, self._ready().producer))
+        records = [(seg.txn, _record(pgoutput.insert_values(data), seg.columns, kind)) for seg, data in taken]
+        out: list[MarkedRecord] = []
+        with self._state:
+            for txn, record in records:
+                if record.id in txn.done:
+                    continue  # done in an earlier pass, waiting for the rest of its transaction
+                record.headers += ((names.id, str(record.id).encode()), *identity)
+                self._of_id[record.id] = txn
+                out.append(record)
         return out
 
     def _keepalive(self) -> None:
@@ -181,44 +225,36 @@ class LogStore(PostgresStore):
         setup = self._setup
         with self._slot_lock:
             rows = self._run(self._peek, (setup.slot, _PEEK_CHANGES, setup.publication))
-        names = self._names
-        identity = ((names.epoch, str(self._epoch).encode()), (names.producer, self._ready().producer))
-        kind = self._ready().columns.limits.value_kind
+        oid = self._oid.to_bytes(4, "big")
         with self._state:
             if self._pass != leader_id:
                 return
-            inserts: list[pgoutput.Insert] = []
+            inserts: list[bytes] = []
             skipping = False  # through a transaction this pass handed out already
             for (data,) in rows:
-                if skipping and data[:1] == b"I":
+                if data[:1] == b"I":
+                    if not skipping and data[1:5] == oid:
+                        inserts.append(data)
                     continue
                 message = pgoutput.parse(data)
-                if isinstance(message, pgoutput.Insert):
-                    inserts.append(message)
-                elif isinstance(message, pgoutput.Begin):
+                if isinstance(message, pgoutput.Begin):
                     inserts = []
                     skipping = message.final_lsn < self._read_upto
                 elif isinstance(message, pgoutput.Relation) and message.oid == self._oid:
-                    self._relations[message.oid] = _Columns(message)
+                    self._columns = _Columns(message)
                 elif isinstance(message, pgoutput.Commit) and message.end_lsn > self._read_upto:
                     self._read_upto = message.end_lsn
-                    known = self._by_end.get(message.end_lsn)
-                    txn = known or _Transaction(message.end_lsn)
-                    for insert in inserts:
-                        columns = self._relations.get(insert.relation)
-                        if columns is None:
-                            continue
-                        record = _record(insert.values, columns, kind)
-                        record.headers += ((names.id, str(record.id).encode()), *identity)
-                        if known is None:
-                            txn.pending.add(record.id)
-                            self._of_id[record.id] = txn
-                        elif record.id not in txn.pending:
-                            continue  # done in an earlier pass, waiting for the rest of its transaction
-                        self._buffer.append(record)
-                    if known is None:
+                    txn = self._by_end.get(message.end_lsn)
+                    if txn is None:
+                        txn = _Transaction(message.end_lsn, len(inserts))
+                        self._unsettled += txn.size
                         self._transactions.append(txn)
                         self._by_end[txn.end_lsn] = txn
+                    if inserts:
+                        if self._columns is None:
+                            raise StoreError("the slot sent inserts of the outbox before its relation")
+                        self._segments.append(_Segment(txn, self._columns, len(inserts)))
+                        self._buffer.extend(inserts)
 
     # ------------------------------------------------------------------ completion
 
@@ -244,9 +280,9 @@ class LogStore(PostgresStore):
             for rid in ids:
                 txn = self._of_id.pop(rid, None)
                 if txn is not None:
-                    txn.pending.discard(rid)
+                    txn.done.add(rid)
             target = self._settled()
-            if len(self._of_id) < self._defer_below or not self._of_id:
+            if self._unsettled <= self._defer_below:
                 self._deferred.set()
         if target:
             self._advance_to(target)
@@ -255,9 +291,10 @@ class LogStore(PostgresStore):
         """Forget the leading transactions whose records are all done; the end LSN of the last one
         (0 if none), the slot's next position (caller holds ``_state``)."""
         target = 0
-        while self._transactions and not self._transactions[0].pending:
+        while self._transactions and self._transactions[0].settled:
             txn = self._transactions.popleft()
             del self._by_end[txn.end_lsn]
+            self._unsettled -= txn.size
             target = txn.end_lsn
         return target
 

@@ -75,14 +75,19 @@ def _tuple(data: bytes, at: int) -> tuple[bytes | None, ...]:
     return tuple(values)
 
 
+def insert_values(data: bytes) -> tuple[bytes | None, ...]:
+    """The new tuple of an Insert message (``data[:1] == b"I"``)."""
+    if data[5:6] != b"N":
+        raise ProtocolError("an insert without its new tuple")
+    return _tuple(data, 6)
+
+
 def parse(data: bytes) -> Message | None:
     """One pgoutput message, or None for a kind the log source ignores."""
     kind = data[:1]
     if kind == b"I":
         (relation,) = _RELATION_HEAD.unpack_from(data, 1)
-        if data[5:6] != b"N":
-            raise ProtocolError("an insert without its new tuple")
-        return Insert(relation, _tuple(data, 6))
+        return Insert(relation, insert_values(data))
     if kind == b"B":
         final_lsn, _, xid = _BEGIN.unpack_from(data, 1)
         return Begin(final_lsn, xid)

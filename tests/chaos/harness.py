@@ -34,6 +34,7 @@ from psycopg import errors, sql
 from harvester import HarvesterConfig, OutboxRecord, Stasher
 from harvester.client.dedup import DedupReader
 from harvester.core.identity import Identity
+from harvester.postgres import logical
 from harvester.postgres.identifiers import TableName
 from harvester.postgres.migrations import migrate
 from tests.engine.workload import check, wait_drained
@@ -75,6 +76,7 @@ class ChaosSettings:
     seed: int
     fault_seconds: float = 90.0
     delivery: str = "at_least_once"
+    source: str = "mark_purge"  # HarvesterConfig.source
     keys: int = 3000
     hot_keys: int = 4
     writers: int = 4
@@ -122,13 +124,17 @@ class Tables:
     audit: TableName  # who purged which outbox row, and when: evidence for a loss report
 
     @classmethod
-    def create(cls, dsn: str) -> Tables:
-        """Create the schema, migrate the outbox and add the ledger and the purge audit."""
+    def create(cls, dsn: str, source: str = "mark_purge") -> Tables:
+        """Create the schema, migrate the outbox (with the log source's publication and slot when
+        ``source`` is log) and add the ledger and the purge audit."""
         schema = unique("chaos")
         tables = cls(TableName(schema, "outbox"), TableName(schema, "ledger"), TableName(schema, "audit"))
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(schema)))
             migrate(conn, tables.outbox)
+            if source == "log":
+                config = HarvesterConfig(outbox_table=tables.outbox.qualified)
+                logical.create(conn, logical.LogSetup(tables.outbox, config.slot, config.publication))
             conn.execute(
                 sql.SQL(
                     "CREATE TABLE {l} (key TEXT NOT NULL, seq INT NOT NULL, PRIMARY KEY (key, seq));"
@@ -332,6 +338,7 @@ class HarvesterGroup:
             session_timeout=s.session_timeout,
             delivery=s.delivery,
             shards=s.shards,
+            source=s.source,
             limits={
                 "heartbeat_timeout": f"{int(s.heartbeat_timeout * 1000)}ms",
                 "io_error_backoff": "200ms",
@@ -790,7 +797,7 @@ def run_chaos(settings: ChaosSettings, log: Log = print) -> ChaosReport:
     """Run one chaos scenario end to end and report; raises only when the harness itself cannot
     proceed (services that do not start, no first leader, a topic that cannot be read back)."""
     with private_services(settings) as (pg, kafka):
-        tables = Tables.create(pg.dsn)
+        tables = Tables.create(pg.dsn, settings.source)
         topics = [unique("chaos") for _ in range(settings.topics)]
         create_topics(kafka.bootstrap, topics, settings.partitions)
         group = HarvesterGroup(settings, pg.dsn, tables.outbox, kafka.bootstrap)

@@ -21,17 +21,24 @@ from tests.chaos.harness import ChaosSettings, delivery_modes, run_chaos
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
-# One run per delivery mode the config offers (HarvesterConfig.delivery): the checks differ by mode.
+# One run per delivery mode the config offers (HarvesterConfig.delivery), the checks differ by mode,
+# unsharded and with 4 shards; and the log source (unsharded: it reads one slot).
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("shards", [1, 4])
-@pytest.mark.parametrize("delivery", delivery_modes())
-def test_chaos(delivery: str, shards: int) -> None:
+@pytest.mark.parametrize(
+    ("delivery", "shards", "source"),
+    [
+        *((mode, shards, "mark_purge") for mode in delivery_modes() for shards in (1, 4)),
+        ("at_least_once", 1, "log"),
+    ],
+)
+def test_chaos(delivery: str, shards: int, source: str) -> None:
     seed = int(os.environ.get("CHAOS_SEED") or random.SystemRandom().randrange(1 << 31))
     print(f"chaos seed {seed} (replay: CHAOS_SEED={seed})", flush=True)
     settings = ChaosSettings(
         seed=seed,
         delivery=delivery,
         shards=shards,
+        source=source,
         fault_seconds=float(os.environ.get("CHAOS_SECONDS", "90")),
         pg_port=int(os.environ.get("CHAOS_PG_PORT", "15432")),
         kafka_port=int(os.environ.get("CHAOS_KAFKA_PORT", "29092")),
