@@ -77,16 +77,7 @@ class _Columns:
         index = {name: i for i, name in enumerate(relation.columns)}
         try:
             self.id, self.time, self.topic, self.key, self.value, self.hkeys, self.hvalues = (
-                index[c]
-                for c in (
-                    "id",
-                    "create_time",
-                    "kafka_topic",
-                    "kafka_key",
-                    "kafka_value",
-                    "kafka_header_keys",
-                    "kafka_header_values",
-                )
+                index[c] for c in logical.PUBLISHED
             )
         except KeyError as exc:
             raise StoreError(f"the published outbox has no column {exc.args[0]}") from None
