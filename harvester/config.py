@@ -105,8 +105,6 @@ class HarvesterConfig(BaseModel):
 
     @model_validator(mode="after")
     def _log_source(self) -> HarvesterConfig:
-        if self.source == "log" and self.delivery == "exactly_once":
-            raise ValueError("source 'log' does not support delivery 'exactly_once' yet: use at_least_once")
         if self.source == "log" and self.shards > 1:
             raise ValueError("source 'log' reads one replication slot: it does not support shards > 1")
         if self.source == "log" and self.dead_letter_policy == "hold_key":

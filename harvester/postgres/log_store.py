@@ -6,7 +6,9 @@ slot's position on, without moving it. The store keeps the transactions it read,
 until every record of each is done (acknowledged and deleted, or dead-lettered); then it advances
 the slot past the done prefix with ``pg_replication_slot_advance``. The advance and the deletes run
 under the epoch fence, so a fenced process moves neither the slot nor the table; a new leader starts
-reading where the slot stands, so it republishes whatever was not yet confirmed (at least once).
+reading where the slot stands: at least once, it republishes whatever the slot was not advanced
+past; exactly once, it first recovers the committed checkpoints (their ids count as done when the
+slot returns them), so nothing committed to Kafka is published again.
 
 ``mark(leader_id, ...)`` keeps the engine's meaning: it hands out records not yet handed out under
 ``leader_id``. A new leader id (a new term, or a forced remark after a failure) starts a new pass
@@ -100,6 +102,13 @@ class LogStore(PostgresStore):
         self._by_end: dict[int, _Transaction] = {}
         self._of_id: dict[int, _Transaction] = {}
         self._unsettled = 0  # records of self._transactions, which every peek returns again
+        # Ids done although this term never handed them out (committed checkpoints a new term
+        # recovers; completions of the previous term): skipped when the slot returns them.
+        self._recovered: set[int] = set()
+        self._advanced = 0  # where this term last moved the slot to
+        # Exactly-once: (checkpoint position, end LSN of its last transaction) of purged batches
+        # whose position is not stored yet.
+        self._batches: deque[tuple[int, int]] = deque()
         self._columns: _Columns | None = None  # from the outbox's latest Relation message
         self._deferred = threading.Event()  # clear while a peek waits for completions
         self._deferred.set()
@@ -151,6 +160,7 @@ class LogStore(PostgresStore):
             self._by_end.clear()
             self._of_id.clear()
             self._unsettled = 0
+            self._batches.clear()
         self._deferred.set()
         return epoch
 
@@ -197,6 +207,9 @@ class LogStore(PostgresStore):
         out: list[MarkedRecord] = []
         with self._state:
             for txn, record in records:
+                if record.id in self._recovered:
+                    self._recovered.discard(record.id)
+                    txn.done.add(record.id)
                 if record.id in txn.done:
                     continue  # done in an earlier pass, waiting for the rest of its transaction
                 record.headers += ((names.id, str(record.id).encode()), *identity)
@@ -249,6 +262,25 @@ class LogStore(PostgresStore):
 
     # ------------------------------------------------------------------ completion
 
+    def purge_checkpointed(self, ids: Sequence[int], position: int) -> None:
+        """Exactly-once: advance the slot past every transaction whose records are all done (one
+        fenced statement), then delete the rows and move the checkpoint position (a second one),
+        but only past checkpoints whose transactions the slot is past: a checkpoint the position
+        has passed is never recovered again, so the slot must not return its records any more.
+
+        A purge of ids this term did not hand out (the recovery of committed checkpoints) deletes
+        their rows and remembers them as done; it leaves the position where it is."""
+        with self._state:
+            ends = [txn.end_lsn for rid in ids if (txn := self._of_id.get(rid)) is not None]
+            if ends:
+                self._batches.append((position, max(ends)))
+        self._done(ids)
+        safe = 0
+        with self._state:
+            while self._batches and self._batches[0][1] <= self._advanced:
+                safe = self._batches.popleft()[0]
+        super().purge_checkpointed(ids, safe)
+
     def purge(self, ids: Sequence[int]) -> None:
         """Delete delivered records (one fenced statement), then advance the slot past every
         transaction whose records are all done (a second one)."""
@@ -272,6 +304,8 @@ class LogStore(PostgresStore):
                 txn = self._of_id.pop(rid, None)
                 if txn is not None:
                     txn.done.add(rid)
+                else:
+                    self._recovered.add(rid)
             target = self._settled()
             if self._unsettled <= self._defer_below:
                 self._deferred.set()
@@ -297,6 +331,8 @@ class LogStore(PostgresStore):
         if not rows:
             self._check_epoch()
             raise StoreError(f"replication slot {self._setup.slot} does not exist")
+        with self._state:
+            self._advanced = max(self._advanced, lsn)
 
     def wait_for_insert(self, timeout: float) -> bool:
         """After a deferred peek, until records complete; otherwise as the mark-purge store waits."""

@@ -80,11 +80,14 @@ def make_log_harvester(services: Services, logical_dsn: str, log_outbox: TableNa
     """Build (and afterwards stop) log-source harvesters on this test's outbox."""
     made: list[Harvester] = []
 
-    def make(*, elector: Elector | None = None, start: bool = True, **limits: Any) -> Harvester:
+    def make(
+        *, elector: Elector | None = None, start: bool = True, delivery: Any = "at_least_once", **limits: Any
+    ) -> Harvester:
         config = HarvesterConfig(
             data_source=logical_dsn,
             outbox_table=log_outbox.qualified,
             source="log",
+            delivery=delivery,
             base_kafka_config={"bootstrap.servers": services.bootstrap},
             limits=Limits(**{"io_error_backoff": "100ms", **limits}),
         )

@@ -8,6 +8,7 @@ import os
 import signal
 import time
 from collections.abc import Callable
+from typing import Any
 from uuid import uuid4
 
 import psycopg
@@ -41,27 +42,37 @@ def at_or_after(dsn: str, a: str, b: str) -> bool:
     return row is not None and bool(row[0])
 
 
+DELIVERY = pytest.mark.parametrize("delivery", ["at_least_once", "exactly_once"])
+# Consumer configuration, passed as read_messages(..., **COMMITTED).
+COMMITTED: dict[str, Any] = {"isolation.level": "read_committed"}
+
+
+@DELIVERY
 def test_drains_every_key_in_order_and_advances_the_slot(
     services: Services,
     logical_dsn: str,
     log_outbox: TableName,
     topics: Callable[..., str],
     make_log_harvester: HarvesterFactory,
+    delivery: str,
 ) -> None:
     topic = topics(partitions=3)
-    h = make_log_harvester()
+    h = make_log_harvester(delivery=delivery)
     before = ""
     for batch in range(10):
         before = lsn(logical_dsn)  # the last transaction ends after this
         insert(logical_dsn, log_outbox, [(topic, f"k{i % 7}", f"k{i % 7}:{batch * 10 + i // 7}") for i in range(70)])
-    messages = read_messages(services.bootstrap, [topic], 700)
+    messages = read_messages(services.bootstrap, [topic], 700, **COMMITTED)
     verdict = check(messages, {f"k{i}": 100 for i in range(7)})
     assert verdict.lost == [] and verdict.out_of_order == [] and verdict.unexpected == 0
+    if delivery == "exactly_once":
+        assert verdict.duplicates == 0
     assert wait_drained(logical_dsn, log_outbox) == 0
     assert wait_until(lambda: not at_or_after(logical_dsn, before, slot_position(logical_dsn, log_outbox)))
     assert h.metrics.purged._value.get() >= 700
 
 
+@DELIVERY
 @pytest.mark.parametrize("harvesting", [True, False], ids=["while-harvesting", "in-one-read"])
 def test_a_late_transaction_is_published_in_commit_order(
     services: Services,
@@ -70,6 +81,7 @@ def test_a_late_transaction_is_published_in_commit_order(
     topics: Callable[..., str],
     make_log_harvester: HarvesterFactory,
     harvesting: bool,
+    delivery: str,
 ) -> None:
     topic = topics()
     with psycopg.connect(logical_dsn) as late:
@@ -78,16 +90,16 @@ def test_a_late_transaction_is_published_in_commit_order(
         # ... while a later one, with higher ids and seq 0..2, commits first (and, while harvesting,
         # is harvested; else both transactions come in one read of the slot, where id order would
         # put seq 3..5 first).
-        h = make_log_harvester(start=harvesting)
+        h = make_log_harvester(start=harvesting, delivery=delivery)
         insert(logical_dsn, log_outbox, [(topic, "k", f"k:{i}") for i in (0, 1, 2)])
         if harvesting:
-            assert len(read_messages(services.bootstrap, [topic], 3)) == 3
+            assert len(read_messages(services.bootstrap, [topic], 3, **COMMITTED)) == 3
             assert wait_until(lambda: h.metrics.purged._value.get() >= 3)
         late.commit()
     if not harvesting:
         h.start()
     assert wait_drained(logical_dsn, log_outbox) == 0
-    verdict = check(read_messages(services.bootstrap, [topic], 6), {"k": 6})
+    verdict = check(read_messages(services.bootstrap, [topic], 6, **COMMITTED), {"k": 6})
     # Published in commit order: seq 0..5 in order although ids say 3, 4, 5 came first.
     assert verdict.lost == [] and verdict.out_of_order == [] and verdict.duplicates == 0
 
@@ -133,8 +145,9 @@ def deleted_by(dsn: str, audit: TableName, name: str, after: float = 0.0) -> int
 
 
 @pytest.mark.slow
+@DELIVERY
 def test_failover_resumes_at_the_slot_with_nothing_lost(
-    services: Services, logical_dsn: str, log_outbox: TableName, topics: Callable[..., str]
+    services: Services, logical_dsn: str, log_outbox: TableName, topics: Callable[..., str], delivery: str
 ) -> None:
     """SIGKILL the leader mid-stream, then SIGSTOP the next one past its session: each successor
     resumes where the slot stands; the paused one changes no row after the takeover."""
@@ -144,7 +157,9 @@ def test_failover_resumes_at_the_slot_with_nothing_lost(
 
     def spec(name: str) -> dict[str, object]:
         limits = {"mark_query_records": 10, "max_in_flight_records": 50}
-        return harvester_spec(logical_dsn, services.bootstrap, log_outbox, group, name, source="log", limits=limits)
+        return harvester_spec(
+            logical_dsn, services.bootstrap, log_outbox, group, name, source="log", delivery=delivery, limits=limits
+        )
 
     a = HarvesterProcess(spec("killed-a"))
     b = c = None
@@ -171,8 +186,11 @@ def test_failover_resumes_at_the_slot_with_nothing_lost(
         for p in (a, b, c):
             if p is not None:
                 p.terminate()
-    verdict = check(read_messages(services.bootstrap, [topic], 1800), {f"k{i}": 60 for i in range(30)})
+    messages = read_messages(services.bootstrap, [topic], 1800, **COMMITTED)
+    verdict = check(messages, {f"k{i}": 60 for i in range(30)})
     assert verdict.lost == [] and verdict.out_of_order == [] and verdict.unexpected == 0
+    if delivery == "exactly_once":
+        assert verdict.duplicates == 0
 
 
 def test_an_idle_outbox_lets_the_slot_move_past_other_tables_writes(

@@ -1,5 +1,5 @@
 """``reaper migrate`` creates the log source's publication and slot; ``reaper check`` names what is
-missing, with the fix; ``exactly_once`` with the log source is refused in one line."""
+missing, with the fix; ``hold_key`` with the log source is refused in one line."""
 
 from __future__ import annotations
 
@@ -101,9 +101,11 @@ def test_check_names_a_role_without_replication(
 
 
 @pytest.mark.unit
-def test_exactly_once_with_the_log_source_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_held_dead_letter_keys_with_the_log_source_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     path = tmp_path / "reaper.yaml"
-    path.write_text("harvest:\n  source: log\n  delivery: exactly_once\n")
+    path.write_text("harvest:\n  source: log\n  deadLetterPolicy: hold_key\n")
     assert main(["run", "-f", str(path)]) == 2
     err = capsys.readouterr().err
-    assert "source 'log' does not support delivery 'exactly_once' yet" in err and err.count("\n") == 1
+    assert "source 'log' does not support deadLetterPolicy 'hold_key'" in err and err.count("\n") == 1
