@@ -116,14 +116,13 @@ def free_port() -> int:
 
 
 class LogicalPostgres:
-    """A private PostgreSQL with ``wal_level=logical`` (deploy/local/services.sh in a temporary
-    directory, as tests/support.py's PrivatePostgres), plus replication connections from loopback."""
+    """A private PostgreSQL with ``wal_level=logical`` and replication connections from loopback
+    (deploy/local/services.sh in a temporary directory, as tests/support.py's PrivatePostgres)."""
 
     def __init__(self, state: Path) -> None:
         self.port = free_port()
         self.dsn = f"host=127.0.0.1 port={self.port} user=harvester password=local-dev-secret dbname=harvester"
         self._env = {**os.environ, "HARVESTER_LOCAL_DIR": str(state), "PGPORT": str(self.port)}
-        self._data = state / "postgres" / "data"
         self.started = False
 
     def _run(self, command: str) -> None:
@@ -136,12 +135,7 @@ class LogicalPostgres:
 
     def start(self) -> None:
         self.started = True
-        self._run("start-postgres")
-        with psycopg.connect(self.dsn, autocommit=True) as conn:
-            conn.execute("ALTER SYSTEM SET wal_level = logical")
-        with (self._data / "pg_hba.conf").open("a") as hba:
-            hba.write("host replication all 127.0.0.1/32 trust\n")
-        self._run("restart-postgres")
+        self._run("start-postgres")  # wal_level=logical, replication from loopback: services.sh's defaults
         with psycopg.connect(self.dsn, autocommit=True) as conn:
             row = conn.execute("SHOW wal_level").fetchone()
         if row is None or row[0] != "logical":
