@@ -106,6 +106,8 @@ class LogStore(PostgresStore):
         # recovers; completions of the previous term): skipped when the slot returns them.
         self._recovered: set[int] = set()
         self._advanced = 0  # where this term last moved the slot to
+        self._term_lsn = 0  # the end of the log when this term began
+        self._present: sql.Composed | None = None
         # Exactly-once: (checkpoint position, end LSN of its last transaction) of purged batches
         # whose position is not stored yet.
         self._batches: deque[tuple[int, int]] = deque()
@@ -134,6 +136,7 @@ class LogStore(PostgresStore):
                 "SELECT data FROM pg_logical_slot_peek_binary_changes(%s, NULL, %s,"
                 " 'proto_version', '1', 'publication_names', %s, 'messages', 'true')"
             ).format()
+            self._present = sql.SQL("SELECT id FROM {} WHERE id = ANY(%s::bigint[])").format(self._table.ident)
             # The fence row stays share-locked while the slot moves: a newer epoch's bump waits for it.
             self._advance = sql.SQL(
                 "WITH fence AS (SELECT 1 FROM {f} WHERE outbox_table = %s AND epoch = %s FOR SHARE)"
@@ -152,6 +155,10 @@ class LogStore(PostgresStore):
     def acquire(self, leader_id: UUID) -> int:
         """Bump the fence epoch; the term reads from the slot's position as it is now."""
         epoch = super().acquire(leader_id)
+        # A previous leader deleted rows only before this bump: only transactions that committed
+        # before it can hold records it delivered.
+        row = self._run("SELECT pg_current_wal_lsn()::text", ())
+        self._term_lsn = pgoutput.lsn_value(str(row[0][0]))
         with self._state:
             self._pass = None
             self._buffer.clear()
@@ -204,10 +211,15 @@ class LogStore(PostgresStore):
         names, kind = self._names, self._ready().columns.limits.value_kind
         identity = ((names.epoch, str(self._epoch).encode()), (names.producer, self._ready().producer))
         records = [(seg.txn, _record(pgoutput.insert_values(data), seg.columns, kind)) for seg, data in taken]
+        # A record of a transaction an earlier term read may have been delivered and its row
+        # deleted: the table says so (publishing it again would be a duplicate the de-duplicating
+        # reader cannot be sure to catch, its key having moved on).
+        earlier = [record.id for txn, record in records if txn.end_lsn <= self._term_lsn]
+        gone = set(earlier) - self._existing(earlier) if earlier else set()
         out: list[MarkedRecord] = []
         with self._state:
             for txn, record in records:
-                if record.id in self._recovered:
+                if record.id in self._recovered or record.id in gone:
                     self._recovered.discard(record.id)
                     txn.done.add(record.id)
                 if record.id in txn.done:
@@ -216,6 +228,10 @@ class LogStore(PostgresStore):
                 self._of_id[record.id] = txn
                 out.append(record)
         return out
+
+    def _existing(self, ids: list[int]) -> set[int]:
+        assert self._present is not None
+        return {int(row[0]) for row in self._run(self._present, (ids,))}
 
     def _keepalive(self) -> None:
         """Write a transaction the slot sees (an empty logical message): when it has been read, the
