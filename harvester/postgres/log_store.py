@@ -106,6 +106,7 @@ class LogStore(PostgresStore):
         # recovers; completions of the previous term): skipped when the slot returns them.
         self._recovered: set[int] = set()
         self._advanced = 0  # where this term last moved the slot to
+        self._settled_upto = 0  # the end of the last transaction this term forgot as settled
         self._term_lsn = 0  # the end of the log when this term began
         self._present: sql.Composed | None = None
         # Exactly-once: (checkpoint position, end LSN of its last transaction) of purged batches
@@ -167,12 +168,17 @@ class LogStore(PostgresStore):
             self._by_end.clear()
             self._of_id.clear()
             self._unsettled = 0
+            self._settled_upto = 0
             self._batches.clear()
         self._deferred.set()
         return epoch
 
     def mark(self, leader_id: UUID, limit: int) -> list[MarkedRecord]:
         """Up to ``limit`` records in commit order, not yet handed out under ``leader_id``."""
+        with self._state:
+            settled = self._settled()
+        if settled:  # moving the slot failed after the last completion: again, before reading
+            self._advance_to(settled)
         with self._state:
             if self._pass != leader_id:
                 self._pass, self._read_upto = leader_id, 0
@@ -189,7 +195,7 @@ class LogStore(PostgresStore):
         with self._state:
             settled = self._settled()
             keepalive = not out and not self._transactions and time.monotonic() > self._next_keepalive
-        if settled:
+        if settled and not out:
             self._advance_to(settled)
         if keepalive:
             self._keepalive()
@@ -249,6 +255,7 @@ class LogStore(PostgresStore):
         with self._state:
             if self._pass != leader_id:
                 return
+            self._read_upto = max(self._read_upto, self._settled_upto)  # settled: never again
             inserts: list[bytes] = []
             skipping = False  # through a transaction this pass handed out already
             for (data,) in rows:
@@ -329,15 +336,15 @@ class LogStore(PostgresStore):
             self._advance_to(target)
 
     def _settled(self) -> int:
-        """Forget the leading transactions whose records are all done; the end LSN of the last one
-        (0 if none), the slot's next position (caller holds ``_state``)."""
-        target = 0
+        """Forget the leading transactions whose records are all done; where the slot should move
+        to, if it is not there yet (else 0; caller holds ``_state``). A forgotten transaction is
+        never handed out again, even if moving the slot past it failed: the next call retries."""
         while self._transactions and self._transactions[0].settled:
             txn = self._transactions.popleft()
             del self._by_end[txn.end_lsn]
             self._unsettled -= txn.size
-            target = txn.end_lsn
-        return target
+            self._settled_upto = txn.end_lsn
+        return self._settled_upto if self._settled_upto > self._advanced else 0
 
     def _advance_to(self, lsn: int) -> None:
         assert self._advance is not None
