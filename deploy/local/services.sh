@@ -179,7 +179,7 @@ CONF
 # The log source (and bench/peers' Debezium) read the outbox through logical decoding. A cluster
 # created before this setting existed gets it once, with one restart.
 pg_ensure_logical() {
-  local bin; bin=$(pg_bindir)
+  local bin; bin=$(dirname "$(pg_ctl_bin)")  # the running server's own binaries
   local psql=(as_pg "$bin/psql" -h 127.0.0.1 -p "$PGPORT" -U postgres -d postgres -qtAX -v ON_ERROR_STOP=1)
   [ "$("${psql[@]}" -c "SHOW wal_level")" = logical ] && return 0
   say "postgres: setting wal_level = logical (one restart) ..."
