@@ -140,7 +140,7 @@ class LogStore(PostgresStore):
             self._present = sql.SQL("SELECT id FROM {} WHERE id = ANY(%s::bigint[])").format(self._table.ident)
             # The fence row stays share-locked while the slot moves: a newer epoch's bump waits for it.
             self._advance = sql.SQL(
-                "WITH fence AS (SELECT 1 FROM {f} WHERE outbox_table = %s AND epoch = %s FOR SHARE)"
+                "WITH fence AS (SELECT 1 FROM {f} WHERE outbox_table = %s AND shard = %s AND epoch = %s FOR SHARE)"
                 " SELECT pg_replication_slot_advance(s.slot_name, greatest(%s::pg_lsn, s.confirmed_flush_lsn))"
                 " FROM fence, pg_replication_slots s WHERE s.slot_name = %s"
             ).format(f=fence_table(self._table).ident)
@@ -348,7 +348,7 @@ class LogStore(PostgresStore):
 
     def _advance_to(self, lsn: int) -> None:
         assert self._advance is not None
-        params = (self._table.qualified, self._epoch, pgoutput.lsn_text(lsn), self._setup.slot)
+        params = (*self._fence, self._epoch, pgoutput.lsn_text(lsn), self._setup.slot)
         with self._slot_lock:
             rows = self._run(self._advance, params)
         if not rows:
