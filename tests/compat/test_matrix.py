@@ -61,7 +61,8 @@ def free_ports(count: int) -> int:
             while True:
                 with socket.socket() as s:
                     s.bind(("127.0.0.1", 0))
-                    yield int(s.getsockname()[1])
+                    port = int(s.getsockname()[1])
+                yield port  # once released: _free binds it again to check
 
         starts = ephemeral()
     for first in starts:
