@@ -1,7 +1,7 @@
 """A burst into an idle outbox, drained by the relay users would pick instead (Debezium's PostgreSQL
 connector with its outbox EventRouter in Kafka Connect standalone) and by this project's harvester.
 
-    ./dev.sh bench peers [--records 200000] [--large] [--rounds 2] [--keys 1000]
+    ./dev.sh bench peers [--records 200000] [--large] [--rounds 2] [--keys 1000] [--rate 2000] [--seconds 20]
 
 ``--large`` uses 1,000,000 records. Needs Java 17 and Maven: Kafka Connect 4.1.1 (the local broker's
 version) and Debezium 3.3.2.Final (io.debezium:debezium-connector-postgres, whose jars include the
@@ -20,10 +20,13 @@ outbox (goharvest's layout) and times, from that commit:
     mark-purge/reset source and with the log source (its own publication and ``pgoutput`` slot,
     created before the round's idle phase): until the last record is acknowledged by Kafka, and
     until the outbox is empty.
-Relays alternate their order each round; the table prints medians: records/s, the ratio to Debezium's
-rate, and CPU seconds per 1,000 records of the relay process (the Connect JVM; this Python process for
-the harvester) and of the PostgreSQL server (every backend of the private postmaster, Debezium's WAL
-sender included, minus the COPYing backend's own time during the COPY).
+Then each relay (Debezium, the harvester with each source at default limits) carries a steady insert
+rate (``--rate`` records/s for ``--seconds``, bench/steady.py): commit-to-receipt latency p50/p99
+and CPU per record. Relays alternate their order each round; the burst table prints medians:
+records/s, the ratio to Debezium's rate, and CPU seconds per 1,000 records of the relay process (the
+Connect JVM; this Python process for the harvester) and of the PostgreSQL server (every backend of
+the private postmaster, Debezium's WAL sender included, minus the COPYing backend's own time during
+the COPY).
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,6 +63,7 @@ from peer_services import (
     resolve_jars,
 )
 from psycopg import sql
+from steady import Steady, steady
 
 from harvester import Limits, TableName
 from harvester.postgres import logical
@@ -106,9 +110,19 @@ def topic_count(consumer: Consumer, topic: str) -> int:
     return sum(consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1] for p in range(PARTITIONS))
 
 
-def debezium_burst(
-    conn: psycopg.Connection[Any], pg: LogicalPostgres, connect: ConnectWorker, records: int, keys: int, check: bool
-) -> Burst:
+@dataclass(frozen=True, slots=True)
+class Relay:
+    """A relay running over an outbox of its own: where records go in and come out, and its CPU."""
+
+    table: TableName
+    topic: str
+    cpu: Callable[[], float]  # CPU seconds of the relay's process so far
+    in_process: bool  # the harvester runs in this process; Debezium in the Connect JVM
+
+
+@contextlib.contextmanager
+def debezium_relay(conn: psycopg.Connection[Any], pg: LogicalPostgres, connect: ConnectWorker) -> Iterator[Relay]:
+    """Debezium's connector with the EventRouter, streaming from a fresh goharvest outbox."""
     name = f"peers_{uuid.uuid4().hex[:8]}"
     table = TableName(name, "outbox")
     conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(name)))
@@ -142,39 +156,50 @@ def debezium_burst(
         "transforms.outbox.route.topic.replacement": "${routedByValue}",
     }
     connect.request("POST", "/connectors", {"name": name, "config": config})
-    consumer = Consumer({"bootstrap.servers": BOOTSTRAP, "group.id": f"{name}_count", "enable.auto.commit": False})
     try:
         _wait_streaming(conn, connect, name)
         time.sleep(3.0)  # idle, as the harvester idles before its burst
-        meter = CpuMeter(conn)
-        before, relay_before = meter.sample(), connect.cpu()
-        committed, copy_cpu = copy_burst(conn, table, topic, records, keys)
-        deadline = time.monotonic() + 900
-        count = 0
-        while (count := topic_count(consumer, topic)) < records:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"Debezium: {count} of {records} records on {topic} after 900 s")
-            _assert_running(connect, name)
-            time.sleep(0.05)
-        elapsed = time.time() - committed
-        after, relay_after = meter.sample(), connect.cpu()
-        if check:
-            _check_record(topic)
-        time.sleep(1.0)
-        extra = topic_count(consumer, topic) - records
-        scale = 1000 / records
-        return Burst(
-            records / elapsed,
-            (relay_after - relay_before) * scale,
-            (after.postgres - before.postgres - copy_cpu) * scale,
-            extra=extra,
-        )
+        yield Relay(table, topic, connect.cpu, in_process=False)
     finally:
-        consumer.close()
         with contextlib.suppress(OSError):  # urllib's errors are OSErrors
             connect.request("DELETE", f"/connectors/{name}")
         _drop_slot(conn, name)
         conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(name)))
+
+
+def debezium_burst(
+    conn: psycopg.Connection[Any], pg: LogicalPostgres, connect: ConnectWorker, records: int, keys: int, check: bool
+) -> Burst:
+    with debezium_relay(conn, pg, connect) as relay:
+        consumer = Consumer(
+            {"bootstrap.servers": BOOTSTRAP, "group.id": f"{relay.topic}_count", "enable.auto.commit": False}
+        )
+        try:
+            meter = CpuMeter(conn)
+            before, relay_before = meter.sample(), connect.cpu()
+            committed, copy_cpu = copy_burst(conn, relay.table, relay.topic, records, keys)
+            deadline = time.monotonic() + 900
+            count = 0
+            while (count := topic_count(consumer, relay.topic)) < records:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"Debezium: {count} of {records} records on {relay.topic} after 900 s")
+                _assert_running(connect, relay.table.schema)
+                time.sleep(0.05)
+            elapsed = time.time() - committed
+            after, relay_after = meter.sample(), connect.cpu()
+            if check:
+                _check_record(relay.topic)
+            time.sleep(1.0)
+            extra = topic_count(consumer, relay.topic) - records
+        finally:
+            consumer.close()
+    scale = 1000 / records
+    return Burst(
+        records / elapsed,
+        (relay_after - relay_before) * scale,
+        (after.postgres - before.postgres - copy_cpu) * scale,
+        extra=extra,
+    )
 
 
 def _assert_running(connect: ConnectWorker, name: str) -> None:
@@ -240,10 +265,13 @@ def _check_record(topic: str) -> None:
         c.close()
 
 
-def harvester_burst(conn: psycopg.Connection[Any], records: int, keys: int, limits: Limits, log: bool = False) -> Burst:
-    """The harvester in-process; ``log``: with the log source (its publication and slot made first)."""
+@contextlib.contextmanager
+def harvester_relay(
+    conn: psycopg.Connection[Any], limits: Limits, log: bool, acked: dict[int, float]
+) -> Iterator[Relay]:
+    """The harvester in-process over a fresh outbox; ``log``: with the log source (its publication
+    and slot made first). Acknowledgement times go into ``acked``."""
     table, topic = fresh_outbox(conn), fresh_topic(PARTITIONS)
-    acked: dict[int, float] = {}
     setup = LogSetup(table, f"{table.schema}_slot", f"{table.schema}_pub")
     log_store: LogStore | None = None
     if log:
@@ -253,21 +281,27 @@ def harvester_burst(conn: psycopg.Connection[Any], records: int, keys: int, limi
     engine, store = run_engine(table, limits, acked, store=log_store)
     try:
         time.sleep(3.0)  # idle marks: enough for PostgreSQL to consider generic plans
-        meter = CpuMeter(conn)
-        before = meter.sample()
-        committed, copy_cpu = copy_burst(conn, table, topic, records, keys)
-        own_after_copy = time.process_time()
-        wait_empty(conn, table)
-        empty = time.time() - committed
-        after = meter.sample()
-        if len(acked) < records:
-            raise RuntimeError(f"harvester: {len(acked)} of {records} records acknowledged")
-        last_ack = max(acked.values()) - committed
+        yield Relay(table, topic, time.process_time, in_process=True)
     finally:
         stop(engine, store)
         if log:
             _drop_slot(conn, setup.slot, setup.publication)
         conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(table.schema)))
+
+
+def harvester_burst(conn: psycopg.Connection[Any], records: int, keys: int, limits: Limits, log: bool = False) -> Burst:
+    acked: dict[int, float] = {}
+    with harvester_relay(conn, limits, log, acked) as relay:
+        meter = CpuMeter(conn)
+        before = meter.sample()
+        committed, copy_cpu = copy_burst(conn, relay.table, relay.topic, records, keys)
+        own_after_copy = time.process_time()
+        wait_empty(conn, relay.table)
+        empty = time.time() - committed
+        after = meter.sample()
+        if len(acked) < records:
+            raise RuntimeError(f"harvester: {len(acked)} of {records} records acknowledged")
+        last_ack = max(acked.values()) - committed
     scale = 1000 / records
     # The relay's CPU: this process after the commit (the COPY's client side ran before it).
     return Burst(
@@ -275,6 +309,21 @@ def harvester_burst(conn: psycopg.Connection[Any], records: int, keys: int, limi
         (after.own - own_after_copy) * scale,
         (after.postgres - before.postgres - copy_cpu) * scale,
         rate_empty=records / empty,
+    )
+
+
+def steady_through(relay: Relay, rate: float, seconds: float, keys: int) -> Steady:
+    return steady(
+        harvest.DSN,
+        BOOTSTRAP,
+        relay.table,
+        relay.topic,
+        PARTITIONS,
+        relay.cpu,
+        in_process=relay.in_process,
+        rate=rate,
+        seconds=seconds,
+        keys=keys,
     )
 
 
@@ -287,15 +336,17 @@ def main() -> None:
     p.add_argument("--large", action="store_true", help="a burst of 1,000,000 records")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--keys", type=int, default=1000)
+    p.add_argument("--rate", type=float, default=2000.0, help="records/s of the steady phase (0: none)")
+    p.add_argument("--seconds", type=float, default=20.0, help="length of the steady phase")
     args = p.parse_args()
     records = 1_000_000 if args.large else args.records
     try:
-        run(records, args.keys, args.rounds)
+        run(records, args.keys, args.rounds, args.rate, args.seconds)
     except MissingError as e:
         sys.exit(f"peers: {e}")
 
 
-def run(records: int, keys: int, rounds: int) -> None:
+def run(records: int, keys: int, rounds: int, rate: float, seconds: float) -> None:
     resolve_jars()
     started = time.monotonic()
     state = Path(tempfile.mkdtemp(prefix="peers-"))
@@ -331,6 +382,21 @@ def run(records: int, keys: int, rounds: int) -> None:
                     results[name].append(b)
                     print(f"  round {r + 1}: {name:<42} {b.rate:9.0f} records/s", flush=True)
         report(results, records)
+        if rate > 0:
+            steadies = {
+                "Debezium PostgreSQL + EventRouter": lambda c: debezium_relay(c, pg, connect),
+                "harvester, default limits (auto)": lambda c: harvester_relay(c, Limits(), False, {}),
+                "harvester, log source, default limits": lambda c: harvester_relay(c, Limits(), True, {}),
+            }
+            print(
+                f"steady inserts: {rate:.0f} records/s for {seconds:.0f} s (2 writers, 10-record transactions);"
+                " latency from commit to a consumer's receipt; CPU s per 1,000 records (PostgreSQL's includes"
+                " the writers' backends)"
+            )
+            with psycopg.connect(pg.dsn, autocommit=True) as conn:
+                for name, relay_of in steadies.items():
+                    with relay_of(conn) as relay:
+                        report_steady(name, steady_through(relay, rate, seconds, keys))
         print(f"took {time.monotonic() - started:.0f} s")
     finally:
         try:
@@ -365,6 +431,16 @@ def report(results: dict[str, list[Burst]], records: int) -> None:
             f" {med([b.cpu_relay for b in bursts]):18.3f} {med([b.cpu_postgres for b in bursts]):11.3f}"
             f"  {'; '.join(notes)}"
         )
+
+
+
+def report_steady(name: str, result: Steady) -> None:
+    missing = f"; {result.missing} not received within 60 s" if result.missing else ""
+    print(
+        f"  {name:<42} inserted {result.inserted:6.0f}/s  p50 {result.p50_ms:6.1f} ms  p99 {result.p99_ms:7.1f} ms"
+        f"  CPU relay {result.cpu_relay:.3f}, PostgreSQL {result.cpu_postgres:.3f}{missing}",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":
