@@ -99,8 +99,12 @@ class Harvester:
         on_event: Callable[[Event], None] | None = None,
         registry: CollectorRegistry | None = None,
         elector: Elector | None = None,
+        labels: Mapping[str, str] | None = None,
     ) -> None:
         self.config = config
+        # Bound to every log line of this harvester (``outbox`` when a reaper harvests several).
+        self._labels = dict(labels or {})
+        self._log = log.bind(**self._labels)
         shards = config.shards
         self._registry = registry if registry is not None else CollectorRegistry()
         # One shard exports its series as they always were; several, each in a private registry
@@ -154,7 +158,7 @@ class Harvester:
         first = self._pipelines[0].store
         columns = first.prepare()  # fails fast on a missing or unsupported table, or on another N
         if not columns.tracks_attempts:
-            log.warning("attempts_in_memory", hint="run 'reaper migrate' so attempt counts survive failover")
+            self._log.warning("attempts_in_memory", hint="run 'reaper migrate' so attempt counts survive failover")
         cfg = self.config
         self._pipelines += [
             _Pipeline(first.sibling(i), metrics) for i, metrics in enumerate(self._shard_metrics[1:], start=1)
@@ -170,6 +174,7 @@ class Harvester:
                 listen_notify=cfg.listen_notify,
                 still_leader=self._leader_check(shard),
                 shard=shard if cfg.shards > 1 else None,
+                labels=self._labels,
                 on_fatal=self._fatal,
                 **tracing,
             )
@@ -179,7 +184,7 @@ class Harvester:
         self._elector.start(self._on_leader_event)
         self._meter.start()
         self._started.set()
-        log.info(
+        self._log.info(
             "harvester_started", table=cfg.table.qualified, group=cfg.group_id, topic=cfg.topic, shards=cfg.shards
         )
 
@@ -236,7 +241,7 @@ class Harvester:
             engine.stop_marking()
         for engine in engines:
             if not engine.drain(budget):
-                log.warning("stop_drain_timeout", in_flight=engine.in_flight_records)
+                self._log.warning("stop_drain_timeout", in_flight=engine.in_flight_records)
         self._elector.close()
         for engine in engines:
             engine.close(max(budget, 1.0))
@@ -244,7 +249,7 @@ class Harvester:
             pipeline.store.close()
         self._stopped.set()
         if self._started.is_set():  # a failed start is reported by whoever called start()
-            log.info("harvester_stopped")
+            self._log.info("harvester_stopped")
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until :meth:`stop` completed (True) or ``timeout`` passed (False)."""
@@ -326,7 +331,7 @@ class Harvester:
     # ------------------------------------------------------------------ internals
 
     def _emit_event(self, event: Event) -> None:
-        log.info(type(event).__name__, **{k: str(v) for k, v in _fields(event).items()})
+        self._log.info(type(event).__name__, **{k: str(v) for k, v in _fields(event).items()})
         if self._on_event is not None:
             self._on_event(event)
 

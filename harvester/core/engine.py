@@ -19,7 +19,7 @@ instance that finished its term start late, and the term is started again (fenci
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from typing import Protocol
 from uuid import UUID, uuid4
@@ -69,6 +69,7 @@ class Engine:
         still_leader: Callable[[], bool] = lambda: True,
         batch_scope: BatchScope = lambda _batch: nullcontext(),
         shard: int | None = None,
+        labels: Mapping[str, object] | None = None,
         on_fatal: Callable[[Exception], None] = lambda _: None,
     ) -> None:
         self._store = store
@@ -84,10 +85,12 @@ class Engine:
         self._fenced_term = 0  # the term whose epoch the store holds (mark thread only)
         self._backoff = RetryBackoff(limits)
         settler = Settler(store, limits, metrics, self._backoff, self._fenced, lambda: state.leader_id)
-        labels: dict[str, object] = {} if shard is None else {"shard": shard}
-        context = Context(state, limits, metrics, settler, self._backoff, self._fenced, labels)
+        # ``labels`` (the outbox, when a reaper harvests several) and the shard go on every log line
+        # of the pipeline's threads.
+        bound: dict[str, object] = {**(labels or {}), **({} if shard is None else {"shard": shard})}
+        context = Context(state, limits, metrics, settler, self._backoff, self._fenced, bound)
         self._dispatcher = dispatcher(context)
-        self._threads = [worker(self._mark_loop, "harvester-mark", labels), *self._dispatcher.threads]
+        self._threads = [worker(self._mark_loop, "harvester-mark", bound), *self._dispatcher.threads]
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -55,11 +55,18 @@ def validate_election(settings: ReaperSettings) -> None:
 
 
 def check(settings: ReaperSettings, timeout: float) -> int:
-    validate_kafka_config(settings)
-    validate_election(settings)
-    for default in defaulted_connections(settings):
-        print(f"note: {default} is not set: using the default")
-    problems = _check_postgres(settings, timeout) + _check_kafka(settings, timeout)
+    """Check every harvest section in file order; 0 when all is in place, 1 when something is missing."""
+    sections = settings.sections
+    for section in sections:  # every configuration mistake before any connection
+        validate_kafka_config(section)
+        validate_election(section)
+    problems: list[str] = []
+    for i, section in enumerate(sections):
+        if len(sections) > 1:
+            print(f"{chr(10) if i else ''}harvest[{i}]: outbox {section.harvest.table}")
+        for default in defaulted_connections(section):
+            print(f"note: {default} is not set: using the default")
+        problems += _check_postgres(section, timeout) + _check_kafka(section, timeout)
     for problem in problems:
         print(f"problem: {problem}")
     print("configuration ok" if not problems else f"{len(problems)} problem(s) found")

@@ -149,7 +149,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             secrets=secret_values(settings),
         )
         if args.command == "migrate":
-            return _migrate(settings)
+            return max(_migrate(section) for section in settings.sections)
         if args.command == "check":
             return check(settings, args.timeout)
         if args.command == "status":
@@ -157,9 +157,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return status(settings, args.timeout, as_json=args.json)
         if args.command == "dlq":
-            with connect_pg(settings, 10) as conn:
-                held = settings.harvest.dead_letter_policy == "hold_key"
-                return dlq.run(args, conn, settings.harvest.table, held_keys=held)
+            section = dlq.section(settings, args.outbox)
+            with connect_pg(section, 10) as conn:
+                held = section.harvest.dead_letter_policy == "hold_key"
+                return dlq.run(args, conn, section.harvest.table, held_keys=held)
         from harvester.daemon.run import run
 
         return run(settings, package_version())

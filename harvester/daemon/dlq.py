@@ -10,7 +10,8 @@ from typing import Any
 
 import psycopg
 
-from harvester.daemon.errors import FailError
+from harvester.daemon.errors import FailError, OneLineParser
+from harvester.daemon.settings import ReaperSettings
 from harvester.postgres import deadletter
 from harvester.postgres.identifiers import TableName
 from harvester.postgres.migrations import dead_letter_table
@@ -28,6 +29,14 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         "table does not exist.",
     )
     actions = dlq.add_subparsers(dest="dlq_command", metavar="ACTION", required=True)
+    chosen = OneLineParser(add_help=False, parents=[common])
+    chosen.add_argument(
+        "--outbox",
+        metavar="TABLE",
+        help="the harvest section whose dead letters to act on, by its outboxTable (required when the "
+        "file lists several)",
+    )
+    common = chosen
     listing = actions.add_parser(
         "list",
         parents=[common],
@@ -67,6 +76,22 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     )
     purge.add_argument("--before", required=True, type=_date, help="ISO date or timestamp (UTC if no zone)")
     purge.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+
+
+def section(settings: ReaperSettings, outbox: str | None) -> ReaperSettings:
+    """The harvest section ``--outbox`` names (a table as written in ``outboxTable``, or qualified);
+    raise :class:`FailError` when it names none, or is missing while the file lists several."""
+    sections = settings.sections
+    tables = ", ".join(s.harvest.table.qualified for s in sections)
+    if outbox is None:
+        if len(sections) > 1:
+            raise FailError(f"--outbox: the configuration lists several outboxes ({tables}); choose one")
+        return settings
+    for candidate in sections:
+        table = candidate.harvest
+        if outbox in (table.outbox_table, table.table.qualified):
+            return candidate
+    raise FailError(f"--outbox: {outbox} is not an outboxTable of the configuration ({tables})")
 
 
 def _count(text: str) -> int:

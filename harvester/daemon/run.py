@@ -10,7 +10,7 @@ import signal
 import threading
 from collections.abc import Mapping
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from harvester.daemon import logs
 from harvester.daemon.check import validate_election, validate_kafka_config
@@ -49,6 +49,14 @@ class _Signals:
             os._exit(128 + signum)
         self.received = signum
         self.stop.set()
+
+
+class _Probes(Protocol):
+    """What the HTTP endpoint asks: a :class:`_HealthCache`, or the probes over several outboxes."""
+
+    def liveness(self) -> tuple[bool, Mapping[str, object]]: ...
+
+    def readiness(self) -> tuple[bool, Mapping[str, object]]: ...
 
 
 class _HealthCache:
@@ -100,6 +108,10 @@ def run(settings: ReaperSettings, version: str) -> int:
     from harvester.core.events import LeaderAcquired, LeaderFenced, LeaderRefreshed, LeaderRevoked
     from harvester.harvester import Harvester
 
+    if len(settings.harvests) > 1:  # several outboxes: one supervised harvester each
+        from harvester.daemon.outboxes import run_outboxes
+
+        return run_outboxes(settings, version)
     harvest = settings.harvest
 
     def on_event(event: object) -> None:
@@ -132,7 +144,7 @@ def run(settings: ReaperSettings, version: str) -> int:
         signals.restore()
 
 
-def _listen(settings: ReaperSettings, registry: CollectorRegistry, health: _HealthCache) -> HttpServer:
+def _listen(settings: ReaperSettings, registry: CollectorRegistry, health: _Probes) -> HttpServer:
     """Bind the HTTP endpoint; raise :class:`FailError` when it cannot listen.
 
     A port the configuration set (``http.port`` in the file, or ``REAPER_HTTP__PORT``) is used or
@@ -185,28 +197,13 @@ def _serve(
     """Start the harvester and run until a signal (or its unexpected end); return the exit code."""
     import structlog
 
-    from harvester.kafka.topics import TopicError
-    from harvester.postgres.store import OutboxMissingError, ShardCountError, StoreError
-    from leader.election import LeaderTopicError
-
     harvest = settings.harvest
     log = structlog.get_logger("reaper")
     try:
         harvester.start()
     except Exception as exc:
         _abandon(harvester, server)
-        if isinstance(exc, ShardCountError):  # it names the setting and both numbers
-            raise FailError(str(exc)) from None
-        if isinstance(exc, TopicError):
-            raise FailError(f"harvest.checkpointTopic: {exc}") from None
-        if isinstance(exc, OutboxMissingError):
-            raise FailError(f"harvest.outboxTable: {exc}") from None
-        if isinstance(exc, StoreError):  # PostgreSQL unreachable, or a table of an unsupported layout
-            raise FailError(f"PostgreSQL (harvest.dataSource, harvest.outboxTable): {exc}") from None
-        if isinstance(exc, LeaderTopicError):  # Kafka unreachable, or the topic absent and not creatable
-            raise FailError(f"harvest.leaderTopic: {exc}") from None
-        log.debug("start_failed", exc_info=True)
-        raise FailError(f"cannot start: {type(exc).__name__}: {exc}", code=1) from None
+        raise start_error(exc) from None
     health.start()
     defaults = defaulted_connections(settings)
     if defaults:
@@ -252,6 +249,28 @@ def _serve(
         return 1
     log.info("reaper_stopped")
     return 0
+
+
+def start_error(exc: Exception) -> FailError:
+    """Why ``Harvester.start()`` failed, as a one-line error naming the setting to look at."""
+    import structlog
+
+    from harvester.kafka.topics import TopicError
+    from harvester.postgres.store import OutboxMissingError, ShardCountError, StoreError
+    from leader.election import LeaderTopicError
+
+    if isinstance(exc, ShardCountError):  # it names the setting and both numbers
+        return FailError(str(exc))
+    if isinstance(exc, TopicError):
+        return FailError(f"harvest.checkpointTopic: {exc}")
+    if isinstance(exc, OutboxMissingError):
+        return FailError(f"harvest.outboxTable: {exc}")
+    if isinstance(exc, StoreError):  # PostgreSQL unreachable, or a table of an unsupported layout
+        return FailError(f"PostgreSQL (harvest.dataSource, harvest.outboxTable): {exc}")
+    if isinstance(exc, LeaderTopicError):  # Kafka unreachable, or the topic absent and not creatable
+        return FailError(f"harvest.leaderTopic: {exc}")
+    structlog.get_logger("reaper").debug("start_failed", exc_info=exc)
+    return FailError(f"cannot start: {type(exc).__name__}: {exc}", code=1)
 
 
 def _close(server: HttpServer | None) -> None:

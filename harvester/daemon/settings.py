@@ -2,13 +2,16 @@
 
 A file has up to four sections::
 
-    harvest:   # HarvesterConfig: goharvest's block, unchanged (camelCase) or in snake_case
+    harvest:   # HarvesterConfig: goharvest's block, unchanged (camelCase) or in snake_case;
+               # or a list of such blocks, one per outbox this reaper harvests
     logging:   # level (goharvest's names accepted), format
     http:      # the /metrics, /healthz and /readyz endpoint
     shutdown:  # how long a graceful stop may wait for in-flight acknowledgements
 
 Precedence, lowest first: built-in defaults (goharvest's), the YAML file, ``REAPER_<SECTION>__<FIELD>``
-environment variables. Any string may then refer to a secret as ``${env:NAME}`` or ``${file:/path}``.
+environment variables (with a list of harvest sections, ``REAPER_HARVEST__<FIELD>`` sets every section and
+``REAPER_HARVEST__<i>__<FIELD>`` section ``i``). Any string may then refer to a secret as ``${env:NAME}``
+or ``${file:/path}``.
 Every mistake raises :class:`SettingsError` with one line that names the offending field.
 """
 
@@ -22,7 +25,16 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from harvester.config import HarvesterConfig
 from harvester.core.limits import Duration
@@ -93,7 +105,13 @@ class ShutdownSettings(BaseModel):
 
 
 class ReaperSettings(BaseModel):
-    """Everything in ``reaper.yaml``."""
+    """Everything in ``reaper.yaml``.
+
+    ``harvest`` is the first (often the only) harvest section; :attr:`harvests` lists them all. A
+    file whose ``harvest:`` is a list is validated one section at a time (:func:`load`), as a
+    settings object per section; :meth:`section` gives each back with the shared logging, http
+    and shutdown sections, so every per-outbox command works on one section at a time.
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -101,6 +119,21 @@ class ReaperSettings(BaseModel):
     logging: LoggingSettings = Field(default_factory=LoggingSettings)
     http: HttpSettings = Field(default_factory=HttpSettings)
     shutdown: ShutdownSettings = Field(default_factory=ShutdownSettings)
+    _more: tuple[ReaperSettings, ...] = PrivateAttr(default=())  # sections 1.. of a list, each whole
+
+    @property
+    def harvests(self) -> tuple[HarvesterConfig, ...]:
+        """Every harvest section, in file order."""
+        return (self.harvest, *(s.harvest for s in self._more))
+
+    @property
+    def sections(self) -> tuple[ReaperSettings, ...]:
+        """One settings object per harvest section (each with a single ``harvest``)."""
+        if not self._more:
+            return (self,)
+        first = self.model_copy()
+        first._more = ()
+        return (first, *self._more)
 
     @model_validator(mode="after")
     def _checks(self) -> ReaperSettings:
@@ -147,15 +180,15 @@ def defaulted_connections(settings: ReaperSettings) -> list[str]:
 
 
 def secret_values(settings: ReaperSettings) -> list[str]:
-    """The secret strings of ``settings``: the DSN's password and secret Kafka properties.
+    """The secret strings of ``settings``: every section's DSN password and secret Kafka properties.
 
     These are what logging and error output redact.
     """
     found: list[str] = []
-    harvest = settings.harvest
-    found.extend(dsn_secrets(harvest.data_source))
-    for props in (harvest.base_kafka_config, harvest.producer_kafka_config):
-        found.extend(str(v) for k, v in props.items() if SECRET_NAME.search(k) and str(v))
+    for harvest in settings.harvests:
+        found.extend(dsn_secrets(harvest.data_source))
+        for props in (harvest.base_kafka_config, harvest.producer_kafka_config):
+            found.extend(str(v) for k, v in props.items() if SECRET_NAME.search(k) and str(v))
     return found
 
 
@@ -190,10 +223,57 @@ def load(path: str | Path | None = None, environ: Mapping[str, str] | None = Non
             origins[_apply_override(data, name, env[name])] = name
     _refuse_double_spellings(data, ReaperSettings, ())
     data = _resolve_references(data, (), env, origins)
+    sections = data.get("harvest")
+    if not isinstance(sections, list):
+        return _validate(data, source, origins, None)
+    if not sections:
+        raise SettingsError(f"{source}: harvest: an empty list; give one section per outbox")
+    each = [_validate({**data, "harvest": section}, source, origins, i) for i, section in enumerate(sections)]
+    _refuse_shared(each, source)
+    first = each[0]
+    first._more = tuple(each[1:])
+    return first
+
+
+def _validate(
+    data: dict[str, Any], source: str, origins: Mapping[tuple[str, ...], str], index: int | None
+) -> ReaperSettings:
+    """One settings object; ``index`` is the harvest section's place in a list, named in errors."""
     try:
         return ReaperSettings.model_validate(data)
     except ValidationError as exc:
-        raise SettingsError(_describe(exc, source, origins)) from None
+        raise SettingsError(_describe(exc, source, origins, index)) from None
+
+
+def _refuse_shared(sections: list[ReaperSettings], source: str) -> None:
+    """Two harvest sections may not harvest one table (of one database) or share a leader group or
+    leader topic: their leaders would fight over the same records, or take each other's partitions."""
+    seen: dict[tuple[str, object], int] = {}
+    for i, settings in enumerate(sections):
+        harvest = settings.harvest
+        claims = {
+            # An unqualified name is taken as public's, the usual search_path, to err on refusing.
+            "outboxTable": (_database(harvest.data_source), harvest.table.schema or "public", harvest.table.name),
+            "leaderGroupID": harvest.group_id,
+            "leaderTopic": harvest.topic,
+        }
+        for name, value in claims.items():
+            earlier = seen.setdefault((name, value), i)
+            if earlier != i:
+                shown = harvest.table.qualified if isinstance(value, tuple) else value
+                raise SettingsError(
+                    f"{source}: harvest[{i}].{name}: {shown} is already harvest[{earlier}]'s; "
+                    "each harvest section needs its own outbox table, leader group and leader topic"
+                )
+
+
+def _database(dsn: str) -> tuple[str, str, str]:
+    """Where a connection string leads (host, port, database), to tell one table from its namesake
+    in another database."""
+    from psycopg.conninfo import conninfo_to_dict
+
+    params = conninfo_to_dict(dsn)  # validated by the model already
+    return (str(params.get("host", "")), str(params.get("port", "")), str(params.get("dbname", "")))
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -226,7 +306,9 @@ def _refuse_double_spellings(data: Any, model: type[BaseModel], path: tuple[str,
             )
         annotation = field.annotation
         if given and isinstance(annotation, type) and issubclass(annotation, BaseModel):
-            _refuse_double_spellings(data[given[0]], annotation, (*path, given[0]))
+            value = data[given[0]]
+            for i, item in enumerate(value) if isinstance(value, list) else ((None, value),):
+                _refuse_double_spellings(item, annotation, (*path, given[0] if i is None else f"{given[0]}[{i}]"))
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
@@ -284,6 +366,8 @@ def _apply_override(data: dict[str, Any], var: str, value: str) -> tuple[str, ..
         annotation = model.model_fields[name].annotation
         if isinstance(annotation, type) and issubclass(annotation, BaseModel) and not last:
             child = node.get(key)
+            if isinstance(child, list):  # several harvest sections
+                return _apply_to_sections(child, var, segments[i + 1 :], value, key)
             if not isinstance(child, dict):
                 child = node[key] = {}
             node, model = child, annotation
@@ -304,6 +388,26 @@ def _apply_override(data: dict[str, Any], var: str, value: str) -> tuple[str, ..
             return (*path, key, prop)
         raise SettingsError(f"{var}: {'.'.join([*path, name])} has no setting {segments[i + 1].lower()!r}")
     raise SettingsError(f"{var}: names no setting")
+
+
+def _apply_to_sections(sections: list[Any], var: str, rest: list[str], value: str, key: str) -> tuple[str, ...]:
+    """``REAPER_HARVEST__<i>__FIELD`` sets section ``i``; ``REAPER_HARVEST__FIELD`` every section (a
+    shared data source or password, say). Returns the path written: ``harvest[i]...`` for one
+    section, ``harvest...`` for all (:func:`_where` matches it for any section)."""
+    if rest and rest[0].isdigit():
+        index = int(rest[0])
+        if index >= len(sections) or len(rest) < 2:
+            raise SettingsError(f"{var}: {key} has no section {index} (the file lists {len(sections)})")
+        targets, rest = [index], rest[1:]
+    else:
+        targets = list(range(len(sections)))
+    path: tuple[str, ...] = ()
+    for index in targets:
+        if not isinstance(sections[index], dict):
+            raise SettingsError(f"{var}: {key}[{index}] is not a mapping of settings")
+        sub: dict[str, Any] = {key: sections[index]}
+        path = _apply_override(sub, f"{ENV_PREFIX}{key.upper()}__{'__'.join(rest)}", value)
+    return (f"{key}[{targets[0]}]", *path[1:]) if len(targets) == 1 else ("harvest", *path[1:])
 
 
 def _resolve_references(
@@ -336,18 +440,26 @@ def _resolve_references(
 
 def _where(path: tuple[str, ...], origins: Mapping[tuple[str, ...], str]) -> str:
     dotted = ".".join(path) or "(top level)"
+    # An override of every harvest section is recorded under "harvest", one of section i under "harvest[i]".
+    every = tuple(re.sub(r"^harvest\[\d+\]$", "harvest", p) for p in path)
     for length in range(len(path), 0, -1):
-        var = origins.get(path[:length])
+        var = origins.get(path[:length]) or origins.get(every[:length])
         if var is not None:
             return f"{var} ({dotted})"
     return dotted
 
 
-def _describe(exc: ValidationError, source: str, origins: Mapping[tuple[str, ...], str]) -> str:
+def _describe(
+    exc: ValidationError, source: str, origins: Mapping[tuple[str, ...], str], index: int | None = None
+) -> str:
     errors = exc.errors(include_url=False, include_input=False)
     first = errors[0]
     loc = tuple(str(p) for p in first["loc"])
     msg = str(first["msg"]).removeprefix("Value error, ")
+    if index is not None:  # a section of a list: name it by its place, in the location and the message
+        if loc[:1] == ("harvest",):
+            loc = (f"harvest[{index}]", *loc[1:])
+        msg = msg.replace("harvest.", f"harvest[{index}].")
     if first["type"] == "extra_forbidden":
         msg = "unknown key (check its spelling and indentation)"
     elif first["type"] == "missing":

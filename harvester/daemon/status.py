@@ -131,7 +131,40 @@ class Status:
 
 
 def status(settings: ReaperSettings, timeout: float, *, as_json: bool) -> int:
-    """Print the status; 0 when a member leads (every shard), 1 when nobody does (some shard has none)."""
+    """Print the status; 0 when a member leads (every shard), 1 when nobody does (some shard has none).
+
+    With several harvest sections, each outbox's status in file order (a JSON list with ``--json``);
+    0 only when every outbox is led. An outbox whose table is missing is reported and the next one
+    read; an unreachable service ends the command (exit 2)."""
+    sections = settings.sections
+    if len(sections) == 1:
+        report, led = _report(settings, timeout)
+        print(report.to_json() if as_json else report.to_text())
+        return 0 if led else 1
+    docs: list[object] = []
+    all_led = True
+    for i, section in enumerate(sections):
+        try:
+            report, led = _report(section, timeout)
+        except FailError as exc:
+            if exc.code != 1:
+                raise
+            all_led = False
+            docs.append({"outbox_table": section.harvest.table.qualified, "error": str(exc)})
+            if not as_json:
+                print(f"{chr(10) if i else ''}outbox {section.harvest.table.qualified}: {exc}")
+            continue
+        all_led = all_led and led
+        docs.append(json.loads(report.to_json()))
+        if not as_json:
+            print(f"{chr(10) if i else ''}{report.to_text()}")
+    if as_json:
+        print(json.dumps(docs, indent=2))
+    return 0 if all_led else 1
+
+
+def _report(settings: ReaperSettings, timeout: float) -> tuple[Status, bool]:
+    """One outbox's status, and whether a member leads it (every shard of it)."""
     members, state, beats = _group(settings, timeout)
     leader = next((m.name for m in members if m.leads), None)
     shards = settings.harvest.shards
@@ -157,8 +190,7 @@ def status(settings: ReaperSettings, timeout: float, *, as_json: bool) -> int:
         dead_letters=dead,
         shards=shards,
     )
-    print(report.to_json() if as_json else report.to_text())
-    return 0 if leader is not None and every else 1
+    return report, leader is not None and every
 
 
 def _group(settings: ReaperSettings, timeout: float) -> tuple[list[Member], str, dict[int, Heartbeat]]:
