@@ -213,3 +213,85 @@ def test_connection_defaults_are_named_and_carry_no_secret(tmp_path: Path) -> No
         "harvest.baseKafkaConfig"
     )
 
+
+
+SECTIONS_YAML = """\
+harvest:
+  - outboxTable: sales.outbox
+    shards: 2
+    dataSource: host=db dbname=sales password=S3cret-sales
+  - outbox_table: billing.outbox
+    leaderGroupID: billing-reaper
+    limits:
+      maxInFlightRecords: 7
+http:
+  port: 9191
+"""
+
+
+def test_a_list_of_harvest_sections_loads_each_whole(tmp_path: Path) -> None:
+    settings = load(write(tmp_path, SECTIONS_YAML), environ={})
+    first, second = settings.harvests
+    assert (first.table.qualified, first.shards, first.group_id) == ("sales.outbox", 2, "outbox-harvester.sales.outbox")
+    assert (second.table.qualified, second.group_id, second.limits.max_in_flight_records) == (
+        "billing.outbox",
+        "billing-reaper",
+        7,
+    )
+    assert settings.harvest == first  # the first section, as a one-section file's
+    sections = settings.sections
+    assert [s.harvests for s in sections] == [(first,), (second,)]
+    assert all(s.http.port == 9191 for s in sections)  # the shared sections go with each
+    assert "S3cret-sales" in secret_values(settings)
+
+
+def test_a_single_mapping_is_one_section(tmp_path: Path) -> None:
+    settings = load(write(tmp_path, GOHARVEST_YAML), environ={})
+    assert settings.sections == (settings,) and settings.harvests == (settings.harvest,)
+
+
+def test_environment_overrides_address_one_section_or_every_one(tmp_path: Path) -> None:
+    env = {"REAPER_HARVEST__1__OUTBOX_TABLE": "other.outbox", "REAPER_HARVEST__NAME": "pod-1"}
+    first, second = load(write(tmp_path, SECTIONS_YAML), environ=env).harvests
+    assert (first.outbox_table, second.outbox_table) == ("sales.outbox", "other.outbox")
+    assert first.name == second.name == "pod-1"
+
+
+@pytest.mark.parametrize(
+    ("sections", "env", "message"),
+    [
+        (
+            "  - outboxTable: public.a\n  - outboxTable: public.a\n",
+            {},
+            "harvest[1].outboxTable: public.a is already harvest[0]'s; each harvest section needs its own "
+            "outbox table, leader group and leader topic",
+        ),
+        ("  - outboxTable: public.a\n  - outboxTable: a\n", {}, "harvest[1].outboxTable: a is already harvest[0]'s"),
+        (
+            "  - outboxTable: a\n  - {outboxTable: b, leaderGroupID: outbox-harvester.a}\n",
+            {},
+            "harvest[1].leaderGroupID: outbox-harvester.a is already harvest[0]'s",
+        ),
+        ("  - outboxTable: a\n  - outboxTabel: b\n", {}, "harvest[1].outboxTabel: unknown key"),
+        ("  - outboxTable: a\n  - {outboxTable: b, shards: 0}\n", {}, "harvest[1].shards:"),
+        ("  - outboxTable: a\n", {"REAPER_HARVEST__3__SHARDS": "2"}, "harvest has no section 3 (the file lists 1)"),
+        ("  - outboxTable: a\n", {"REAPER_HARVEST__0__SHARDS": "x"}, "REAPER_HARVEST__0__SHARDS (harvest[0].shards)"),
+        ("  []\n", {}, "harvest: an empty list"),
+    ],
+)
+def test_section_mistakes_are_one_line_naming_the_section(
+    tmp_path: Path, sections: str, env: dict[str, str], message: str
+) -> None:
+    path = write(tmp_path, "harvest:\n" + sections)
+    with pytest.raises(SettingsError) as info:
+        load(path, environ=env)
+    assert "\n" not in str(info.value)
+    assert message in str(info.value)
+
+
+def test_sections_of_the_same_table_name_in_other_databases_are_allowed(tmp_path: Path) -> None:
+    text = (
+        "harvest:\n  - {dataSource: 'host=a dbname=x', outboxTable: public.outbox, leaderGroupID: g1}\n"
+        "  - {dataSource: 'host=b dbname=x', outboxTable: public.outbox, leaderGroupID: g2}\n"
+    )
+    assert len(load(write(tmp_path, text), environ={}).harvests) == 2
