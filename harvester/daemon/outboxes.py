@@ -112,8 +112,9 @@ class Outbox:
         log.error(event, outbox=self.name, error=reason, retry_in_seconds=delay)
 
     def stop(self, timeout: float) -> None:
-        """Stop the harvester, if running (the stop event is set by then: no new start follows)."""
-        self._thread.join()
+        """Stop the harvester, if running (the stop event is set by then: no new start follows). A start
+        still under way (a slow connection) is waited for up to ``timeout``, then left to the exit."""
+        self._thread.join(timeout)
         with self._lock:
             harvester, health = self._harvester, self._health
         if health is not None:

@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from psycopg import sql
 
 from harvester.postgres.identifiers import TableName
-from harvester.postgres.migrations import dead_letter_table
+from harvester.postgres.migrations import dead_letter_table, fence_table
 from tests.reaper.test_e2e import REAPER, Reaper, insert, outbox_count, wait_for
 from tests.support import Services, create_topics, delete_topics, read_messages, unique
 
@@ -209,3 +209,43 @@ def test_dlq_chooses_its_outbox(services: Services, tables: tuple[TableName, Tab
     unknown = reaper("dlq", "list", "-f", str(config), "--outbox", "public.nope")
     assert unknown.returncode == 2 and "--outbox: public.nope is not an outboxTable" in unknown.stderr
 
+
+
+def test_a_section_that_stops_itself_is_retried_and_the_other_goes_on(
+    services: Services,
+    pg: Conn,
+    tables: tuple[TableName, TableName],
+    groups: tuple[str, str],
+    topic: str,
+    tmp_path: Path,
+    spawn: Callable[[Path], Reaper],
+) -> None:
+    """The documented change of N, applied to one outbox under a running reaper: that section stops
+    with the one-line reason and is started again in the background (refused again, as long as the
+    file says the old N); the process and the other section go on."""
+    orders, users = tables
+    config = write_config(
+        tmp_path / "reaper.yaml",
+        services,
+        {"outboxTable": orders.qualified, "leaderGroupID": groups[0], "shards": 2},
+        {"outboxTable": users.qualified, "leaderGroupID": groups[1]},
+    )
+    assert reaper("migrate", "-f", str(config)).returncode == 0
+    run = spawn(config)
+    fence = fence_table(orders)
+    count = sql.SQL("SELECT count(*) FROM {} WHERE outbox_table = %s").format(fence.ident)
+    wait_for("both shards' terms", lambda: pg.execute(count, (orders.qualified,)).fetchone() == (2,))
+    pg.execute(
+        sql.SQL("UPDATE {} SET shards = 4, epoch = epoch + 1 WHERE outbox_table = %s").format(fence.ident),
+        (orders.qualified,),
+    )
+    insert(pg, orders, topic, 0, 20)  # the fenced section's next term finds the other N
+    reason = f"harvest.shards is 2 but {orders.qualified} is harvested with 4 shards"
+    wait_for("the section retried", lambda: "outbox_start_failed" in run.output() and reason in run.output())
+    insert(pg, users, topic, 20, 100)
+    wait_for("the other outbox drained", lambda: outbox_count(pg, users) == 0)
+    assert outbox_count(pg, orders) == 20  # nothing published under the wrong N
+    status, body = run.get("/readyz")
+    assert status == 503 and reason in json.loads(body)["outboxes"][orders.qualified]["error"]
+    run.signal(signal.SIGTERM)
+    assert run.exit_code(60) == 0, run.output()
