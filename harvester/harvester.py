@@ -308,11 +308,11 @@ class Harvester:
 
     def health(self) -> dict[str, Any]:
         """Liveness of the dependencies, for readiness probes (each check bounded to ~2 s)."""
-        db_ok = kafka_ok = False
+        db_ok = kafka_ok = outbox_ok = False
         try:
             with psycopg.connect(self.config.data_source, connect_timeout=2) as conn:
-                conn.execute("SELECT 1")
-            db_ok = True
+                row = conn.execute("SELECT to_regclass(%s) IS NOT NULL", (self.config.table.quoted,)).fetchone()
+            db_ok, outbox_ok = True, bool(row and row[0])
         except psycopg.Error:
             pass
         try:
@@ -323,6 +323,7 @@ class Harvester:
         return {
             "database_ok": db_ok,
             "kafka_ok": kafka_ok,
+            "outbox_ok": outbox_ok,  # the table exists (it may be dropped while the harvester runs)
             "is_leader": self.is_leader,
             "running": bool(self._engines) and not self._stopped.is_set(),
             **({"leading_shards": self.leading_shards} if self.config.shards > 1 else {}),

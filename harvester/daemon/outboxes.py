@@ -28,7 +28,6 @@ from prometheus_client.registry import Collector
 from harvester.daemon.check import validate_election, validate_kafka_config
 from harvester.daemon.errors import FailError
 from harvester.daemon.run import _close as close
-from harvester.daemon.run import _HealthCache as HealthCache
 from harvester.daemon.run import _listen as listen
 from harvester.daemon.run import _Signals as Signals
 from harvester.daemon.run import start_error
@@ -42,6 +41,8 @@ log = structlog.get_logger("reaper")
 FIRST_RETRY = 1.0
 """Seconds before a section that could not start (or ended) is started again; doubled up to :data:`LAST_RETRY`."""
 LAST_RETRY = 30.0
+HEALTH_INTERVAL = 5.0
+"""Seconds between two health checks of a running section (each bounded to about 4 s)."""
 
 
 class Outbox:
@@ -56,7 +57,7 @@ class Outbox:
         self._stop = stop
         self._lock = threading.Lock()
         self._harvester: Harvester | None = None
-        self._health: HealthCache | None = None
+        self._health: dict[str, object] = {}  # the running harvester's latest health()
         self._thread = threading.Thread(target=self._supervise, name=f"reaper-outbox-{self.name}", daemon=True)
 
     def start(self) -> None:
@@ -86,25 +87,35 @@ class Outbox:
                     harvester.stop(1.0)
                 self._not_running("outbox_start_failed", str(start_error(exc)), delay)
             else:
-                health = HealthCache(harvester, interval=5.0)
-                health.start()
                 with self._lock:
-                    self._harvester, self._health = harvester, health
+                    self._harvester, self._health = harvester, {}
                     self.state, self.error = "running", None
                 delay = FIRST_RETRY
                 log.info("outbox_started", outbox=self.name, group=self.settings.harvest.group_id)
-                while not self._stop.wait(0.5):
-                    if harvester.wait(0):
-                        break
-                if self._stop.is_set():
+                if not self._watch(harvester):
                     return  # stop() stops the harvester, within the shutdown timeout
-                health.close()
                 with self._lock:
-                    self._harvester = self._health = None
+                    self._harvester, self._health = None, {}
                 self._not_running("outbox_ended", harvester.failure or "the harvester ended unexpectedly", delay)
             if self._stop.wait(delay):
                 return
             delay = min(delay * 2, LAST_RETRY)
+
+    def _watch(self, harvester: Harvester) -> bool:
+        """Refresh the health of a running harvester every :data:`HEALTH_INTERVAL` until it ends by
+        itself (True) or the reaper stops (False)."""
+        while True:
+            try:
+                health = dict(harvester.health())
+            except Exception as exc:  # a failing check means "not ready", never a dead supervisor
+                health = {"running": False, "error": type(exc).__name__}
+            with self._lock:
+                self._health = health
+            for _ in range(int(HEALTH_INTERVAL / 0.5)):
+                if self._stop.wait(0.5):
+                    return False
+                if harvester.wait(0):
+                    return True
 
     def _not_running(self, event: str, reason: str, delay: float) -> None:
         with self._lock:
@@ -116,9 +127,7 @@ class Outbox:
         still under way (a slow connection) is waited for up to ``timeout``, then left to the exit."""
         self._thread.join(timeout)
         with self._lock:
-            harvester, health = self._harvester, self._health
-        if health is not None:
-            health.close()
+            harvester = self._harvester
         if harvester is not None:
             harvester.stop(timeout)
 
@@ -128,16 +137,18 @@ class Outbox:
         return harvester.in_flight_records if harvester is not None else 0
 
     def liveness(self) -> bool:
-        with self._lock:
-            health = self._health
-        return health is None or health.liveness()[0]  # a section not running is retried, not dead
+        harvester = self._harvester
+        return harvester is None or harvester.alive  # a section not running is retried, not dead
 
     def readiness(self) -> tuple[bool, dict[str, object]]:
+        """Ready when running with its database, its table and Kafka reachable (a standby too)."""
         with self._lock:
-            health, state, error = self._health, self.state, self.error
-        if health is None:
+            running, health, state, error = self._harvester is not None, self._health, self.state, self.error
+        if not running:
             return False, {"running": False, "state": state, **({"error": error} if error else {})}
-        ok, details = health.readiness()
+        keys = ("is_leader", "leading_shards", "database_ok", "outbox_ok", "kafka_ok", "running")
+        details: dict[str, object] = {k: health[k] for k in keys if k in health}
+        ok = all(bool(health.get(k)) for k in ("running", "database_ok", "outbox_ok", "kafka_ok"))
         return ok, {**details, "state": state}
 
 

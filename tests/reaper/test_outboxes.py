@@ -118,6 +118,13 @@ def test_two_outboxes_drain_and_a_dropped_table_stalls_nothing_of_the_other(
     assert [d["outbox_table"] for d in json.loads(status.stdout)] == [orders.qualified, users.qualified]
 
     pg.execute(sql.SQL("DROP TABLE {}").format(orders.ident))
+
+    def dropped_reported() -> bool:
+        status, body = run.get("/readyz")
+        details = json.loads(body).get("outboxes", {}) if body else {}
+        return status == 503 and details.get(orders.qualified, {}).get("outbox_ok") is False
+
+    wait_for("the dropped table reported by /readyz", dropped_reported)
     insert(pg, users, topic, 400, 300)
     wait_for("the other outbox drained", lambda: outbox_count(pg, users) == 0)
     values = {m.value() for m in read_messages(services.bootstrap, [topic], 700, timeout=120)}
