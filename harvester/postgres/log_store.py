@@ -39,10 +39,10 @@ from psycopg import sql
 
 from harvester.core.protocols import StoreError
 from harvester.core.records import Failure, MarkedRecord
-from harvester.postgres import logical, pgoutput
+from harvester.postgres import logical, pgoutput, rows
 from harvester.postgres.logical import LogSetup
 from harvester.postgres.migrations import fence_table
-from harvester.postgres.store import PostgresStore, _malformed
+from harvester.postgres.store import PostgresStore
 
 # Changes (messages) one peek returns at most; it always ends at a transaction's end.
 _PEEK_CHANGES = 20_000
@@ -378,17 +378,17 @@ def _record(values: tuple[bytes | None, ...], c: _Columns, kind: str) -> MarkedR
     value = bytes.fromhex(raw[2:].decode()) if raw is not None and kind == "bytes" else raw
     raw_keys, raw_values = values[c.hkeys], values[c.hvalues]
     headers: list[tuple[str, str | bytes | None]] = []
-    malformed = None
+    why = None
     if raw_keys != b"{}" or raw_values != b"{}":
         hkeys = pgoutput.text_array(None if raw_keys is None else raw_keys.decode())
         hvalues = pgoutput.text_array(None if raw_values is None else raw_values.decode())
-        malformed = _malformed("", hkeys, hvalues)  # type: ignore[arg-type]
+        why = rows.malformed("", hkeys, hvalues)  # type: ignore[arg-type]
         headers = [
             (k or "", v.encode() if v is not None else b"") for k, v in zip(hkeys or (), hvalues or (), strict=False)
         ]
     key = values[c.key]
     if key is None:
-        malformed = _malformed(None, [], [])
+        why = rows.malformed(None, [], [])
     created = values[c.time]
     return MarkedRecord(
         int(values[c.id] or 0),
@@ -397,5 +397,5 @@ def _record(values: tuple[bytes | None, ...], c: _Columns, kind: str) -> MarkedR
         key.decode() if key is not None else "",
         value,
         headers,
-        malformed=malformed,
+        malformed=why,
     )

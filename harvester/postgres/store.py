@@ -2,10 +2,8 @@
 NOTIFY, all under the epoch fence (see :mod:`harvester.postgres.statements`).
 
 Marking writes nothing: the store remembers which ids it handed out under the current leader id
-(:class:`_Handed`) and the next mark reads the first rows not among them. That is what goharvest's
-``leader_id`` column records, kept where only the leader needs it: a new leader, or a refreshed
-leader id, starts with nothing handed out and so reads everything unacknowledged again, in id
-order (unimodal recovery). A reset just makes its ids eligible again.
+(:mod:`harvester.postgres.marks`) and the next mark reads the first rows not among them. A reset
+just makes its ids eligible again.
 
 :meth:`PostgresStore.prepare` reads the table's shape and builds the statements once, before any
 other call; nothing else queries the catalog or changes the schema. Each method uses a connection
@@ -33,25 +31,14 @@ from harvester.core.records import Failure, MarkedRecord
 from harvester.postgres import catalog, migrations
 from harvester.postgres.catalog import OutboxColumns, OutboxMissingError
 from harvester.postgres.identifiers import TableName
+from harvester.postgres.marks import HandedOut
 from harvester.postgres.migrations import notify_channel
+from harvester.postgres.rows import malformed as rows_malformed
 from harvester.postgres.sharding import SHARD_PLANNER_OPTIONS, mismatch
 from harvester.postgres.statements import Statements
 from harvester.postgres.vacuum import Vacuumer
 
 __all__ = ["FencedError", "OutboxMissingError", "PostgresStore", "ShardCountError", "StoreError"]
-
-
-def _malformed(key: str | None, hkeys: list[str] | None, hvalues: list[str | None] | None) -> str | None:
-    """Why a row cannot become a Kafka message, or None when it can."""
-    if key is None:
-        return "kafka_key is NULL"
-    if hkeys is None or hvalues is None:
-        return "header arrays are NULL"
-    if len(hkeys) != len(hvalues):
-        return f"{len(hkeys)} header keys but {len(hvalues)} header values"
-    if any(k is None for k in hkeys):
-        return "a header key is NULL"
-    return None
 
 
 def _dsn_options(dsn: str) -> str:
@@ -60,34 +47,6 @@ def _dsn_options(dsn: str) -> str:
         return str(conninfo_to_dict(dsn).get("options") or "")
     except psycopg.Error:
         return ""
-
-
-class _Handed:
-    """The ids marked under one leader id and not yet settled (purged, reset, failed or
-    dead-lettered). The mark thread adds, the completion thread removes."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._leader_id: UUID | None = None
-        self._ids: set[int] = set()
-
-    def exclude(self, leader_id: UUID) -> list[int]:
-        """The ids the next mark under ``leader_id`` must skip; a new leader id skips none."""
-        with self._lock:
-            if leader_id != self._leader_id:
-                self._leader_id, self._ids = leader_id, set()
-            return list(self._ids)
-
-    def add(self, leader_id: UUID, ids: Sequence[int]) -> None:
-        with self._lock:
-            if leader_id == self._leader_id:
-                self._ids.update(ids)
-
-    def settled(self, ids: Sequence[int]) -> None:
-        """Called after the statement that settled ``ids`` committed: a mark running meanwhile
-        still skips them (its snapshot may predate the purge)."""
-        with self._lock:
-            self._ids.difference_update(ids)
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,7 +98,7 @@ class PostgresStore:
         connect = {"connect_timeout": 5, "application_name": application_name, "options": self._options}
         self._vacuum = Vacuumer(dsn, table, vacuum_every, connect)
         self._epoch = 0
-        self._handed = _Handed()
+        self._handed = HandedOut()
         self._prepared: _Prepared | None = None
         self._dead_letter_ready = hold_dead_letter_keys  # prepare() ensures it then
         self._local = threading.local()
@@ -360,7 +319,7 @@ class PostgresStore:
         out: list[MarkedRecord] = []
         for rid, created, topic, key, raw, hkeys, hvalues, attempts, first_failure in rows:
             value = raw.encode("utf-8") if raw is not None and kind != "bytes" else raw
-            malformed = _malformed(key, hkeys, hvalues)
+            malformed = rows_malformed(key, hkeys, hvalues)
             headers: list[tuple[str, str | bytes | None]] = [
                 (k, v.encode("utf-8") if v is not None else b"")
                 for k, v in zip(hkeys or (), hvalues or (), strict=False)
