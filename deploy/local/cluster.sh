@@ -94,9 +94,16 @@ start_node() {
 }
 
 wait_node() {
-  local i=$1 deadline=$((SECONDS + 120))
+  local i=$1 deadline=$((SECONDS + 120)) tries=0
   until port_open "$(client_port "$i")"; do
-    running "$i" || { tail -n 30 "$(node_dir "$i")/kafka.log" >&2; die "node $i exited during start-up"; }
+    if ! running "$i"; then
+      # Its ports lie in the kernel's ephemeral range: an outgoing connection of any process may
+      # hold one for a while. Try again, a few times.
+      if grep -q "Address already in use" "$(node_dir "$i")/kafka.log" && [ $tries -lt 10 ]; then
+        tries=$((tries + 1)); : >"$(node_dir "$i")/kafka.log"; sleep 3; start_node "$i"; continue
+      fi
+      tail -n 30 "$(node_dir "$i")/kafka.log" >&2; die "node $i exited during start-up"
+    fi
     [ $SECONDS -ge $deadline ] && die "node $i did not open its port within 120 s (log: $(node_dir "$i")/kafka.log)"
     sleep 0.5
   done

@@ -7,9 +7,12 @@ from collections.abc import Iterator
 import pytest
 
 from tests.faults.cluster import KafkaCluster
+from tests.faults.pgpair import PgPair
 
-# The cluster's ports: CLUSTER_PORT to +39 (see deploy/local/cluster.sh), used by no other test.
+# Ports used by no other test: the cluster's CLUSTER_PORT to +39 (see deploy/local/cluster.sh),
+# the PostgreSQL pair's PGPAIR_PORT and +1.
 CLUSTER_PORT = 35000
+PGPAIR_PORT = 35100
 
 
 @pytest.fixture(scope="session")
@@ -26,3 +29,12 @@ def whole_cluster(cluster: KafkaCluster) -> KafkaCluster:
     """The cluster with every broker up and in sync (a test before may have killed one)."""
     cluster.start()
     return cluster
+
+
+@pytest.fixture(scope="session")
+def pg_pair() -> Iterator[PgPair]:
+    """A primary and its synchronous standby; stopped at the end of the session."""
+    pair = PgPair("faults", PGPAIR_PORT)
+    pair.start()
+    yield pair
+    pair.stop()

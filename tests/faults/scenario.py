@@ -130,22 +130,22 @@ class Scenario:
 
     def published(self) -> int:
         """Messages in the scenario's topics now (end offsets)."""
-        c = Consumer({"bootstrap.servers": self.bootstrap, "group.id": unique("ends")})
-        deadline = time.monotonic() + 60.0
-        try:
-            while True:
-                try:
-                    return sum(
-                        c.get_watermark_offsets(TopicPartition(t, p), timeout=30)[1]
-                        for t in self.topics
-                        for p in range(self.settings.partitions)
-                    )
-                except KafkaException:
-                    if time.monotonic() > deadline:  # a broker just killed: asked again, another answers
-                        raise
-                    time.sleep(0.5)
-        finally:
-            c.close()
+        deadline = time.monotonic() + 90.0
+        while True:
+            # A fresh client each time: one that knew a broker just killed keeps asking it.
+            c = Consumer({"bootstrap.servers": self.bootstrap, "group.id": unique("ends")})
+            try:
+                return sum(
+                    c.get_watermark_offsets(TopicPartition(t, p), timeout=5)[1]
+                    for t in self.topics
+                    for p in range(self.settings.partitions)
+                )
+            except KafkaException:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+            finally:
+                c.close()
 
     def wait_written(self, records: int, timeout: float = 120.0) -> None:
         """Wait until the writers committed ``records`` more records than now."""
