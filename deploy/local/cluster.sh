@@ -4,18 +4,20 @@
 #
 #   deploy/local/cluster.sh start|stop|status|kill-node I|stop-node I|start-node I
 #
-# Node I (1..N) listens on
-#   KAFKA_CLUSTER_PORT+I-1      PLAINTEXT, advertised as itself (tests, writers, checkers)
-#   KAFKA_CLUSTER_PORT+10+I-1   CONTROLLER
-#   KAFKA_CLUSTER_PORT+20+I-1   PROXIED, advertised as KAFKA_CLUSTER_PORT+30+I-1: a client that
-#                               bootstraps there reaches every broker through a TCP proxy the test
-#                               runs on that port, so the test can cut that one client off
+# Node I (1..N, at most 9) listens on
+#   KAFKA_CLUSTER_PORT+I-1         PLAINTEXT, advertised as itself (tests, writers, checkers)
+#   KAFKA_CLUSTER_PORT+10+I-1      CONTROLLER
+#   KAFKA_CLUSTER_PORT+20K+I-1     PROXIEDK (K = 1..KAFKA_CLUSTER_PROXIED), advertised as
+#                                  KAFKA_CLUSTER_PORT+20K+10+I-1: a client that bootstraps there
+#                                  reaches every broker through TCP proxies a test runs on those
+#                                  ports, so the test can cut that one client off
 # With 3 nodes or more: default.replication.factor=3 and min.insync.replicas=2 (internal topics
 # too), so one broker can die without losing an acknowledged (acks=all) record or availability.
 #
 # Environment:
 #   KAFKA_CLUSTER_NODES   number of nodes (default 3)
-#   KAFKA_CLUSTER_PORT    first port (default 39100); the cluster uses this port to +39
+#   KAFKA_CLUSTER_PORT    first port (default 39100); the cluster uses this port to +20K+19
+#   KAFKA_CLUSTER_PROXIED number of proxied listeners K (default 1, at most 3)
 #   KAFKA_HEAP            each broker's JVM heap (default 512m)
 #   HARVESTER_LOCAL_DIR   data, logs and pid files go to its kafka-cluster/ (default <repo>/.local)
 #   KAFKA_VERSION         as in services.sh, which resolves the jars
@@ -25,6 +27,7 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 STATE=${HARVESTER_LOCAL_DIR:-$ROOT/.local}/kafka-cluster
 CACHE=${HARVESTER_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/outbox-harvester}
 NODES=${KAFKA_CLUSTER_NODES:-3}
+PROXIED=${KAFKA_CLUSTER_PROXIED:-1}
 BASE=${KAFKA_CLUSTER_PORT:-39100}
 KAFKA_VERSION=${KAFKA_VERSION:-4.1.1}
 KAFKA_HEAP=${KAFKA_HEAP:-512m}
@@ -36,8 +39,8 @@ port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
 
 client_port() { echo $((BASE + $1 - 1)); }
 controller_port() { echo $((BASE + 10 + $1 - 1)); }
-proxied_port() { echo $((BASE + 20 + $1 - 1)); }
-proxy_port() { echo $((BASE + 30 + $1 - 1)); }
+proxied_port() { echo $((BASE + 20 * $2 + $1 - 1)); }  # node, listener set
+proxy_port() { echo $((BASE + 20 * $2 + 10 + $1 - 1)); }
 node_dir() { echo "$STATE/node-$1"; }
 pid_file() { echo "$(node_dir "$1")/kafka.pid"; }
 
@@ -49,15 +52,22 @@ configure() {
   local i=$1 dir voters="" j rf=$((NODES < 3 ? NODES : 3)) isr=$((NODES < 3 ? 1 : 2))
   dir=$(node_dir "$i")
   for j in $(seq 1 "$NODES"); do voters+="${voters:+,}$j@127.0.0.1:$(controller_port "$j")"; done
+  local k listeners="PLAINTEXT://127.0.0.1:$(client_port "$i")" advertised protocols="PLAINTEXT:PLAINTEXT"
+  advertised=$listeners
+  for k in $(seq 1 "$PROXIED"); do
+    listeners+=",PROXIED$k://127.0.0.1:$(proxied_port "$i" "$k")"
+    advertised+=",PROXIED$k://127.0.0.1:$(proxy_port "$i" "$k")"
+    protocols+=",PROXIED$k:PLAINTEXT"
+  done
   mkdir -p "$dir"
   cat >"$dir/server.properties" <<PROPS
 process.roles=broker,controller
 node.id=$i
 controller.quorum.voters=$voters
-listeners=PLAINTEXT://127.0.0.1:$(client_port "$i"),PROXIED://127.0.0.1:$(proxied_port "$i"),CONTROLLER://127.0.0.1:$(controller_port "$i")
-advertised.listeners=PLAINTEXT://127.0.0.1:$(client_port "$i"),PROXIED://127.0.0.1:$(proxy_port "$i")
+listeners=$listeners,CONTROLLER://127.0.0.1:$(controller_port "$i")
+advertised.listeners=$advertised
 controller.listener.names=CONTROLLER
-listener.security.protocol.map=PLAINTEXT:PLAINTEXT,PROXIED:PLAINTEXT,CONTROLLER:PLAINTEXT
+listener.security.protocol.map=$protocols,CONTROLLER:PLAINTEXT
 inter.broker.listener.name=PLAINTEXT
 log.dirs=$dir/data
 num.partitions=1

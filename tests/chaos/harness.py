@@ -120,7 +120,7 @@ class Tables:
     """The run's outbox and its two side tables, all in one fresh schema."""
 
     outbox: TableName
-    ledger: TableName  # (key, seq) of every committed record: the expected contents of the topics
+    ledger: TableName  # (key, seq, at) of every committed record: the expected contents of the topics
     audit: TableName  # who purged which outbox row, and when: evidence for a loss report
 
     @classmethod
@@ -137,7 +137,8 @@ class Tables:
                 logical.create(conn, logical.LogSetup(tables.outbox, config.slot, config.publication))
             conn.execute(
                 sql.SQL(
-                    "CREATE TABLE {l} (key TEXT NOT NULL, seq INT NOT NULL, PRIMARY KEY (key, seq));"
+                    "CREATE TABLE {l} (key TEXT NOT NULL, seq INT NOT NULL, "
+                    "at TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp(), PRIMARY KEY (key, seq));"
                     "CREATE TABLE {a} (id BIGINT, value TEXT, app TEXT, at TIMESTAMPTZ DEFAULT clock_timestamp());"
                     "CREATE FUNCTION {f}() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
                     "INSERT INTO {a} (id, value, app) VALUES (OLD.id, OLD.kafka_value, "

@@ -33,17 +33,16 @@ class KafkaCluster:
     """``nodes`` brokers on ports ``port``.. (see cluster.sh for the layout), data under
     ``.local/private-<name>``."""
 
-    def __init__(self, name: str, port: int, nodes: int = 3) -> None:
+    def __init__(self, name: str, port: int, nodes: int = 3, proxied: int = 1) -> None:
         self.port = port
         self.nodes = nodes
         self.bootstrap = ",".join(f"127.0.0.1:{port + i}" for i in range(nodes))
-        # A client bootstrapping here reaches every broker through the proxies of proxied().
-        self.proxied_bootstrap = ",".join(f"127.0.0.1:{port + 30 + i}" for i in range(nodes))
         self._env = {
             **os.environ,
             "HARVESTER_LOCAL_DIR": str(ROOT / ".local" / f"private-{name}"),
             "KAFKA_CLUSTER_PORT": str(port),
             "KAFKA_CLUSTER_NODES": str(nodes),
+            "KAFKA_CLUSTER_PROXIED": str(proxied),
         }
         self._admin: AdminClient | None = None
 
@@ -110,15 +109,18 @@ class KafkaCluster:
         """The node coordinating ``transactional_id`` (once a producer initialised transactions)."""
         return self.internal_leader("__transaction_state", transactional_id)
 
+    def proxied_bootstrap(self, listener: int = 1) -> str:
+        """A client bootstrapping here reaches every broker through the proxies of
+        :meth:`proxied` for the same ``listener`` set."""
+        return ",".join(f"127.0.0.1:{self.port + 20 * listener + 10 + i}" for i in range(self.nodes))
+
     @contextmanager
-    def proxied(self) -> Iterator[ProxyGroup]:
-        """One proxy per broker, forwarding its advertised PROXIED port (what a client that
-        bootstraps at :attr:`proxied_bootstrap` connects to) to the broker."""
+    def proxied(self, listener: int = 1) -> Iterator[ProxyGroup]:
+        """One proxy per broker, forwarding the port its PROXIED<listener> listener advertises
+        to that listener."""
+        base = self.port + 20 * listener
         with ExitStack() as stack:
-            proxies = [
-                stack.enter_context(Proxy(("127.0.0.1", self.port + 20 + i), self.port + 30 + i))
-                for i in range(self.nodes)
-            ]
+            proxies = [stack.enter_context(Proxy(("127.0.0.1", base + i), base + 10 + i)) for i in range(self.nodes)]
             yield ProxyGroup(proxies)
 
 

@@ -80,7 +80,15 @@ class Scenario:
     ``dsn`` and ``bootstrap`` are the direct paths (writers, checker, and harvesters not given
     paths of their own)."""
 
-    def __init__(self, settings: ChaosSettings, dsn: str, bootstrap: str, **limits: Any) -> None:
+    def __init__(
+        self,
+        settings: ChaosSettings,
+        dsn: str,
+        bootstrap: str,
+        *,
+        topic_config: dict[str, str] | None = None,
+        **limits: Any,
+    ) -> None:
         self.settings = settings
         self.dsn = dsn
         self.bootstrap = bootstrap
@@ -89,7 +97,10 @@ class Scenario:
         admin = AdminClient({"bootstrap.servers": bootstrap})
         # Replication at the broker's default: 3 on the cluster, 1 on a single broker.
         made = admin.create_topics(
-            [NewTopic(t, num_partitions=settings.partitions, replication_factor=-1) for t in self.topics]
+            [
+                NewTopic(t, num_partitions=settings.partitions, replication_factor=-1, config=topic_config or {})
+                for t in self.topics
+            ]
         )
         for f in made.values():
             f.result(30)

@@ -86,7 +86,7 @@ def test_leader_cut_from_kafka_yields_and_is_fenced(services: Services, whole_cl
     yields, the other process takes over and fences it; nothing is lost, per-key order holds."""
     s = settings()
     with whole_cluster.proxied() as proxies, Scenario(s, services.pg_dsn, whole_cluster.bootstrap) as sc:
-        cut_off = sc.spawn_leader("cut-kafka-a", bootstrap=whole_cluster.proxied_bootstrap)
+        cut_off = sc.spawn_leader("cut-kafka-a", bootstrap=whole_cluster.proxied_bootstrap())
         other = sc.spawn("cut-kafka-b")
         sc.writers.start()
         sc.wait_published(150)
