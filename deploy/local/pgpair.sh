@@ -47,10 +47,15 @@ psql_at() { as_pg "$BIN/psql" -h 127.0.0.1 -p "$(port_of "$1")" -U postgres -d p
 is_primary() { running "$1" && [ "$(psql_at "$1" 'SELECT pg_is_in_recovery()')" = f ]; }
 
 start_node() {
-  local n=$1
+  local n=$1 try
   running "$n" && return 0
-  as_pg "$BIN/pg_ctl" -D "$(data "$n")" -l "$STATE/$n/postgres.log" -o "-p $(port_of "$n") -c cluster_name=$n" -w -t 60 start >/dev/null ||
-    { tail -n 20 "$STATE/$n/postgres.log" >&2; die "node $n did not start"; }
+  # The ports may lie in the kernel's ephemeral range, briefly held by some outgoing connection.
+  for try in 1 2 3 4 5; do
+    as_pg "$BIN/pg_ctl" -D "$(data "$n")" -l "$STATE/$n/postgres.log" -o "-p $(port_of "$n") -c cluster_name=$n" -w -t 60 start >/dev/null && return 0
+    grep -q "could not bind" "$STATE/$n/postgres.log" || break
+    sleep 2
+  done
+  tail -n 20 "$STATE/$n/postgres.log" >&2; die "node $n did not start"
 }
 
 init_primary() {

@@ -85,9 +85,20 @@ class Proxy:
     # ------------------------------------------------------------------ listening
 
     def _listen(self) -> None:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", self.port))
+        deadline = time.monotonic() + 30.0
+        while True:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(("127.0.0.1", self.port))
+                break
+            except OSError:
+                # A fixed port in the kernel's ephemeral range may be some process's outgoing
+                # connection for a while.
+                sock.close()
+                if self.port == 0 or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
         sock.listen(128)
         self._bound_port = int(sock.getsockname()[1])
         self._listener = sock
