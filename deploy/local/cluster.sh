@@ -103,9 +103,16 @@ start_node() {
   echo $! >"$(pid_file "$i")"
 }
 
+# Every listener open (the broker binds them one by one and exits if one is taken).
+listening() {
+  local k
+  port_open "$(client_port "$1")" || return 1
+  for k in $(seq 1 "$PROXIED"); do port_open "$(proxied_port "$1" "$k")" || return 1; done
+}
+
 wait_node() {
   local i=$1 deadline=$((SECONDS + 120)) tries=0
-  until port_open "$(client_port "$i")"; do
+  until listening "$i" && running "$i"; do
     if ! running "$i"; then
       # Its ports lie in the kernel's ephemeral range: an outgoing connection of any process may
       # hold one for a while. Try again, a few times.
