@@ -10,7 +10,8 @@ coordinator killed; the PostgreSQL primary crashed and its standby promoted; the
 Kafka, cut from PostgreSQL, or stalled on Kafka (each for 8-15 s).
 
 Reports per mode: records, lost, per-key order violations, duplicates read ``read_committed``,
-p99 commit-to-append latency of records committed outside fault windows (commit: the ledger row's
+p99 commit-to-append latency of records committed and appended outside fault windows (a fault and
+the 10 s after it; the first 10 s are left out too) (commit: the ledger row's
 ``clock_timestamp()``; append: the broker's LogAppendTime, in exactly-once mode before the
 transaction commits), and per fault kind the longest time without any append from the fault's start
 to 30 s after its end. Private services only (ports 35110-35191; the fault tests use 35000-35101).
@@ -57,6 +58,7 @@ KINDS = (
     "stall_leader_kafka",
 )
 AFTER = 30.0  # seconds after a fault in which the longest gap between appends is looked for
+SETTLE = 10.0  # seconds after the start and after each fault whose records the latency leaves out
 
 
 @dataclass(frozen=True)
@@ -179,10 +181,10 @@ def commits(sc: Scenario) -> dict[str, float]:
 
 def report(delivery: str, minutes: float, soak: Soak, outcome: Outcome, sc: Scenario) -> tuple[str, bool]:
     appended, committed = appends(sc), commits(sc)
-    windows = [(f.start, f.end + AFTER) for f in soak.faults]
+    windows = [(f.start, f.end + SETTLE) for f in soak.faults]
 
     def calm(t: float) -> bool:
-        return not any(a <= t <= b for a, b in windows)
+        return t > soak.t0 + SETTLE and not any(a <= t <= b for a, b in windows)
 
     latencies = sorted(appended[v] - c for v, c in committed.items() if v in appended and calm(c) and calm(appended[v]))
     p99 = latencies[int(0.99 * (len(latencies) - 1))] if latencies else float("nan")
@@ -223,9 +225,9 @@ def report(delivery: str, minutes: float, soak: Soak, outcome: Outcome, sc: Scen
 def soak_once(delivery: str, minutes: float, rate: float, seed: int) -> bool:
     cluster = KafkaCluster("fault-soak", CLUSTER_PORT, proxied=3)
     pair = PgPair("fault-soak", PGPAIR_PORT)
-    cluster.start()
-    pair.start()
     try:
+        cluster.start()
+        pair.start()
         with ExitStack() as stack:
             slots = list(_slots(stack, cluster, pair))
             s = settings(delivery, seed=seed, records_per_second=rate, keys=1000, writers=4, partitions=3)

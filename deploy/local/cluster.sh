@@ -92,7 +92,12 @@ start_node() {
   local i=$1 dir
   dir=$(node_dir "$i")
   if running "$i"; then return 0; fi
-  port_open "$(client_port "$i")" && die "port $(client_port "$i") is taken by a process this script did not start"
+  local wait=0
+  # A port of the kernel's ephemeral range can be some client's for a moment: give it 30 s.
+  while port_open "$(client_port "$i")"; do
+    [ $wait -ge 60 ] && die "port $(client_port "$i") is taken by a process this script did not start"
+    wait=$((wait + 1)); sleep 0.5
+  done
   configure "$i"
   if [ ! -f "$dir/data/meta.properties" ]; then
     java_cp kafka.tools.StorageTool format -t "$(cat "$STATE/cluster.id")" -c "$dir/server.properties" >"$dir/format.log" 2>&1 ||
