@@ -30,12 +30,8 @@ PG_DB=harvester
 say() { printf '%s\n' "$*"; }
 die() { printf 'pgpair.sh: %s\n' "$*" >&2; exit 1; }
 
-bindir() {
-  local d; d=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1 || true)
-  [ -n "$d" ] && [ -x "$d/initdb" ] || die "PostgreSQL server binaries not found (deploy/local/services.sh start-postgres installs them)"
-  printf '%s' "$d"
-}
-BIN=$(bindir)
+# The binaries services.sh uses (installing them if need be; PG_FROM chooses as there).
+BIN=$(bash "$ROOT/deploy/local/services.sh" pg-bindir) || die "PostgreSQL server binaries not found"
 
 as_pg() { if [ "$(id -u)" = 0 ]; then runuser -u postgres -- "$@"; else "$@"; fi; }
 

@@ -54,10 +54,10 @@ class PgPair:
         self._run("promote")
 
     def epoch(self, outbox: TableName) -> int:
-        """The fence epoch of ``outbox`` on the current primary."""
+        """The highest fence epoch of ``outbox`` (over its shards) on the current primary."""
         with psycopg.connect(self.dsn) as conn:
             row = conn.execute(
-                sql.SQL("SELECT epoch FROM {} WHERE outbox_table = %s").format(fence_table(outbox).ident),
+                sql.SQL("SELECT max(epoch) FROM {} WHERE outbox_table = %s").format(fence_table(outbox).ident),
                 (outbox.qualified,),
             ).fetchone()
-        return 0 if row is None else int(row[0])
+        return 0 if row is None or row[0] is None else int(row[0])
