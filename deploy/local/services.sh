@@ -344,5 +344,7 @@ case "${1:-}" in
   stop-kafka) kafka_stop ;;
   restart-kafka) kafka_stop; kafka_start ;;
   restart-postgres) pg_stop; pg_start ;;
+  resolve-kafka) kafka_resolve ;;  # the jars only (deploy/local/cluster.sh runs them)
+  pg-bindir) pg_install >&2; pg_bindir ;;  # where the server binaries are (deploy/local/pgpair.sh)
   *) die "usage: $0 start|stop|status|start-kafka|stop-kafka|restart-kafka|start-postgres|stop-postgres|restart-postgres" ;;
 esac

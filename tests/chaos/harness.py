@@ -120,7 +120,7 @@ class Tables:
     """The run's outbox and its two side tables, all in one fresh schema."""
 
     outbox: TableName
-    ledger: TableName  # (key, seq) of every committed record: the expected contents of the topics
+    ledger: TableName  # (key, seq, at) of every committed record: the expected contents of the topics
     audit: TableName  # who purged which outbox row, and when: evidence for a loss report
 
     @classmethod
@@ -137,7 +137,8 @@ class Tables:
                 logical.create(conn, logical.LogSetup(tables.outbox, config.slot, config.publication))
             conn.execute(
                 sql.SQL(
-                    "CREATE TABLE {l} (key TEXT NOT NULL, seq INT NOT NULL, PRIMARY KEY (key, seq));"
+                    "CREATE TABLE {l} (key TEXT NOT NULL, seq INT NOT NULL, "
+                    "at TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp(), PRIMARY KEY (key, seq));"
                     "CREATE TABLE {a} (id BIGINT, value TEXT, app TEXT, at TIMESTAMPTZ DEFAULT clock_timestamp());"
                     "CREATE FUNCTION {f}() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
                     "INSERT INTO {a} (id, value, app) VALUES (OLD.id, OLD.kafka_value, "
@@ -670,6 +671,29 @@ def analyse(
     return findings
 
 
+def broken_guarantees(f: Findings, delivery: str) -> list[str]:
+    """What the topics show broken: a loss, a key out of order, an unexpected message, (exactly-once)
+    a duplicate read ``read_committed``, or a duplicate the de-duplicating reader cannot undo."""
+    out = []
+    if f.lost:
+        out.append(f"{len(f.lost)} records lost")
+    if f.out_of_order:
+        out.append(f"{len(f.out_of_order)} keys with first deliveries out of order")
+    if f.unexpected:
+        out.append(f"{f.unexpected} unexpected messages (key/value not in the ledger)")
+    if delivery == "exactly_once" and f.duplicates:
+        out.append(f"{f.duplicates} duplicates seen by a read_committed consumer in exactly-once mode")
+    if f.left_by_identity:
+        out.append(f"{f.left_by_identity} duplicates under different identities (written twice?)")
+    if f.dedup_left:
+        out.append(f"{f.dedup_left} duplicates left after harvester.client.dedup.DedupReader")
+    if f.dedup_damage:
+        out.append(f"harvester.client.dedup.DedupReader lost or reordered records of keys {f.dedup_damage[:10]}")
+    if f.unidentified:
+        out.append(f"{f.unidentified} messages without identity headers")
+    return out
+
+
 def _describe(m: Message) -> str:
     """``seq#outbox-id@p<partition>/o<offset>/e<epoch>`` of a delivery."""
     ident = Identity.from_headers(consumed_headers(m))
@@ -708,23 +732,7 @@ class ChaosReport:
 
     def violations(self) -> list[str]:
         """Every broken guarantee (and every harness failure that makes the run meaningless)."""
-        f, out = self.findings, []
-        if f.lost:
-            out.append(f"{len(f.lost)} records lost")
-        if f.out_of_order:
-            out.append(f"{len(f.out_of_order)} keys with first deliveries out of order")
-        if f.unexpected:
-            out.append(f"{f.unexpected} unexpected messages (key/value not in the ledger)")
-        if self.settings.delivery == "exactly_once" and f.duplicates:
-            out.append(f"{f.duplicates} duplicates seen by a read_committed consumer in exactly-once mode")
-        if f.left_by_identity:
-            out.append(f"{f.left_by_identity} duplicates under different identities (written twice?)")
-        if f.dedup_left:
-            out.append(f"{f.dedup_left} duplicates left after harvester.client.dedup.DedupReader")
-        if f.dedup_damage:
-            out.append(f"harvester.client.dedup.DedupReader lost or reordered records of keys {f.dedup_damage[:10]}")
-        if f.unidentified:
-            out.append(f"{f.unidentified} messages without identity headers")
+        out = broken_guarantees(self.findings, self.settings.delivery)
         if self.left_in_outbox:
             out.append(f"outbox not drained within {self.settings.drain_timeout:.0f}s: {self.left_in_outbox} left")
         missing = [k for k in FAULT_KINDS if not any(x.kind == k for x in self.faults)]

@@ -1,0 +1,286 @@
+"""Soak of a production shape: a 3-broker Kafka cluster, a PostgreSQL primary with a synchronous
+standby, three harvesters each behind its own TCP proxies, steady inserts, and a fault every
+20-40 s drawn from every kind below, in each delivery mode.
+
+    python bench/fault_soak.py --minutes 30 [--delivery both] [--rate 100] [--seed S]
+
+Fault kinds (each once first, in random order, then at random): the leader SIGKILLed; the broker
+leading an outbox partition SIGKILLed (restarted 5-10 s later); the transaction coordinator's broker
+killed (exactly-once only); the leader group's coordinator killed; the PostgreSQL primary crashed
+and its standby promoted; the leader cut from Kafka, cut from PostgreSQL, or stalled on Kafka (each
+for 8-15 s).
+
+Reports per mode: records, lost, per-key order violations, duplicates read ``read_committed``,
+p50 and p99 commit-to-append latency of records committed and appended outside fault windows (a
+fault and the 30 s after it; the first 10 s are left out too) (commit: the ledger row's
+``clock_timestamp()``; append: the broker's LogAppendTime, in exactly-once mode before the
+transaction commits), and per fault kind the longest time without any append from the fault's start
+to 30 s after its end. Private services only (ports 35110-35191; the fault tests use 35000-35101).
+Exits 1 on any violation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import signal
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass
+from itertools import pairwise
+from pathlib import Path
+
+import psycopg
+from psycopg import sql
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tests.chaos.harness import delivery_modes, read_all
+from tests.faults.cluster import KafkaCluster, ProxyGroup
+from tests.faults.pgpair import PgPair
+from tests.faults.proxy import Mode, Proxy
+from tests.faults.scenario import Outcome, Scenario, settings
+from tests.proc.processes import HarvesterProcess
+
+CLUSTER_PORT = 35110  # to 35110 + 79 with three proxied listener sets
+PGPAIR_PORT = 35190
+KINDS = (
+    "kill_leader",
+    "kill_partition_leader",
+    "kill_txn_coordinator",
+    "kill_group_coordinator",
+    "pg_failover",
+    "cut_leader_kafka",
+    "cut_leader_pg",
+    "stall_leader_kafka",
+)
+AFTER = 30.0  # seconds after a fault in which the longest gap between appends is looked for
+# The latency leaves out records committed or appended in the first 10 s and from a fault's start
+# to 30 s after its end (the backlog it left drains meanwhile).
+SETTLE = 10.0
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    start: float  # wall clock
+    end: float
+    detail: str
+
+
+class Slot:
+    """One harvester's place: its proxies to Kafka (one listener set) and to both PostgreSQL nodes."""
+
+    def __init__(self, index: int, kafka: ProxyGroup, pg: list[Proxy], bootstrap: str, dsn: str) -> None:
+        self.index, self.kafka, self.pg, self.bootstrap, self.dsn = index, kafka, pg, bootstrap, dsn
+        self.proc: HarvesterProcess | None = None
+        self.started = 0
+
+    def set_pg(self, mode: Mode) -> None:
+        for p in self.pg:
+            p.set_mode(mode)
+
+
+class Soak:
+    def __init__(self, cluster: KafkaCluster, pair: PgPair, slots: list[Slot], sc: Scenario, seed: int) -> None:
+        self.cluster, self.pair, self.slots, self.sc = cluster, pair, slots, sc
+        self.rng = random.Random(f"{seed}/faults")
+        self.faults: list[Fault] = []
+        self.crashes: list[str] = []
+        self.t0 = time.time()
+
+    def spawn(self, slot: Slot) -> None:
+        slot.started += 1
+        slot.proc = self.sc.spawn(f"soak-h{slot.index}.{slot.started}", dsn=slot.dsn, bootstrap=slot.bootstrap)
+
+    def leader(self) -> Slot | None:
+        proc = self.sc.group.wait_leader(30.0)
+        return next((s for s in self.slots if s.proc is proc), None)
+
+    def replace_crashed(self) -> None:
+        for slot in self.slots:
+            if slot.proc is not None and slot.proc.proc.poll() is not None:
+                self.crashes.append(f"{slot.proc.name} exited with {slot.proc.proc.returncode}")
+                self.sc.group.running.remove(slot.proc)
+                self.spawn(slot)
+
+    def run(self, seconds: float, log: bool = True) -> None:
+        kinds = [k for k in KINDS if k != "kill_txn_coordinator" or self.sc.settings.delivery == "exactly_once"]
+        started, self.t0 = time.monotonic(), time.time()
+        while True:
+            gap = self.rng.uniform(20.0, 40.0)
+            if time.monotonic() - started + gap > seconds:
+                return
+            time.sleep(gap)
+            self.replace_crashed()
+            # Every kind once first (in random order), so a short run still covers them all.
+            done = {f.kind for f in self.faults}
+            kind = self.rng.choice([k for k in kinds if k not in done] or kinds)
+            start = time.time()
+            detail = self.inject(kind, self.rng.uniform(8.0, 15.0))
+            fault = Fault(kind, start, time.time(), detail)
+            self.faults.append(fault)
+            if log:
+                print(f"{start - self.t0:7.1f}s {kind:<24} {detail} ({fault.end - start:.1f}s)", flush=True)
+
+    def inject(self, kind: str, hold: float) -> str:
+        if kind == "pg_failover":
+            self.pair.crash()
+            self.pair.promote()
+            return "primary crashed, standby promoted"
+        if kind.startswith("kill_") and kind != "kill_leader":
+            sc = self.sc
+            if kind == "kill_partition_leader":
+                node = self.cluster.leader_of(sc.topics[0], self.rng.randrange(sc.settings.partitions))
+            elif kind == "kill_txn_coordinator":
+                node = self.cluster.transaction_coordinator(f"{sc.leader_group}.harvester")
+            else:
+                node = self.cluster.group_coordinator(sc.leader_group)
+            self.cluster.kill(node)
+            time.sleep(self.rng.uniform(5.0, 10.0))
+            self.cluster.start_node(node)
+            self.cluster.wait_in_sync()
+            return f"broker {node} SIGKILLed, restarted"
+        slot = self.leader()
+        if slot is None or slot.proc is None:
+            return "no leader found"
+        name = slot.proc.name
+        if kind == "kill_leader":
+            os.kill(slot.proc.proc.pid, signal.SIGKILL)
+            slot.proc.proc.wait()
+            self.sc.group.running.remove(slot.proc)
+            self.spawn(slot)
+            return f"{name} SIGKILLed"
+        mode: Mode = "stall" if kind.startswith("stall") else "cut"
+        if kind.endswith("_pg"):
+            slot.set_pg(mode)
+        else:
+            slot.kafka.set_mode(mode)
+        time.sleep(hold)
+        slot.set_pg("pass")
+        slot.kafka.set_mode("pass")
+        return f"{name} {mode} for {hold:.1f}s"
+
+
+def appends(sc: Scenario) -> dict[str, float]:
+    """Value -> LogAppendTime (s) of its first delivery."""
+    first: dict[str, float] = {}
+    for m in read_all(sc.bootstrap, sc.topics, sc.settings.partitions, 120.0):
+        value = (m.value() or b"").decode()
+        if value not in first:
+            first[value] = m.timestamp()[1] / 1000.0
+    return first
+
+
+def commits(sc: Scenario) -> dict[str, float]:
+    with psycopg.connect(sc.dsn) as conn:
+        rows = conn.execute(
+            sql.SQL("SELECT key || ':' || seq, extract(epoch FROM at) FROM {}").format(sc.tables.ledger.ident)
+        )
+        return {str(v): float(at) for v, at in rows}
+
+
+def report(delivery: str, minutes: float, soak: Soak, outcome: Outcome, sc: Scenario) -> tuple[str, bool]:
+    appended, committed = appends(sc), commits(sc)
+    windows = [(f.start, f.end + AFTER) for f in soak.faults]
+
+    def calm(t: float) -> bool:
+        return t > soak.t0 + SETTLE and not any(a <= t <= b for a, b in windows)
+
+    latencies = sorted(appended[v] - c for v, c in committed.items() if v in appended and calm(c) and calm(appended[v]))
+    p50, p99 = (latencies[int(q * (len(latencies) - 1))] if latencies else float("nan") for q in (0.5, 0.99))
+    times = sorted(appended.values())
+    stalls: dict[str, list[float]] = defaultdict(list)
+    for f in soak.faults:
+        inside = [t for t in times if f.start <= t <= f.end + AFTER]
+        edges = [f.start, *inside, min(f.end + AFTER, times[-1] if times else f.end)]
+        stalls[f.kind].append(max(b - a for a, b in pairwise(edges)))
+    f = outcome.findings
+    violations = outcome.violations() + [f"harvester crashed: {c}" for c in soak.crashes]
+    lines = [
+        f"fault soak: delivery {delivery}, {minutes:g} min, {sc.settings.records_per_second:.0f} records/s, "
+        f"3 brokers (RF 3, min.insync.replicas 2), synchronous standby, 3 harvesters",
+        "",
+        f"{'fault':<26}{'injected':>9}{'longest gap (s)':>17}{'mean gap (s)':>14}",
+    ]
+    for kind in KINDS:
+        gaps = stalls.get(kind, [])
+        if gaps:
+            lines.append(f"{kind:<26}{len(gaps):>9}{max(gaps):>17.1f}{sum(gaps) / len(gaps):>14.1f}")
+    rows: list[tuple[str, object]] = [
+        ("records written", outcome.records_written),
+        ("records read (read_committed)", f.records_read),
+        ("records lost", len(f.lost)),
+        ("keys out of order", len(f.out_of_order)),
+        ("duplicates (read_committed)", f.duplicates),
+        ("duplicates after DedupReader", f.dedup_left),
+        ("records left in outbox", outcome.left_in_outbox),
+        ("calm records (latency sample)", len(latencies)),
+        ("p50 commit-to-append, calm (ms)", f"{p50 * 1000:.0f}"),
+        ("p99 commit-to-append, calm (ms)", f"{p99 * 1000:.0f}"),
+        ("harvester crashes", len(soak.crashes)),
+        ("verdict", "FAIL" if violations else "PASS"),
+    ]
+    lines += ["", *(f"{name:<34}{value!s:>14}" for name, value in rows), *(f"VIOLATION: {v}" for v in violations)]
+    return "\n".join(lines), not violations
+
+
+def soak_once(delivery: str, minutes: float, rate: float, seed: int) -> bool:
+    cluster = KafkaCluster("fault-soak", CLUSTER_PORT, proxied=3)
+    pair = PgPair("fault-soak", PGPAIR_PORT)
+    try:
+        cluster.start()
+        pair.start()
+        with ExitStack() as stack:
+            slots = list(_slots(stack, cluster, pair))
+            s = settings(delivery, seed=seed, records_per_second=rate, keys=1000, writers=4, partitions=3)
+            sc = stack.enter_context(
+                Scenario(s, pair.dsn, cluster.bootstrap, topic_config={"message.timestamp.type": "LogAppendTime"})
+            )
+            soak = Soak(cluster, pair, slots, sc, seed)
+            for slot in slots:
+                soak.spawn(slot)
+            if sc.group.wait_leader(60.0) is None:
+                raise RuntimeError("no leader within 60 s")
+            sc.writers.start()
+            soak.run(minutes * 60)
+            soak.replace_crashed()
+            outcome = sc.finish()
+            table, ok = report(delivery, minutes, soak, outcome, sc)
+            print(table, flush=True)
+            if not ok:
+                print(outcome.explain())
+            return ok
+    finally:
+        pair.stop()
+        cluster.stop()
+
+
+def _slots(stack: ExitStack, cluster: KafkaCluster, pair: PgPair) -> Iterator[Slot]:
+    for k in (1, 2, 3):
+        kafka = stack.enter_context(cluster.proxied(k))
+        pg = [stack.enter_context(Proxy(("127.0.0.1", port))) for port in (pair.port, pair.port + 1)]
+        dsn = pair.dsn.replace(f"port={pair.port},{pair.port + 1}", f"port={pg[0].port},{pg[1].port}")
+        yield Slot(k, kafka, pg, cluster.proxied_bootstrap(k), dsn)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--minutes", type=float, default=30.0, help="length of the fault window per mode")
+    parser.add_argument("--delivery", choices=[*delivery_modes(), "both"], default="both")
+    parser.add_argument("--rate", type=float, default=100.0, help="records per second over all writers")
+    parser.add_argument("--seed", type=int, default=None)
+    ns = parser.parse_args()
+    seed = ns.seed if ns.seed is not None else random.SystemRandom().randrange(1 << 31)
+    print(f"fault soak: seed {seed} (replay: --seed {seed})", flush=True)
+    modes = delivery_modes() if ns.delivery == "both" else (ns.delivery,)
+    results = [soak_once(mode, ns.minutes, ns.rate, seed) for mode in modes]
+    sys.exit(0 if all(results) else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""A PostgreSQL primary with a synchronous standby of the fault tests' own
+(``deploy/local/pgpair.sh``), reached through a multi-host DSN that follows the primary."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import psycopg
+from psycopg import sql
+
+from harvester.postgres.identifiers import TableName
+from harvester.postgres.migrations import fence_table
+from tests.support import ROOT
+
+SCRIPT = ROOT / "deploy" / "local" / "pgpair.sh"
+
+
+class PgPair:
+    """Nodes on ``port`` and ``port + 1``, data under ``.local/private-<name>``."""
+
+    def __init__(self, name: str, port: int) -> None:
+        self.port = port
+        # libpq tries the hosts in order and keeps the first that accepts writes.
+        self.dsn = (
+            f"host=127.0.0.1,127.0.0.1 port={port},{port + 1} target_session_attrs=read-write "
+            "user=harvester password=local-dev-secret dbname=harvester"
+        )
+        self._env = {
+            **os.environ,
+            "HARVESTER_LOCAL_DIR": str(ROOT / ".local" / f"private-{name}"),
+            "PGPAIR_PORT": str(port),
+        }
+
+    def _run(self, *args: str) -> str:
+        done = subprocess.run(["bash", str(SCRIPT), *args], check=True, env=self._env, capture_output=True, text=True)
+        return done.stdout.strip()
+
+    def start(self) -> None:
+        self._run("start")
+
+    def stop(self) -> None:
+        self._run("stop")
+
+    def primary_port(self) -> int:
+        return int(self._run("primary"))
+
+    def crash(self) -> None:
+        """Stop the primary as a crash would (immediate: no shutdown checkpoint)."""
+        self._run("crash")
+
+    def promote(self) -> None:
+        """Promote the standby of a crashed primary; the old primary becomes its new standby."""
+        self._run("promote")
+
+    def epoch(self, outbox: TableName) -> int:
+        """The highest fence epoch of ``outbox`` (over its shards) on the current primary."""
+        with psycopg.connect(self.dsn) as conn:
+            row = conn.execute(
+                sql.SQL("SELECT max(epoch) FROM {} WHERE outbox_table = %s").format(fence_table(outbox).ident),
+                (outbox.qualified,),
+            ).fetchone()
+        return 0 if row is None or row[0] is None else int(row[0])

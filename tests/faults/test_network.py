@@ -1,0 +1,134 @@
+"""Network cuts (issue 22): the leader loses one path (Kafka, or PostgreSQL) while the others keep
+theirs, through a TCP proxy only its process uses."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import suppress
+
+import pytest
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+from tests.faults.cluster import KafkaCluster
+from tests.faults.proxy import Proxy
+from tests.faults.scenario import Scenario, exit_counters, settings
+from tests.support import Services
+
+pytestmark = [pytest.mark.integration]
+
+
+# ------------------------------------------------------------------ the proxy itself
+
+
+@pytest.fixture
+def echo() -> Iterator[tuple[str, int]]:
+    """A TCP echo server on a free port."""
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            threading.Thread(target=lambda c=conn: _echo(c), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    yield ("127.0.0.1", int(server.getsockname()[1]))
+    server.close()
+
+
+def _echo(conn: socket.socket) -> None:
+    with conn, suppress(OSError):  # the proxy resets it in one case
+        while data := conn.recv(4096):
+            conn.sendall(data)
+
+
+def _ask(sock: socket.socket, data: bytes, timeout: float = 5.0) -> bytes:
+    sock.settimeout(timeout)
+    sock.sendall(data)
+    return sock.recv(4096)
+
+
+def test_proxy_modes(echo: tuple[str, int]) -> None:
+    with Proxy(echo, delay=0.01) as proxy:
+        client = socket.create_connection(("127.0.0.1", proxy.port))
+        assert _ask(client, b"a") == b"a"
+        proxy.set_mode("slow")
+        assert _ask(client, b"b") == b"b"
+        proxy.set_mode("stall")
+        with pytest.raises(TimeoutError):
+            _ask(client, b"c", timeout=0.5)
+        proxy.set_mode("pass")  # the stalled bytes flow on
+        assert client.recv(4096) == b"c"
+        proxy.set_mode("reset")
+        with pytest.raises(ConnectionResetError):
+            _ask(client, b"d")
+        proxy.set_mode("cut")
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", proxy.port))
+        proxy.set_mode("pass")
+        again = socket.create_connection(("127.0.0.1", proxy.port))
+        assert _ask(again, b"e") == b"e"
+        again.close()
+        client.close()
+
+
+# ------------------------------------------------------------------ cuts
+
+
+@pytest.mark.timeout(300)
+def test_leader_cut_from_kafka_yields_and_is_fenced(services: Services, whole_cluster: KafkaCluster) -> None:
+    """The leader reaches the cluster (election and producer) through proxies that are cut: it
+    yields, the other process takes over and fences it; nothing is lost, per-key order holds."""
+    s = settings()
+    with whole_cluster.proxied() as proxies, Scenario(s, services.pg_dsn, whole_cluster.bootstrap) as sc:
+        cut_off = sc.spawn_leader("cut-kafka-a", bootstrap=whole_cluster.proxied_bootstrap())
+        other = sc.spawn("cut-kafka-b")
+        sc.writers.start()
+        sc.wait_published(150)
+        cut = time.time()
+        proxies.set_mode("cut")
+        assert other.wait_for("LeaderAcquired", 60.0, after=cut), "no takeover after the cut"
+        # It yields on its own (its heartbeats stop coming back: LeaderFenced) or in a rebalance.
+        assert cut_off.seen("LeaderFenced", cut) or cut_off.wait_for("LeaderRevoked", 10.0, after=cut)
+        sc.wait_published(150)  # the new leader harvests
+        proxies.set_mode("pass")
+        outcome = sc.finish()
+        sc.group.stop()
+        counters = exit_counters([cut_off])[cut_off.name]
+        assert outcome.violations() == [], outcome.explain()
+        # Its late purges (records acknowledged once the path healed) met the new leader's fence.
+        assert counters.get("fenced_statements", 0) >= 1, (counters, outcome.explain())
+
+
+@pytest.mark.timeout(300)
+def test_leader_cut_from_postgres_stops_within_its_window(services: Services) -> None:
+    """The leader keeps Kafka (so it stays leader) but loses PostgreSQL: it publishes no more than
+    its in-flight window while writers add many times that; once healed it drains everything."""
+    window = 20
+    s = settings()
+    pg = conninfo_to_dict(services.pg_dsn)
+    target = (str(pg.get("host", "127.0.0.1")), int(str(pg.get("port") or 5432)))
+    with (
+        Proxy(target) as proxy,
+        Scenario(s, services.pg_dsn, services.bootstrap, max_in_flight_records=window) as sc,
+    ):
+        proxied = make_conninfo(services.pg_dsn, host="127.0.0.1", port=proxy.port)
+        sc.spawn_leader("cut-pg-a", dsn=proxied)
+        sc.spawn("cut-pg-b")
+        sc.writers.start()
+        sc.wait_published(150)
+        proxy.set_mode("cut")
+        before = sc.published()
+        sc.wait_written(10 * window)
+        sc.wait_written(10 * window)  # and again: the leader had time to publish more if it would
+        during = sc.published() - before
+        print(f"published while cut: {during} (window {window})")
+        assert during <= window, f"{during} records published while cut from PostgreSQL (window {window})"
+        proxy.set_mode("pass")
+        outcome = sc.finish()
+        assert outcome.violations() == [], outcome.explain()
