@@ -8,6 +8,7 @@ only. The pipelines are threads of this process (docs/sharding.md says what that
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -27,6 +28,7 @@ from harvester.core.exactly_once import exactly_once
 from harvester.core.identity import IdentityHeaders
 from harvester.core.metrics import HarvesterMetrics, ShardLabels
 from harvester.core.protocols import BatchScope, DeliveryCallback, Elector, StoreError
+from harvester.core.retries import Stall
 from harvester.kafka.publisher import KafkaPublisher, producer_config
 from harvester.kafka.topics import ensure_topic, require_partitions
 from harvester.kafka.transactions import KafkaTransactionalPublisher
@@ -38,6 +40,9 @@ if TYPE_CHECKING:
     from leader import ElectorConfig, LeaderEvent, LeaderStatus
 
 log = structlog.get_logger("harvester")
+
+_STOP_RESERVE = 2.0
+"""Seconds of a stop's budget kept from the drain for leaving the group and closing the producer."""
 
 
 def elector_config(config: HarvesterConfig) -> ElectorConfig:
@@ -230,21 +235,25 @@ class Harvester:
         return self._failure
 
     def stop(self, timeout: float | None = None) -> None:
-        """Stop gracefully: finish in-flight work (up to ``timeout``), then leave the group."""
+        """Stop gracefully: finish in-flight work, leave the group, close the producers, all within
+        ``timeout`` (default ``drain_interval``). The wait for in-flight records leaves a reserve for
+        the rest; records not purged by then stay in the outbox, and the next leader marks them again."""
         if self._stopped.is_set() or self._stopping.is_set():
             self._stopped.wait(None if timeout is None else timeout + 5)
             return
         self._stopping.set()
         budget = self.config.limits.drain_interval.total_seconds() if timeout is None else timeout
+        deadline = time.monotonic() + budget
+        drained_by = deadline - min(_STOP_RESERVE, budget / 4)
         engines = [p.engine for p in self._pipelines if p.engine is not None]
         for engine in engines:
             engine.stop_marking()
         for engine in engines:
-            if not engine.drain(budget):
+            if not engine.drain(max(0.0, drained_by - time.monotonic())):
                 self._log.warning("stop_drain_timeout", in_flight=engine.in_flight_records)
         self._elector.close()
         for engine in engines:
-            engine.close(max(budget, 1.0))
+            engine.close(max(0.0, deadline - time.monotonic()))
         for pipeline in self._pipelines:
             pipeline.store.close()
         self._stopped.set()
@@ -263,12 +272,27 @@ class Harvester:
 
     @property
     def alive(self) -> bool:
+        """False when one of the harvester's threads died while it should run, or when it is
+        :attr:`stalled`: such a process harvests no more and should be restarted (or looked at)."""
+        return self.threads_alive and self.stalled is None
+
+    @property
+    def threads_alive(self) -> bool:
         """False when one of the harvester's threads (marking, completion, election, metering) died
-        while it should run; such a process harvests no more and should be restarted."""
+        while it should run."""
         engines = self._engines
         if not engines or not self._started.is_set() or self._stopping.is_set():
             return True
         return all(e.alive for e in engines) and self._elector.running and self._meter.is_alive()
+
+    @property
+    def stalled(self) -> Stall | None:
+        """A store statement that has failed without a success for ``limits.stall_timeout`` or longer
+        (which one, for how long, and why), if any; its records stay in the outbox."""
+        if self._stopping.is_set():
+            return None
+        stalls = [stall for engine in self._engines if (stall := engine.stalled) is not None]
+        return max(stalls, key=lambda stall: stall.seconds, default=None)
 
     @property
     def is_leader(self) -> bool:

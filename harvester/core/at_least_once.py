@@ -202,7 +202,7 @@ class AtLeastOnceDispatcher:
         delivered = [r for r, err in items if err is None]
         failures = [(r, err) for r, err in items if err is not None]
         # Fenced: the records stay marked for the new leader to re-mark; only bookkeeping is left.
-        if settler.retry(self._store.purge, [r.id for r in delivered]):
+        if settler.retry("purge", self._store.purge, [r.id for r in delivered]):
             settler.delivered(delivered)
             settler.settle(failures)
         may_send = state.still_leader()

@@ -31,6 +31,7 @@ from harvester.core.events import Event, LeaderAcquired, LeaderFenced, LeaderRef
 from harvester.core.limits import Limits
 from harvester.core.metrics import HarvesterMetrics
 from harvester.core.protocols import BatchScope, FailedRecords, FencedError, MarkSource, ShardCountError, StoreError
+from harvester.core.retries import Stall, StoreRetries
 from harvester.core.settle import RetryBackoff, Settler
 from leader.events import LeaderEvent
 
@@ -84,7 +85,8 @@ class Engine:
         self._term = 0  # bumped on every LeaderAcquired (guarded by state.cond)
         self._fenced_term = 0  # the term whose epoch the store holds (mark thread only)
         self._backoff = RetryBackoff(limits)
-        settler = Settler(store, limits, metrics, self._backoff, self._fenced, lambda: state.leader_id)
+        self._retries = retries = StoreRetries(limits, metrics)
+        settler = Settler(store, limits, metrics, self._backoff, retries, self._fenced, lambda: state.leader_id)
         # ``labels`` (the outbox, when a reaper harvests several) and the shard go on every log line
         # of the pipeline's threads.
         bound: dict[str, object] = {**(labels or {}), **({} if shard is None else {"shard": shard})}
@@ -120,11 +122,14 @@ class Engine:
         return True
 
     def close(self, timeout: float) -> None:
-        """Stop every thread and the publisher (after :meth:`stop_marking` and :meth:`drain`)."""
+        """Stop every thread and the publisher (after :meth:`stop_marking` and :meth:`drain`), within
+        ``timeout`` in all: store retries still failing are abandoned."""
+        deadline = time.monotonic() + timeout
         self.stop_marking()
+        self._retries.abandon()
         self._dispatcher.close(timeout)
         for t in self._threads:
-            t.join(timeout)
+            t.join(max(0.0, deadline - time.monotonic()))
 
     # ------------------------------------------------------------------ state
 
@@ -133,6 +138,11 @@ class Engine:
         """False when a worker thread died while the engine should run: a bug, which only a restart
         of the process repairs (the reaper's liveness probe reports it)."""
         return self._state.stopping.is_set() or all(t.is_alive() for t in self._threads)
+
+    @property
+    def stalled(self) -> Stall | None:
+        """A store operation failing without a success for ``stall_timeout`` or longer, if any."""
+        return self._retries.stalled()
 
     @property
     def leader_id(self) -> UUID | None:
@@ -268,10 +278,10 @@ class Engine:
                 self._fenced(exc)
                 continue
             except StoreError as exc:
-                log.warning("mark_failed", error=str(exc))
                 self._end_mark(remark=True)
-                state.stopping.wait(limits.io_error_backoff.total_seconds())
+                state.stopping.wait(self._retries.failed("mark", exc))
                 continue
+            self._retries.succeeded("mark")
             self._metrics.mark_seconds.observe(time.perf_counter() - started)
             size.observe(len(batch))
             if batch:
@@ -309,9 +319,9 @@ class Engine:
             self._fenced(exc)
             return
         except StoreError as exc:
-            log.warning("term_start_failed", error=str(exc))
-            self._state.stopping.wait(self._limits.io_error_backoff.total_seconds())
+            self._state.stopping.wait(self._retries.failed("term_start", exc))
             return
+        self._retries.succeeded("term_start")
         self._fenced_term = term
         self._metrics.epoch.set(epoch)
         log.info("fence_acquired", epoch=epoch, leader_id=str(leader_id))
@@ -324,5 +334,6 @@ class Engine:
         try:
             self._store.wait_for_insert(seconds)
         except StoreError as exc:
-            log.warning("listen_failed", error=str(exc))
-            self._state.stopping.wait(self._limits.io_error_backoff.total_seconds())
+            self._state.stopping.wait(self._retries.failed("listen", exc))
+            return
+        self._retries.succeeded("listen")

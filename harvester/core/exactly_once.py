@@ -163,7 +163,7 @@ class ExactlyOnceDispatcher:
             records, position = job
             purge = functools.partial(self._store.purge_checkpointed, position=position)
             try:
-                if settler.retry(purge, [r.id for r in records]):
+                if settler.retry("purge", purge, [r.id for r in records]):
                     settler.delivered(records)
             except Exception:
                 # The records stay marked; the next term's recovery purges them from the checkpoint.

@@ -97,6 +97,11 @@ class Limits(BaseModel):
         default=timedelta(seconds=10),
         description="Ceiling of the retriable-failure back-off.",
     )
+    stall_timeout: Duration = Field(
+        default=timedelta(minutes=5),
+        description="A store statement failing this long without a success stalls the harvester: it is no "
+        "longer alive (the reaper's /healthz answers 503); its records stay in the outbox.",
+    )
     mark_query_records: PositiveOrAuto = Field(
         default="auto",
         description="Records marked per query, at most; 'auto': from 100, doubling while marks come back full, to 500.",

@@ -35,6 +35,17 @@ class HarvesterMetrics:
         self.retries = Counter(
             "harvester_retries", "Failed deliveries that will be retried, by class.", ["class"], registry=r
         )
+        self.store_retries = Counter(
+            "harvester_store_retries",
+            "Failed store statements that will be retried, by operation (mark, purge, dead_letter, ...).",
+            ["operation"],
+            registry=r,
+        )
+        self.stalled_seconds = Gauge(
+            "harvester_stalled_seconds",
+            "How long a store operation has failed without a success, once that reaches stall_timeout (0: none).",
+            registry=r,
+        )
         self.remarks = Counter("harvester_forced_remarks", "Forced remarks (leader id refreshed).", registry=r)
         self.fenced = Counter("harvester_leader_fenced", "Times this instance was fenced.", registry=r)
         self.fenced_statements = Counter(

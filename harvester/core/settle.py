@@ -23,6 +23,7 @@ from harvester.core.limits import Limits
 from harvester.core.metrics import HarvesterMetrics
 from harvester.core.protocols import FailedRecords, FencedError, StoreError
 from harvester.core.records import Failure, MarkedRecord
+from harvester.core.retries import StoreRetries
 
 if TYPE_CHECKING:
     from uuid import UUID
@@ -67,6 +68,7 @@ class Settler:
         limits: Limits,
         metrics: HarvesterMetrics,
         backoff: RetryBackoff,
+        retries: StoreRetries,
         on_fenced: Callable[[FencedError], None],
         leader_id: Callable[[], UUID | None],
     ) -> None:
@@ -74,23 +76,29 @@ class Settler:
         self._limits = limits
         self._metrics = metrics
         self._backoff = backoff
+        self._retries = retries
         self._on_fenced = on_fenced
         self._leader_id = leader_id
         # Attempts of permanently failing records, when the table cannot keep them (by id).
         self._attempts: dict[int, tuple[int, datetime]] = {}
 
-    def retry(self, op: Callable[[Sequence[_T]], None], items: Sequence[_T]) -> bool:
-        """Run an idempotent purge/reset until it succeeds (True) or the fence refuses it (False)."""
+    def retry(self, operation: str, op: Callable[[Sequence[_T]], None], items: Sequence[_T]) -> bool:
+        """Run an idempotent purge/reset until it succeeds (True), backing off between tries (see
+        :mod:`harvester.core.retries`); False when the fence refuses it or shutdown abandons it (the
+        records stay marked in the outbox for the next leader)."""
+        retries = self._retries
         while items:
             try:
                 op(items)
-                return True
             except FencedError as exc:
                 self._on_fenced(exc)
                 return False
             except StoreError as exc:
-                log.warning("store_retry", records=len(items), error=str(exc))
-                time.sleep(self._limits.io_error_backoff.total_seconds())
+                if retries.wait(retries.failed(operation, exc, records=len(items))):
+                    return False
+                continue
+            retries.succeeded(operation)
+            return True
         return True
 
     def delivered(self, records: Sequence[MarkedRecord]) -> None:
@@ -123,9 +131,9 @@ class Settler:
             (dead if failure.attempts >= self._limits.max_attempts else failing).append(failure)
         store, leader_id = self._store, self._leader_id()
         if not (
-            self.retry(store.reset, retriable)
-            and self.retry(store.fail, failing)
-            and (leader_id is None or self.retry(lambda f: store.dead_letter(f, leader_id), dead))
+            self.retry("reset", store.reset, retriable)
+            and self.retry("fail", store.fail, failing)
+            and (leader_id is None or self.retry("dead_letter", lambda f: store.dead_letter(f, leader_id), dead))
         ):
             return False
         self._metrics.reset.inc(len(retriable) + len(failing))

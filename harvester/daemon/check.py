@@ -74,7 +74,7 @@ def check(settings: ReaperSettings, timeout: float) -> int:
 
 
 def _check_postgres(settings: ReaperSettings, timeout: float) -> list[str]:
-    from harvester.postgres import catalog, migrations
+    from harvester.postgres import catalog, migrations, widen
 
     table = settings.harvest.table
     with connect_pg(settings, timeout) as conn:
@@ -96,7 +96,14 @@ def _check_postgres(settings: ReaperSettings, timeout: float) -> list[str]:
             f"outbox table {table}: present; kafka_key {columns.type_of('kafka_key')}, "
             f"kafka_value {columns.type_of('kafka_value')}; migrations applied: {', '.join(applied) or 'none'}"
         )
-        return _check_log_source(conn, settings)
+        problems: list[str] = []
+        for derived in widen.narrower(conn, table):
+            if derived.narrower is None:
+                continue  # created by 'reaper migrate' or on first use, from the outbox's types
+            fits = "narrower than the outbox" if derived.narrower else "holds the outbox's columns"
+            print(f"{derived.label} {derived.table}: present, {fits}")
+            problems += [str(column) for column in derived.narrower]
+        return problems + _check_log_source(conn, settings)
 
 
 def _check_log_source(conn: Any, settings: ReaperSettings) -> list[str]:

@@ -177,6 +177,7 @@ def _migrate(settings: ReaperSettings) -> int:
 
     from harvester.postgres.migrations import ensure_shard_index, migrate
     from harvester.postgres.sharding import shard_index
+    from harvester.postgres.widen import widen
 
     table, shards = settings.harvest.table, settings.harvest.shards
     with connect_pg(settings, 10) as conn:
@@ -186,19 +187,24 @@ def _migrate(settings: ReaperSettings) -> int:
             applied = migrate(conn, table)
             indexed = ensure_shard_index(conn, table, shards)
             created = _log_source(conn, settings)
+            widened, left = widen(conn, table)
         except psycopg.Error as exc:
             raise FailError(f"migrating {table} failed: {pg_reason(exc)}", code=1) from None
     if new_schema:
         print(f"schema {table.schema}: created")
     if applied:
         print(f"outbox table {table}: applied {', '.join(applied)}")
-    else:
+    for column in widened:
+        print(f"{column.table}.{column.column}: widened from {column.current} to {column.wanted}")
+    for column in left:
+        print(f"problem: {column}")
+    if not (applied or widened or left):
         print(f"outbox table {table}: up to date")
     if indexed:
         print(f"outbox table {table}: created index {shard_index(table, shards).name} for {shards} shards")
     for name in created:
         print(f"log source: created {name}")
-    return 0
+    return 1 if left else 0
 
 
 def _log_source(conn: psycopg.Connection[Any], settings: ReaperSettings) -> list[str]:

@@ -7,7 +7,9 @@ import errno
 import logging
 import os
 import signal
+import sys
 import threading
+import time
 from collections.abc import Mapping
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Protocol
@@ -89,8 +91,11 @@ class _HealthCache:
                 return
 
     def liveness(self) -> tuple[bool, Mapping[str, object]]:
-        alive = self._harvester.alive
-        return alive, {"threads_alive": alive}
+        threads, stall = self._harvester.threads_alive, self._harvester.stalled
+        details: dict[str, object] = {"threads_alive": threads}
+        if stall is not None:
+            details["stalled"] = {"operation": stall.operation, "seconds": stall.seconds, "error": stall.error}
+        return threads and stall is None, details
 
     def readiness(self) -> tuple[bool, Mapping[str, object]]:
         with self._lock:
@@ -182,6 +187,9 @@ def _listen(settings: ReaperSettings, registry: CollectorRegistry, health: _Prob
     raise FailError(f"http.port: cannot listen on {http.host}:{http.port}: {error.strerror}") from None
 
 
+_STOP_TAIL = 1.0
+"""Seconds of ``shutdown.timeout`` kept from the harvester's stop for closing the HTTP endpoint."""
+
 _BUSY = (errno.EADDRINUSE, errno.EACCES)
 """Bind errors after which a defaulted ``http.port`` falls back to a free one."""
 
@@ -232,7 +240,7 @@ def _serve(
 
     def stop() -> None:
         try:
-            harvester.stop(timeout)
+            harvester.stop(max(0.0, timeout - _STOP_TAIL))
         except Exception as exc:  # reported below, as a log line rather than a raw thread traceback
             failed.append(exc)
 
@@ -240,10 +248,17 @@ def _serve(
     # even while the stop blocks inside librdkafka.
     stopper = threading.Thread(target=stop, name="reaper-stop", daemon=True)
     stopper.start()
-    while stopper.is_alive():
+    deadline = time.monotonic() + timeout
+    while stopper.is_alive() and time.monotonic() < deadline:
         stopper.join(0.2)
     health.close()
     _close(server)
+    if stopper.is_alive():
+        # The deadline is the orchestrator's too (it kills after its grace period): exit now. Nothing
+        # is lost: records not purged stay in the outbox and the next leader marks them again.
+        log.error("reaper_stop_deadline", timeout_seconds=timeout, in_flight=harvester.in_flight_records)
+        sys.stderr.flush()
+        os._exit(1)
     if failed:
         log.error("reaper_stop_failed", exc_info=failed[0])
         return 1

@@ -20,8 +20,8 @@ from psycopg import sql
 from harvester.postgres.identifiers import TableName
 from harvester.postgres.sharding import shard_expression, shard_index
 
-_LOCK_KEY = 0x6F7574626F78  # "outbox": serialises concurrent migrations of any table
-_INDEX_LOCK_KEY = _LOCK_KEY + 1  # serialises the shard index builds of concurrent starts
+LOCK_KEY = 0x6F7574626F78  # "outbox": serialises concurrent migrations of any table
+_INDEX_LOCK_KEY = LOCK_KEY + 1  # serialises the shard index builds of concurrent starts
 
 Feature = Literal["fence", "dead_letter", "spark_sink"]
 # The migrations each optional feature needs; :func:`ensure` applies them on first use.
@@ -124,7 +124,7 @@ def _apply(conn: psycopg.Connection[tuple[object, ...]], table: TableName, wante
     """Apply those of ``wanted`` the ledger does not record, in order, under the advisory lock."""
     applied_now: list[str] = []
     with conn.transaction():
-        conn.execute("SELECT pg_advisory_xact_lock(%s)", (_LOCK_KEY,))
+        conn.execute("SELECT pg_advisory_xact_lock(%s)", (LOCK_KEY,))
         if table.schema:
             conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(table.schema)))
         conn.execute(

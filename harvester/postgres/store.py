@@ -149,8 +149,8 @@ class PostgresStore:
     def _failed(self, conn: psycopg.Connection[Any], exc: psycopg.Error) -> StoreError:
         if isinstance(exc, psycopg.OperationalError):
             self._forget(conn)
-            return StoreError(f"database error: {exc.sqlstate or type(exc).__name__}")
-        return StoreError(f"statement failed: {exc.sqlstate or type(exc).__name__}")
+            return StoreError(f"database error: {_why(exc)}")
+        return StoreError(f"statement failed: {_why(exc)}")
 
     def _run(self, query: sql.Composed | str, params: Sequence[Any]) -> list[tuple[Any, ...]]:
         cur = self._execute(query, params)
@@ -194,9 +194,9 @@ class PostgresStore:
                 producer = f"{row[0] if row else 0}/{self._table.qualified}"
         except psycopg.OperationalError as exc:
             self._forget(conn)
-            raise StoreError(f"database error: {exc.sqlstate or type(exc).__name__}") from exc
+            raise StoreError(f"database error: {_why(exc)}") from exc
         except psycopg.Error as exc:
-            raise StoreError(f"preparing {self._table} failed: {exc.sqlstate or type(exc).__name__}") from exc
+            raise StoreError(f"preparing {self._table} failed: {_why(exc)}") from exc
         statements = Statements.build(self._table, columns, hold_dead_letter_keys=self._hold, shards=self._shards)
         self._prepared = _Prepared(columns, statements, producer.encode("utf-8"))
         return columns
@@ -371,25 +371,31 @@ class PostgresStore:
             try:
                 migrations.ensure(conn, self._table, "dead_letter")
             except psycopg.Error as exc:
-                why = exc.sqlstate or type(exc).__name__
+                why = _why(exc)
                 raise StoreError(f"creating the dead-letter table failed: {why}") from exc
             self._dead_letter_ready = True
         ids = [f.id for f in failures]
-        cur = self._execute(
-            statement,
-            (
-                *self._fence,
-                self._epoch,
-                ids,
-                self._epoch,
-                leader_id,
-                ids,
-                [f.reason for f in failures],
-                [f.error for f in failures],
-                [f.attempts for f in failures],
-                [f.first_failure for f in failures],
-            ),
-        )
+        try:
+            cur = self._execute(
+                statement,
+                (
+                    *self._fence,
+                    self._epoch,
+                    ids,
+                    self._epoch,
+                    leader_id,
+                    ids,
+                    [f.reason for f in failures],
+                    [f.error for f in failures],
+                    [f.attempts for f in failures],
+                    [f.first_failure for f in failures],
+                ),
+            )
+        except StoreError as exc:
+            if isinstance(exc.__cause__, psycopg.errors.StringDataRightTruncation):  # 22001
+                hint = "the dead-letter table is narrower than the outbox: 'reaper migrate' widens it"
+                raise StoreError(f"{exc} ({hint})") from exc
+            raise
         if cur.rowcount < len(failures):
             self._check_epoch()
         self._handed.settled(ids)
@@ -421,7 +427,7 @@ class PostgresStore:
             if self._listening is not None:
                 self._forget(self._listening)
                 self._listening = None
-            raise StoreError(f"listen failed: {type(exc).__name__}") from exc
+            raise StoreError(f"listen failed: {_why(exc)}") from exc
 
     def close(self) -> None:
         """Close every connection this store opened."""
@@ -430,3 +436,13 @@ class PostgresStore:
             conns, self._connections = self._connections, []
         for conn in conns:
             conn.close()
+
+
+def _why(exc: psycopg.Error) -> str:
+    """SQLSTATE and the server's message (``22001 value too long for type character varying(10000)``),
+    or the client's first line when the server said nothing (a lost connection). Values and DSNs are
+    left out: the server's primary message names types and objects, not data."""
+    primary = exc.diag.message_primary if exc.sqlstate else None
+    lines = str(exc).strip().splitlines()
+    text = primary or (" ".join(lines[0].split()) if lines else "")
+    return " ".join(filter(None, [exc.sqlstate or type(exc).__name__, text]))

@@ -1,0 +1,121 @@
+"""Store statements retried until they succeed, made visible: a bounded exponential back-off per
+operation, one log line with the reason per back-off step, a metric, and a stall clock.
+
+A statement that keeps failing (the database down, or one it refuses every time, such as a dead
+letter wider than its table's column) must not loop silently. Each failure of an operation logs
+its reason and the next delay; the delays double from ``io_error_backoff`` up to
+``max_retry_backoff``; the first success ends the back-off. An operation that has failed for
+``stall_timeout`` without a success in between stalls the harvester: :meth:`StoreRetries.stalled`
+says which and why, and the reaper's ``/healthz`` turns 503. The records concerned stay in the
+outbox throughout; at shutdown the retries are abandoned and the next leader marks them again.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import structlog
+
+from harvester.core.limits import Limits
+from harvester.core.metrics import HarvesterMetrics
+
+log = structlog.get_logger("harvester.engine")
+
+
+@dataclass(frozen=True, slots=True)
+class Stall:
+    """An operation that has failed without a success for ``seconds``, and its last error."""
+
+    operation: str
+    seconds: float
+    error: str
+
+
+@dataclass(slots=True)
+class _Failing:
+    since: float  # monotonic time of the first failure since the last success
+    attempts: int = 0
+    error: str = ""
+    reported: bool = False  # the stall was logged
+
+
+class StoreRetries:
+    """The back-off state of every retried store operation (``mark``, ``purge``, ``dead_letter``, ...);
+    thread-safe, one instance per engine."""
+
+    def __init__(self, limits: Limits, metrics: HarvesterMetrics) -> None:
+        self._first = limits.io_error_backoff.total_seconds()
+        self._ceiling = max(self._first, limits.max_retry_backoff.total_seconds())
+        self._stall_after = limits.stall_timeout.total_seconds()
+        self._metrics = metrics
+        self._lock = threading.Lock()
+        self._failing: dict[str, _Failing] = {}
+        self._abandoned = threading.Event()
+        metrics.stalled_seconds.set_function(lambda: stall.seconds if (stall := self.stalled()) else 0.0)
+
+    def failed(self, operation: str, error: BaseException, **context: object) -> float:
+        """Book a failure of ``operation`` and log it; return the seconds to wait before the next try."""
+        now = time.monotonic()
+        with self._lock:
+            failing = self._failing.setdefault(operation, _Failing(now))
+            delay = min(self._ceiling, self._first * 2.0 ** min(failing.attempts, 30))
+            failing.attempts += 1
+            failing.error = str(error)
+            seconds = now - failing.since
+            attempt = failing.attempts
+        self._metrics.store_retries.labels(operation).inc()
+        log.warning(
+            "store_retry",
+            operation=operation,
+            error=str(error),
+            attempt=attempt,
+            failing_seconds=round(seconds, 1),
+            retry_in_seconds=round(delay, 2),
+            **context,
+        )
+        self.stalled()  # logs the stall as soon as there is one
+        return delay
+
+    def succeeded(self, operation: str) -> None:
+        """``operation`` went through: its back-off and stall clock start afresh."""
+        if operation not in self._failing:  # the usual case, without the lock
+            return
+        with self._lock:
+            failing = self._failing.pop(operation, None)
+        if failing is not None:
+            log.info(
+                "store_recovered",
+                operation=operation,
+                attempts=failing.attempts,
+                failing_seconds=round(time.monotonic() - failing.since, 1),
+            )
+
+    def stalled(self) -> Stall | None:
+        """The operation failing for longest, if that is ``stall_timeout`` or more (logged once)."""
+        now = time.monotonic()
+        with self._lock:
+            oldest = min(self._failing.items(), key=lambda item: item[1].since, default=None)
+            if oldest is None or now - oldest[1].since < self._stall_after:
+                return None
+            operation, failing = oldest
+            stall = Stall(operation, round(now - failing.since, 1), failing.error)
+            first, failing.reported = not failing.reported, True
+        if first:
+            log.error(
+                "store_stalled",
+                operation=operation,
+                error=stall.error,
+                failing_seconds=stall.seconds,
+                hint="the records concerned stay in the outbox; /healthz reports the stall until it succeeds",
+            )
+        return stall
+
+    def wait(self, seconds: float) -> bool:
+        """Sleep before the next try; True (at once) when the retries were abandoned."""
+        return self._abandoned.wait(seconds)
+
+    def abandon(self) -> None:
+        """Shutdown: stop retrying (the records concerned stay in the outbox for the next leader)."""
+        self._abandoned.set()

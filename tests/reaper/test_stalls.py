@@ -1,0 +1,160 @@
+"""A retry that cannot make progress is visible, and the shutdown deadline holds (issue 23, point 5),
+through the real CLI on the real services: a dead letter wider than its table (the outbox widened to
+TEXT after ``reaper migrate``) backs off, is logged once per back-off step, counted, and stalls
+``/healthz``; SIGTERM still ends the process within ``shutdown.timeout``; the record stays in the
+outbox; ``check`` names the narrower column and ``migrate`` widens it, after which the record is
+dead-lettered."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import psycopg
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from psycopg import sql
+
+from harvester.postgres.identifiers import TableName
+from tests.reaper.test_cli_reasons import error_lines, reaper
+from tests.reaper.test_e2e import outbox_count, wait_for
+from tests.reaper.test_http_port import Process
+from tests.support import Services, unique
+
+pytestmark = pytest.mark.integration
+
+SHUTDOWN = 10.0  # shutdown.timeout in seconds
+MARGIN = 6.0  # slack for interpreter exit on loaded cores; a stop that waits twice the timeout still fails
+BIG = 2 * 1024 * 1024  # larger than the broker's message.max.bytes, and than VARCHAR(10000)
+
+
+def config(path: Path, services: Services, table: TableName, group: str) -> Path:
+    path.write_text(f"""\
+harvest:
+  dataSource: "{services.pg_dsn}"
+  outboxTable: {table.qualified}
+  leaderTopic: {group}.neli
+  leaderGroupID: {group}
+  baseKafkaConfig:
+    bootstrap.servers: {services.bootstrap}
+  limits:
+    maxAttempts: 1
+    ioErrorBackoff: 100ms
+    maxRetryBackoff: 1s
+    stallTimeout: 3s
+    minMetricsInterval: 1s
+http:
+  port: 0
+shutdown:
+  timeout: {SHUTDOWN:g}s
+""")
+    return path
+
+
+def samples(process: Process, name: str) -> dict[str, float]:
+    status, body = process.get("/metrics")
+    assert status == 200 and isinstance(body, str), process.output()
+    found = {}
+    for family in text_string_to_metric_families(body):
+        for s in family.samples:
+            if s.name == name:
+                found[json.dumps(s.labels, sort_keys=True)] = s.value
+    return found
+
+
+def stop_in_time(process: Process) -> float:
+    """SIGTERM, then the seconds until the process ended (asserting it ended within the deadline)."""
+    began = time.monotonic()
+    process.proc.send_signal(signal.SIGTERM)
+    try:
+        process.proc.wait(SHUTDOWN + MARGIN)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        raise AssertionError(f"still running {SHUTDOWN + MARGIN:g} s after SIGTERM:\n{process.output()}") from None
+    return time.monotonic() - began
+
+
+def test_a_dead_letter_too_wide_for_its_table_stalls_visibly_and_stops_in_time(
+    services: Services,
+    pg: psycopg.Connection[tuple[object, ...]],
+    schema: str,
+    topics: Callable[..., str],
+    tmp_path: Path,
+) -> None:
+    table = TableName(schema, "outbox")
+    path = config(tmp_path / "reaper.yaml", services, table, unique("stall"))
+    migrated = reaper("migrate", "-f", str(path))
+    assert migrated.returncode == 0, migrated.stderr
+    pg.execute(sql.SQL("ALTER TABLE {} ALTER COLUMN kafka_value TYPE TEXT").format(table.ident))
+    pg.execute(
+        sql.SQL("INSERT INTO {} (kafka_topic, kafka_key, kafka_value) VALUES (%s, 'k', repeat('x', %s))").format(
+            table.ident
+        ),
+        (topics(), BIG),
+    )
+
+    daemon = Process(path, "stalled", tmp_path)
+    try:
+        wait_for("reaper_started", lambda: bool(daemon.events("reaper_started")) or daemon.proc.poll() is not None)
+
+        def stalled() -> bool:
+            assert daemon.proc.poll() is None, daemon.output()
+            return daemon.get("/healthz")[0] == 503
+
+        wait_for("/healthz to report the stall", stalled, timeout=90)
+        status, body = daemon.get("/healthz")
+        assert status == 503 and isinstance(body, dict), body
+        assert body["threads_alive"] is True
+        assert body["stalled"]["operation"] == "dead_letter"
+        assert "22001" in body["stalled"]["error"] and "reaper migrate" in body["stalled"]["error"]
+        # Counted, and the stall's age exported.
+        retries = samples(daemon, "harvester_store_retries_total")
+        assert retries.get('{"operation": "dead_letter"}', 0) >= 1, retries
+        assert samples(daemon, "harvester_stalled_seconds")["{}"] >= 3
+
+        # Backed off: one line per step, the delay doubling from ioErrorBackoff up to maxRetryBackoff.
+        steps = [e["retry_in_seconds"] for e in daemon.events("store_retry")]
+        assert steps[:4] == [0.1, 0.2, 0.4, 0.8], steps
+        assert all(step == 1.0 for step in steps[4:]), steps
+        assert [e["operation"] for e in daemon.events("store_stalled")] == ["dead_letter"]
+
+        # check sees it (and names what migrate would change) while run is stalled.
+        checked = reaper("check", "-f", str(path))
+        assert checked.returncode == 1, checked.stdout + checked.stderr
+        assert (
+            f"problem: {schema}.outbox_dead_letter.kafka_value is character varying(10000), narrower than the "
+            "outbox's text: 'reaper migrate' widens it to text"
+        ) in checked.stdout.splitlines()
+
+        # The shutdown deadline holds although the completion thread is inside a retry.
+        stop_in_time(daemon)
+        assert daemon.proc.returncode == 0, daemon.output()
+    finally:
+        daemon.kill()
+    assert outbox_count(pg, table) == 1  # nothing lost
+
+    widened = reaper("migrate", "-f", str(path))
+    assert widened.returncode == 0, widened.stderr
+    assert widened.stdout.splitlines() == [
+        f"{schema}.outbox_dead_letter.kafka_value: widened from character varying(10000) to text"
+    ]
+    again = reaper("migrate", "-f", str(path))
+    assert again.stdout == f"outbox table {table}: up to date\n"
+    assert not error_lines(again.stderr)
+
+    # Now the dead letter fits: the record moves into the dead-letter table whole.
+    healed = Process(path, "healed", tmp_path)
+    try:
+        wait_for("the dead letter", lambda: outbox_count(pg, table) == 0, timeout=90)
+        row = pg.execute(
+            sql.SQL("SELECT length(kafka_value) FROM {}").format(sql.Identifier(schema, "outbox_dead_letter"))
+        ).fetchall()
+        assert row == [(BIG,)]
+        assert healed.get("/healthz")[0] == 200
+        stop_in_time(healed)
+    finally:
+        healed.kill()
