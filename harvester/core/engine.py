@@ -37,6 +37,8 @@ from leader.events import LeaderEvent
 
 log = structlog.get_logger("harvester.engine")
 
+_LEADER_OPERATIONS = ("mark", "term_start")  # store retries the mark thread runs only while leading
+
 
 class EngineStore(MarkSource, FailedRecords, Protocol):
     """The store roles the core itself uses (the dispatcher is given the ones it needs)."""
@@ -196,6 +198,7 @@ class Engine:
             self._dispatcher.discard_waiting()
             self._state.cond.notify_all()
         self._metrics.is_leader.set(0)
+        self._retries.forget(*_LEADER_OPERATIONS)  # a standby does not retry them: nothing is stalled
 
     def _fenced(self, error: FencedError) -> None:
         """A newer epoch or producer fenced this process (see the module's docstring)."""
@@ -216,6 +219,7 @@ class Engine:
             state.cond.notify_all()
         self._metrics.fenced_statements.inc()
         self._metrics.is_leader.set(0)
+        self._retries.forget(*_LEADER_OPERATIONS)
         if leader_id is not None:
             self._metrics.fenced.inc()
             log.error("fenced_by_newer_leader", error=str(error), leader_id=str(leader_id))
@@ -334,6 +338,7 @@ class Engine:
         try:
             self._store.wait_for_insert(seconds)
         except StoreError as exc:
-            self._state.stopping.wait(self._retries.failed("listen", exc))
-            return
-        self._retries.succeeded("listen")
+            # Not a retry of its own: the next mark (booked in the store retries) tells whether the
+            # database answers.
+            log.warning("listen_failed", error=str(exc))
+            self._state.stopping.wait(self._limits.io_error_backoff.total_seconds())

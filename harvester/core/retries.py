@@ -92,6 +92,12 @@ class StoreRetries:
                 failing_seconds=round(time.monotonic() - failing.since, 1),
             )
 
+    def forget(self, *operations: str) -> None:
+        """Leadership lost: these operations are no longer retried, so they stall nothing."""
+        with self._lock:
+            for operation in operations:
+                self._failing.pop(operation, None)
+
     def stalled(self) -> Stall | None:
         """The operation failing for longest, if that is ``stall_timeout`` or more (logged once)."""
         now = time.monotonic()

@@ -1,9 +1,9 @@
-"""A retry that cannot make progress is visible, and the shutdown deadline holds (issue 23, point 5),
+"""A retry that cannot make progress is visible, and the shutdown deadline holds (issue 23, points 5 and 6),
 through the real CLI on the real services: a dead letter wider than its table (the outbox widened to
 TEXT after ``reaper migrate``) backs off, is logged once per back-off step, counted, and stalls
 ``/healthz``; SIGTERM still ends the process within ``shutdown.timeout``; the record stays in the
 outbox; ``check`` names the narrower column and ``migrate`` widens it, after which the record is
-dead-lettered."""
+dead-lettered. PostgreSQL down while leading: the failed marks back off and say why, then recover."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ import json
 import signal
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -21,9 +22,9 @@ from psycopg import sql
 
 from harvester.postgres.identifiers import TableName
 from tests.reaper.test_cli_reasons import error_lines, reaper
-from tests.reaper.test_e2e import outbox_count, wait_for
+from tests.reaper.test_e2e import free_port, outbox_count, wait_for
 from tests.reaper.test_http_port import Process
-from tests.support import Services, unique
+from tests.support import PrivatePostgres, Services, unique
 
 pytestmark = pytest.mark.integration
 
@@ -158,3 +159,67 @@ def test_a_dead_letter_too_wide_for_its_table_stalls_visibly_and_stops_in_time(
         stop_in_time(healed)
     finally:
         healed.kill()
+
+
+# ------------------------------------------------------------------ PostgreSQL down while leading
+
+
+@pytest.fixture
+def private_pg() -> Iterator[PrivatePostgres]:
+    """A PostgreSQL of this test's own, which it stops and starts (never the shared one)."""
+    pg = PrivatePostgres("stall", free_port())
+    pg.start()
+    try:
+        yield pg
+    finally:
+        pg.stop()
+
+
+def test_postgres_down_backs_off_says_why_and_recovers(
+    services: Services, private_pg: PrivatePostgres, topics: Callable[..., str], tmp_path: Path
+) -> None:
+    table = TableName(unique("t"), "outbox")
+    group = unique("pgdown")
+    path = config(tmp_path / "reaper.yaml", services, table, group)
+    path.write_text(path.read_text().replace(services.pg_dsn, private_pg.dsn))
+    assert reaper("migrate", "-f", str(path)).returncode == 0
+    daemon = Process(path, "pgdown", tmp_path)
+    try:
+        wait_for("the fence", lambda: bool(daemon.events("fence_acquired")) or daemon.proc.poll() is not None)
+        assert daemon.proc.poll() is None, daemon.output()
+        private_pg.stop()
+
+        def mark_retries() -> list[dict[str, Any]]:
+            assert daemon.proc.poll() is None, daemon.output()
+            return [e for e in daemon.events("store_retry") if e["operation"] == "mark"]
+
+        wait_for("six back-off steps", lambda: len(mark_retries()) >= 6, timeout=90)
+        wait_for("/healthz to report the stall", lambda: daemon.get("/healthz")[0] == 503)
+        status, body = daemon.get("/healthz")
+        assert status == 503 and isinstance(body, dict), body
+        assert body["stalled"]["operation"] == "mark", body
+        retries = mark_retries()
+        # Each line says why (libpq's reason, not just an exception's name) ...
+        assert all(e["error"] and e["error"] != "database error: OperationalError" for e in retries), retries
+        assert any("Connection refused" in e["error"] for e in retries), retries
+        # ... once per back-off step, the steps doubling to the ceiling.
+        assert [e["retry_in_seconds"] for e in retries[:5]] == [0.1, 0.2, 0.4, 0.8, 1.0], retries
+        # A failed mark refreshes the leader id (it may have committed): once per step, not more.
+        assert len(daemon.events("LeaderRefreshed")) <= len(mark_retries()) + 1
+
+        private_pg.start()
+        wait_for("the mark to recover", lambda: any(e["operation"] == "mark" for e in daemon.events("store_recovered")))
+        wait_for("/healthz to recover", lambda: daemon.get("/healthz")[0] == 200)
+        # And it harvests again.
+        with psycopg.connect(private_pg.dsn, autocommit=True) as conn:
+            conn.execute(
+                sql.SQL("INSERT INTO {} (kafka_topic, kafka_key, kafka_value) VALUES (%s, 'k', 'v')").format(
+                    table.ident
+                ),
+                (topics(),),
+            )
+            wait_for("the record to be harvested", lambda: outbox_count(conn, table) == 0)
+        stop_in_time(daemon)
+        assert daemon.proc.returncode == 0, daemon.output()
+    finally:
+        daemon.kill()
