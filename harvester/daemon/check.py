@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 from typing import Any
 
 from harvester.daemon.errors import FailError, one_line
@@ -119,18 +120,9 @@ def _check_log_source(conn: Any, settings: ReaperSettings) -> list[str]:
 
 
 def _check_kafka(settings: ReaperSettings, timeout: float) -> list[str]:
-    from confluent_kafka import KafkaException
-    from confluent_kafka.admin import AdminClient
-
     harvest = settings.harvest
-    quiet = logging.getLogger("reaper.check.kafka")
-    quiet.setLevel(logging.CRITICAL)  # librdkafka's retries would repeat what the one-line error says
     servers = harvest.base_kafka_config.get("bootstrap.servers", "?")
-    try:
-        config: dict[str, Any] = {**harvest.base_kafka_config, "logger": quiet}
-        metadata = AdminClient(config).list_topics(timeout=timeout)
-    except KafkaException as exc:
-        raise FailError(f"Kafka unreachable at {servers} (harvest.baseKafkaConfig): {kafka_reason(exc)}") from None
+    metadata = reach_kafka(settings, timeout)
     print(f"kafka: reachable; {len(metadata.brokers)} broker(s) via {servers}, cluster {metadata.cluster_id}")
     topic = metadata.topics.get(harvest.topic)
     shards = harvest.shards
@@ -149,6 +141,60 @@ def _check_kafka(settings: ReaperSettings, timeout: float) -> list[str]:
     if have < shards or (shards > 1 and have != shards):  # as run's election refuses it
         return [f"leader topic {harvest.topic} (harvest.leaderTopic): {have} partition(s), harvest.shards {shards}"]
     return []
+
+
+def reach_kafka(settings: ReaperSettings, timeout: float, *, say_waiting: bool = False) -> Any:
+    """The cluster's metadata as the configuration reaches it within ``timeout`` (librdkafka retries
+    the connection meanwhile), or :class:`FailError`: one line with the cause and the settings to look
+    at. The cause is librdkafka's own (a refused connection, a SASL or SSL handshake that failed, from
+    its error callback), not the generic "Broker transport failure" the request ends with; its log
+    lines, which repeat that cause on every retry, are dropped. ``say_waiting``: log the cause once
+    when the first attempt fails, with how much longer it is retried."""
+    import structlog
+    from confluent_kafka import KafkaError, KafkaException
+    from confluent_kafka.admin import AdminClient
+
+    quiet = logging.getLogger("reaper.kafka.reach")
+    quiet.setLevel(logging.CRITICAL)
+    errors: list[KafkaError] = []
+    config: dict[str, Any] = {**settings.harvest.base_kafka_config, "logger": quiet, "error_cb": errors.append}
+    servers = settings.harvest.base_kafka_config.get("bootstrap.servers", "?")
+    admin = AdminClient(config)
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            return admin.list_topics(timeout=max(0.1, min(left, _KAFKA_ATTEMPT)))
+        except KafkaException as exc:
+            admin.poll(0)  # serves the error callback
+            causes = [e.str() for e in errors if e.code() != KafkaError._ALL_BROKERS_DOWN]
+            reason = _RDKAFKA_NOISE.sub("", causes[0]) if causes else kafka_reason(exc)
+            where = _kafka_settings(reason)
+            if left <= _KAFKA_ATTEMPT:
+                raise FailError(f"Kafka unreachable at {servers} ({where}): {reason}") from None
+        if say_waiting:
+            say_waiting = False
+            structlog.get_logger("reaper").warning(
+                "kafka_unreachable", servers=servers, error=reason, settings=where, retry_seconds=round(left)
+            )
+
+
+_KAFKA_ATTEMPT = 2.0
+"""Seconds of one metadata request while waiting for Kafka."""
+
+
+# "sasl_plaintext://host:9092/bootstrap: ... (after 1ms in state AUTH_HANDSHAKE)": the broker's name
+# and librdkafka's timing around the cause.
+_RDKAFKA_NOISE = re.compile(r"^\S+/(?:bootstrap|\d+): |\s*\(after \d+ms in state \w+[^)]*\)|[\s:]+$")
+
+
+def _kafka_settings(reason: str) -> str:
+    """The settings a Kafka connection failure points to."""
+    if "SASL" in reason:
+        return "harvest.baseKafkaConfig: security.protocol, sasl.mechanism, sasl.username, sasl.password"
+    if "SSL" in reason:
+        return "harvest.baseKafkaConfig: security.protocol, ssl.*"
+    return "harvest.baseKafkaConfig: bootstrap.servers"
 
 
 def kafka_reason(exc: BaseException) -> str:

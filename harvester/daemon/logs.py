@@ -16,6 +16,7 @@ import logging
 import re
 import sys
 import threading
+import time
 from collections.abc import Iterable
 from types import TracebackType
 from typing import Any, TextIO
@@ -199,6 +200,41 @@ def configure(
         cache_logger_on_first_use=False,
     )
 
+
+
+class FoldRepeats(logging.Filter):
+    """Lets a line through once per ``window`` seconds: librdkafka repeats a failure (a broker it
+    cannot reach) on every reconnect. Repeats, told apart only by librdkafka's timings and counts, are
+    counted, and the count is added to the next line let through."""
+
+    _TIMINGS = re.compile(r"\(after \d+ms in state \w+(, \d+ identical error\(s\) suppressed)?\)")
+
+    def __init__(self, window: float = 60.0) -> None:
+        super().__init__()
+        self._window = window
+        self._seen: dict[str, tuple[float, int]] = {}  # text -> (when let through, repeats since)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        key, now = self._TIMINGS.sub("", text), time.monotonic()
+        seen = self._seen.get(key)
+        if seen is not None and now - seen[0] < self._window:
+            self._seen[key] = (seen[0], seen[1] + 1)
+            return False
+        if len(self._seen) > 1000:  # forget lines not seen for a window
+            self._seen = {k: v for k, v in self._seen.items() if now - v[0] < self._window}
+        self._seen[key] = (now, 0)
+        if seen is not None and seen[1]:
+            record.msg, record.args = f"{text} ({seen[1]} repeat(s) folded)", ()
+        return True
+
+
+def librdkafka_logger() -> logging.Logger:
+    """The logger librdkafka's clients are given (their ``logger`` property), repeats folded."""
+    logger = logging.getLogger("rdkafka")
+    if not any(isinstance(f, FoldRepeats) for f in logger.filters):
+        logger.addFilter(FoldRepeats())
+    return logger
 
 
 def _log_uncaught(

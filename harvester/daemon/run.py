@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import logging
 import os
 import signal
 import sys
@@ -15,7 +14,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, Protocol
 
 from harvester.daemon import logs
-from harvester.daemon.check import validate_election, validate_kafka_config
+from harvester.daemon.check import reach_kafka, validate_election, validate_kafka_config
 from harvester.daemon.errors import FailError
 from harvester.daemon.settings import ReaperSettings, defaulted_connections
 
@@ -126,14 +125,15 @@ def run(settings: ReaperSettings, version: str) -> int:
             logs.set_leader(None)
 
     validate_kafka_config(settings)
+    validate_election(settings)
+    reach_kafka(settings, KAFKA_START_TIMEOUT, say_waiting=True)
     # librdkafka logs to stderr on its own unless given a logger: route it through ours, so its lines
-    # are JSON too, carry the instance name, and are redacted.
-    kafka = {**harvest.base_kafka_config, "logger": logging.getLogger("rdkafka")}
+    # are JSON too, carry the instance name, are redacted, and a line repeated is folded.
+    kafka = {**harvest.base_kafka_config, "logger": logs.librdkafka_logger()}
     harvest = harvest.model_copy(update={"base_kafka_config": kafka})
     registry = CollectorRegistry()
     info = Gauge("reaper_info", "Always 1; labels describe this reaper.", ["version", "instance"], registry=registry)
     info.labels(version=version, instance=harvest.name).set(1)
-    validate_election(settings)
     harvester = Harvester(harvest, on_event=on_event, registry=registry)
     health = _HealthCache(harvester, interval=5.0)
     server: HttpServer | None = None
@@ -186,6 +186,10 @@ def _listen(settings: ReaperSettings, registry: CollectorRegistry, health: _Prob
             return server
     raise FailError(f"http.port: cannot listen on {http.host}:{http.port}: {error.strerror}") from None
 
+
+KAFKA_START_TIMEOUT = 30.0
+"""How long ``run`` waits for Kafka at start (librdkafka reconnects with back-off meanwhile): long
+enough for a sidecar started together with its broker, then exit 2 naming the cause."""
 
 _STOP_TAIL = 1.0
 """Seconds of ``shutdown.timeout`` kept from the harvester's stop for closing the HTTP endpoint."""

@@ -228,5 +228,8 @@ def test_check_unreachable_service_exits_2(services: Services, outbox: TableName
     if service == "postgres":
         assert line.startswith("reaper: error: PostgreSQL: cannot connect (harvest.dataSource): ")
     else:
-        assert line.startswith("reaper: error: Kafka unreachable at 127.0.0.1:1 (harvest.baseKafkaConfig): ")
+        assert line == (
+            "reaper: error: Kafka unreachable at 127.0.0.1:1 (harvest.baseKafkaConfig: bootstrap.servers): "
+            "Connect to ipv4#127.0.0.1:1 failed: Connection refused"
+        )
     assert PG_SECRET not in done.stdout + done.stderr

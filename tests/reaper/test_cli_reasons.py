@@ -1,6 +1,7 @@
 """What the reaper says when something is wrong or missing (issue 23), through the console script on
 the real services: ``run`` gives libpq's reason for a refused connection (and never the password),
-``check`` agrees with ``run`` about the leader topic, ``migrate`` says when it created a schema."""
+``check`` agrees with ``run`` about the leader topic, ``migrate`` says when it created a schema, and
+an unreachable or refusing Kafka is named by its cause and the setting to look at."""
 
 from __future__ import annotations
 
@@ -216,3 +217,45 @@ def test_migrate_says_it_created_the_schema(
         assert "schema" not in existing.stdout and existing.stdout.startswith(f"outbox table {schema}.outbox: applied")
     finally:
         pg.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(new)))
+
+
+# ------------------------------------------------------------------ 5. Kafka: the cause, the setting, one line
+
+
+def test_run_with_kafka_unreachable_names_the_cause_and_bootstrap_servers(services: Services, tmp_path: Path) -> None:
+    port = _free_port()
+    done = reaper("run", "-f", write_config(tmp_path, services.pg_dsn, "outbox", f"127.0.0.1:{port}", unique("lead")))
+    assert done.returncode == 2, done.stderr
+    (line,) = error_lines(done.stderr)
+    assert line == (
+        f"reaper: error: Kafka unreachable at 127.0.0.1:{port} (harvest.baseKafkaConfig: bootstrap.servers): "
+        f"Connect to ipv4#127.0.0.1:{port} failed: Connection refused"
+    )
+    records = [json.loads(r) for r in done.stderr.splitlines() if r.startswith("{")]
+    # One warning while it retries (bounded: run's documented 30 s), no librdkafka line repeated.
+    assert [r["event"] for r in records if r["level"] != "info"] == ["kafka_unreachable"]
+    assert not [r for r in records if r.get("logger") == "rdkafka"]
+    assert "KafkaError{" not in done.stderr and "leaderTopic" not in done.stderr
+
+
+def test_check_names_a_sasl_handshake_failure(services: Services, tmp_path: Path) -> None:
+    path = tmp_path / "reaper.yaml"
+    path.write_text(
+        "harvest:\n"
+        f"  dataSource: {json.dumps(services.pg_dsn)}\n"
+        "  baseKafkaConfig:\n"
+        f"    bootstrap.servers: {services.bootstrap}\n"
+        "    security.protocol: SASL_PLAINTEXT\n"
+        "    sasl.mechanism: SCRAM-SHA-512\n"
+        "    sasl.username: reaper\n"
+        f"    sasl.password: {SECRET}\n"
+    )
+    done = reaper("check", "-f", str(path))
+    assert done.returncode == 2, done.stdout + done.stderr
+    (line,) = error_lines(done.stderr)
+    assert line.startswith(
+        f"reaper: error: Kafka unreachable at {services.bootstrap} (harvest.baseKafkaConfig: security.protocol, "
+        "sasl.mechanism, sasl.username, sasl.password): SASL SCRAM-SHA-512 mechanism handshake failed"
+    ), line
+    assert "Broker transport failure" not in line
+    assert SECRET not in done.stdout + done.stderr

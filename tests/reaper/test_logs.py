@@ -120,3 +120,30 @@ def test_uncaught_exceptions_in_threads_are_logged_redacted(out: io.StringIO) ->
     assert got[-1]["event"] == "uncaught_exception_in_thread worker-1"
     assert "ValueError: thread failed with ***" in str(got[-1]["exception"])
     assert SECRETS[0] not in out.getvalue()
+
+
+def test_librdkafka_repeats_are_folded(out: io.StringIO) -> None:
+    """A broker that refuses connections: librdkafka logs the failure on every reconnect; one line
+    goes through per minute, the repeats are counted into the next one."""
+    from confluent_kafka import Producer
+
+    from tests.reaper.test_e2e import free_port
+
+    rdkafka = logging.getLogger("rdkafka")
+    for f in list(rdkafka.filters):
+        rdkafka.removeFilter(f)
+    try:
+        refused = f"127.0.0.1:{free_port()}"
+        producer = Producer(
+            {"bootstrap.servers": refused, "logger": logs.librdkafka_logger(), "reconnect.backoff.max.ms": 100}
+        )
+        for _ in range(30):  # about 3 s of reconnects
+            producer.poll(0.1)
+        failures = [g for g in lines(out) if "Connection refused" in str(g["event"])]
+        assert len(failures) == 1, failures
+        # The filter counted the rest: the same line after the window says how many were folded.
+        fold = next(f for f in rdkafka.filters if isinstance(f, logs.FoldRepeats))
+        assert sum(repeats for _, repeats in fold._seen.values()) >= 1
+    finally:
+        for f in list(rdkafka.filters):
+            rdkafka.removeFilter(f)
