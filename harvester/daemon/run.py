@@ -191,8 +191,9 @@ KAFKA_START_TIMEOUT = 30.0
 """How long ``run`` waits for Kafka at start (librdkafka reconnects with back-off meanwhile): long
 enough for a sidecar started together with its broker, then exit 2 naming the cause."""
 
-_STOP_TAIL = 1.0
-"""Seconds of ``shutdown.timeout`` kept from the harvester's stop for closing the HTTP endpoint."""
+_STOP_TAIL = 2.0
+"""Seconds of ``shutdown.timeout`` kept from the harvester's stop for closing the HTTP endpoint and
+for the process's exit, where librdkafka's clients are destroyed (about a second with a broker down)."""
 
 _BUSY = (errno.EADDRINUSE, errno.EACCES)
 """Bind errors after which a defaulted ``http.port`` falls back to a free one."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -24,7 +25,7 @@ from harvester.postgres.identifiers import TableName
 from tests.reaper.test_cli_reasons import error_lines, reaper
 from tests.reaper.test_e2e import free_port, outbox_count, wait_for
 from tests.reaper.test_http_port import Process
-from tests.support import PrivatePostgres, Services, unique
+from tests.support import PrivateKafka, PrivatePostgres, Services, create_topics, unique
 
 pytestmark = pytest.mark.integration
 
@@ -76,7 +77,9 @@ def stop_in_time(process: Process) -> float:
     except subprocess.TimeoutExpired:
         process.kill()
         raise AssertionError(f"still running {SHUTDOWN + MARGIN:g} s after SIGTERM:\n{process.output()}") from None
-    return time.monotonic() - began
+    elapsed = time.monotonic() - began
+    print(f"{process.name}: exited {elapsed:.1f} s after SIGTERM (shutdown.timeout {SHUTDOWN:g} s)")
+    return elapsed
 
 
 def test_a_dead_letter_too_wide_for_its_table_stalls_visibly_and_stops_in_time(
@@ -223,3 +226,61 @@ def test_postgres_down_backs_off_says_why_and_recovers(
         assert daemon.proc.returncode == 0, daemon.output()
     finally:
         daemon.kill()
+
+
+# ------------------------------------------------------------------ Kafka down at SIGTERM
+
+
+def _port_pair() -> int:
+    """A free port whose successor is free too (a private broker's controller listens there)."""
+    for _ in range(50):
+        port = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise AssertionError("no two adjacent free ports")
+
+
+@pytest.fixture
+def kafka_to_stop() -> Iterator[PrivateKafka]:
+    """A broker of this test's own, which it stops (never the shared one)."""
+    broker = PrivateKafka("stall", _port_pair())
+    broker.start()
+    try:
+        yield broker
+    finally:
+        broker.stop()
+
+
+def test_the_stop_ends_in_time_with_kafka_down(
+    services: Services,
+    pg: psycopg.Connection[tuple[object, ...]],
+    schema: str,
+    kafka_to_stop: PrivateKafka,
+    tmp_path: Path,
+) -> None:
+    table = TableName(schema, "outbox")
+    topic = unique("topic")
+    create_topics(kafka_to_stop.bootstrap, [topic])
+    path = config(tmp_path / "reaper.yaml", services, table, unique("kafkadown"))
+    path.write_text(path.read_text().replace(services.bootstrap, kafka_to_stop.bootstrap))
+    assert reaper("migrate", "-f", str(path)).returncode == 0
+    insert = sql.SQL(
+        "INSERT INTO {} (kafka_topic, kafka_key, kafka_value) SELECT %s, 'k' || i, 'v' FROM generate_series(1, %s) i"
+    ).format(table.ident)
+    daemon = Process(path, "kafkadown", tmp_path)
+    try:
+        pg.execute(insert, (topic, 1))
+        wait_for("the first record", lambda: outbox_count(pg, table) == 0 or daemon.proc.poll() is not None, 90)
+        assert daemon.proc.poll() is None, daemon.output()
+        kafka_to_stop.stop()
+        pg.execute(insert, (topic, 20))
+        wait_for("records in flight", lambda: samples(daemon, "harvester_in_flight_records").get("{}", 0) > 0)
+        stop_in_time(daemon)
+        assert daemon.proc.returncode == 0, daemon.output()
+    finally:
+        daemon.kill()
+    assert outbox_count(pg, table) == 20  # nothing lost: the next leader publishes them
