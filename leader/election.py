@@ -274,7 +274,7 @@ class NeliElector:
         try:
             meta = AdminClient(self._common()).list_topics(topic=c.topic, timeout=c.startup_timeout)
         except KafkaException as e:
-            raise LeaderTopicError(f"cannot look up leader topic {c.topic!r}: {e.args[0]}") from e
+            raise LeaderTopicError(f"cannot look up leader topic {c.topic!r}: {e.args[0].str()}") from e
         found = meta.topics.get(c.topic)
         if found is None or found.error is not None:
             raise LeaderTopicError(

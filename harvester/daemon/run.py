@@ -14,7 +14,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, Protocol
 
 from harvester.daemon import logs
-from harvester.daemon.check import reach_kafka, validate_election, validate_kafka_config
+from harvester.daemon.check import connect_pg, reach_kafka, validate_election, validate_kafka_config
 from harvester.daemon.errors import FailError
 from harvester.daemon.settings import ReaperSettings, defaulted_connections
 
@@ -221,6 +221,8 @@ def _serve(
     defaults = defaulted_connections(settings)
     if defaults:
         log.warning("connection_defaults", settings=defaults, hint="set them in the file, or REAPER_HARVEST__*")
+    for column in _narrower_columns(settings):
+        log.warning("narrower_than_outbox", column=str(column))
     log.info(
         "reaper_started",
         version=version,
@@ -291,6 +293,20 @@ def start_error(exc: Exception) -> FailError:
         return FailError(f"harvest.leaderTopic: {exc}")
     structlog.get_logger("reaper").debug("start_failed", exc_info=exc)
     return FailError(f"cannot start: {type(exc).__name__}: {exc}", code=1)
+
+
+def _narrower_columns(settings: ReaperSettings) -> list[Any]:
+    """Columns of the dead-letter and staging tables narrower than the outbox's, as ``check`` reports
+    them: a dead letter too wide for its table would stall the harvester (best effort, at start)."""
+    import psycopg
+
+    from harvester.postgres.widen import narrower
+
+    try:
+        with connect_pg(settings, 5) as conn:
+            return [column for derived in narrower(conn, settings.harvest.table) for column in derived.narrower or []]
+    except (FailError, psycopg.Error):
+        return []  # the harvester itself reports the database's failures
 
 
 def _close(server: HttpServer | None) -> None:

@@ -113,6 +113,11 @@ def test_a_dead_letter_too_wide_for_its_table_stalls_visibly_and_stops_in_time(
         status, body = daemon.get("/healthz")
         assert status == 503 and isinstance(body, dict), body
         assert body["threads_alive"] is True
+        # Said at start already, as check says it.
+        assert [e["column"] for e in daemon.events("narrower_than_outbox")] == [
+            f"{schema}.outbox_dead_letter.kafka_value is character varying(10000), narrower than the outbox's text: "
+            "'reaper migrate' widens it to text"
+        ]
         assert body["stalled"]["operation"] == "dead_letter"
         assert "22001" in body["stalled"]["error"] and "reaper migrate" in body["stalled"]["error"]
         # Counted, and the stall's age exported.
