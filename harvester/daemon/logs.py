@@ -17,12 +17,15 @@ import re
 import sys
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from types import TracebackType
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import structlog
 from structlog.typing import EventDict, Processor, WrappedLogger
+
+if TYPE_CHECKING:
+    from confluent_kafka import KafkaError
 
 REDACTED = "***"
 
@@ -202,31 +205,43 @@ def configure(
 
 
 
-class FoldRepeats(logging.Filter):
-    """Lets a line through once per ``window`` seconds: librdkafka repeats a failure (a broker it
+class Folder:
+    """Lets a message through once per ``window`` seconds: librdkafka repeats a failure (a broker it
     cannot reach) on every reconnect. Repeats, told apart only by librdkafka's timings and counts, are
-    counted, and the count is added to the next line let through."""
+    counted, and the count goes with the next one let through."""
 
     _TIMINGS = re.compile(r"\(after \d+ms in state \w+(, \d+ identical error\(s\) suppressed)?\)")
 
     def __init__(self, window: float = 60.0) -> None:
-        super().__init__()
         self._window = window
         self._seen: dict[str, tuple[float, int]] = {}  # text -> (when let through, repeats since)
 
-    def filter(self, record: logging.LogRecord) -> bool:
-        text = record.getMessage()
+    def admit(self, text: str) -> int | None:
+        """None for a repeat within the window (drop it); else the repeats folded since the last one."""
         key, now = self._TIMINGS.sub("", text), time.monotonic()
         seen = self._seen.get(key)
         if seen is not None and now - seen[0] < self._window:
             self._seen[key] = (seen[0], seen[1] + 1)
-            return False
-        if len(self._seen) > 1000:  # forget lines not seen for a window
+            return None
+        if len(self._seen) > 1000:  # forget messages not seen for a window
             self._seen = {k: v for k, v in self._seen.items() if now - v[0] < self._window}
         self._seen[key] = (now, 0)
-        if seen is not None and seen[1]:
-            record.msg, record.args = f"{text} ({seen[1]} repeat(s) folded)", ()
-        return True
+        return seen[1] if seen is not None else 0
+
+
+class FoldRepeats(logging.Filter):
+    """A :class:`Folder` over the lines of a logger; a line let through after repeats says how many."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.folder = Folder()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        folded = self.folder.admit(text)
+        if folded:
+            record.msg, record.args = f"{text} ({folded} repeat(s) folded)", ()
+        return folded is not None
 
 
 def librdkafka_logger() -> logging.Logger:
@@ -235,6 +250,22 @@ def librdkafka_logger() -> logging.Logger:
     if not any(isinstance(f, FoldRepeats) for f in logger.filters):
         logger.addFilter(FoldRepeats())
     return logger
+
+
+def librdkafka_error_cb() -> Callable[[KafkaError], None]:
+    """librdkafka's error callback (its ``error_cb`` property): ``kafka_error`` with the error's text,
+    not its repr, repeats folded; a warning (librdkafka retries it by itself) unless fatal."""
+    folder, log = Folder(), structlog.get_logger("rdkafka")
+
+    def on_error(error: KafkaError) -> None:
+        text = str(error.str())
+        folded = folder.admit(text)
+        if folded is None:
+            return
+        extra = {"repeats_folded": folded} if folded else {}
+        (log.error if error.fatal() else log.warning)("kafka_error", error=text, code=error.name(), **extra)
+
+    return on_error
 
 
 def _log_uncaught(

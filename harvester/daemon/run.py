@@ -128,8 +128,9 @@ def run(settings: ReaperSettings, version: str) -> int:
     validate_election(settings)
     reach_kafka(settings, KAFKA_START_TIMEOUT, say_waiting=True)
     # librdkafka logs to stderr on its own unless given a logger: route it through ours, so its lines
-    # are JSON too, carry the instance name, are redacted, and a line repeated is folded.
-    kafka = {**harvest.base_kafka_config, "logger": logs.librdkafka_logger()}
+    # are JSON too, carry the instance name, are redacted, and a line repeated is folded; so are the
+    # errors its clients report.
+    kafka = {**harvest.base_kafka_config, "logger": logs.librdkafka_logger(), "error_cb": logs.librdkafka_error_cb()}
     harvest = harvest.model_copy(update={"base_kafka_config": kafka})
     registry = CollectorRegistry()
     info = Gauge("reaper_info", "Always 1; labels describe this reaper.", ["version", "instance"], registry=registry)

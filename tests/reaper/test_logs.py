@@ -143,7 +143,7 @@ def test_librdkafka_repeats_are_folded(out: io.StringIO) -> None:
         assert len(failures) == 1, failures
         # The filter counted the rest: the same line after the window says how many were folded.
         fold = next(f for f in rdkafka.filters if isinstance(f, logs.FoldRepeats))
-        assert sum(repeats for _, repeats in fold._seen.values()) >= 1
+        assert sum(repeats for _, repeats in fold.folder._seen.values()) >= 1
     finally:
         for f in list(rdkafka.filters):
             rdkafka.removeFilter(f)

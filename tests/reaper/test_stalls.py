@@ -8,6 +8,7 @@ dead-lettered. PostgreSQL down while leading: the failed marks back off and say 
 from __future__ import annotations
 
 import json
+import re
 import signal
 import socket
 import subprocess
@@ -286,6 +287,14 @@ def test_the_stop_ends_in_time_with_kafka_down(
         wait_for("records in flight", lambda: samples(daemon, "harvester_in_flight_records").get("{}", 0) > 0)
         stop_in_time(daemon)
         assert daemon.proc.returncode == 0, daemon.output()
+        # librdkafka's reconnect failures, as errors and as log lines: each once (within a minute).
+        records = [json.loads(line) for line in daemon.stderr.read_text().splitlines() if line.startswith("{")]
+        errors = [r["error"] for r in records if r["event"] == "kafka_error"]
+        assert errors and "KafkaError{" not in daemon.output()
+        lines = [r["event"] for r in records if r["logger"] == "rdkafka" and r["event"] != "kafka_error"]
+        for said in (errors, lines):
+            texts = [re.sub(r"\(after \d+ms in state \w+[^)]*\)", "", text) for text in said]
+            assert len(texts) == len(set(texts)), said
     finally:
         daemon.kill()
     assert outbox_count(pg, table) == 20  # nothing lost: the next leader publishes them
