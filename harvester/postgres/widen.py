@@ -66,10 +66,13 @@ class Narrower:
     widenable: bool  # text to longer text: ``reaper migrate`` changes it
 
     def __str__(self) -> str:
-        what = f"{self.table}.{self.column} is {self.current}, narrower than the outbox's {self.wanted}"
+        where = f"{self.table}.{self.column} is {self.current}"
         if self.widenable:
-            return f"{what}: 'reaper migrate' widens it to {self.wanted}"
-        return f"{what}: convert it by hand ('reaper migrate' changes only text to longer text)"
+            return f"{where}, narrower than the outbox's {self.wanted}: 'reaper migrate' widens it to {self.wanted}"
+        return (
+            f"{where}, which cannot hold the outbox's {self.wanted}: convert it by hand "
+            "('reaper migrate' changes only text to longer text)"
+        )
 
 
 def _columns(conn: psycopg.Connection[Any], table: TableName) -> dict[str, _Type]:

@@ -298,3 +298,35 @@ def test_the_stop_ends_in_time_with_kafka_down(
     finally:
         daemon.kill()
     assert outbox_count(pg, table) == 20  # nothing lost: the next leader publishes them
+
+
+def test_check_and_migrate_on_a_dead_letter_table_of_another_kind(
+    services: Services, pg: psycopg.Connection[tuple[object, ...]], schema: str, tmp_path: Path
+) -> None:
+    """Text to longer text is widened; a value column of another kind (the outbox turned BYTEA) is
+    reported for a person to convert, by check and by migrate, and left as it is."""
+    table = TableName(schema, "outbox")
+    path = config(tmp_path / "reaper.yaml", services, table, unique("kinds"))
+    assert reaper("migrate", "-f", str(path)).returncode == 0
+    pg.execute(sql.SQL("ALTER TABLE {} ALTER COLUMN kafka_key TYPE VARCHAR(300)").format(table.ident))
+    pg.execute(
+        sql.SQL("ALTER TABLE {} ALTER COLUMN kafka_value TYPE BYTEA USING convert_to(kafka_value, 'UTF8')").format(
+            table.ident
+        )
+    )
+    problem = (
+        f"problem: {schema}.outbox_dead_letter.kafka_value is character varying(10000), which cannot hold the "
+        "outbox's bytea: convert it by hand ('reaper migrate' changes only text to longer text)"
+    )
+    checked = reaper("check", "-f", str(path))
+    assert checked.returncode == 1, checked.stdout + checked.stderr
+    # The dead-letter table's kafka_key is TEXT: it holds the wider key already.
+    assert [line for line in checked.stdout.splitlines() if line.startswith("problem:")] == [problem]
+    migrated = reaper("migrate", "-f", str(path))
+    assert (migrated.returncode, migrated.stdout.splitlines()) == (1, [problem])
+    kind = pg.execute(
+        "SELECT format_type(atttypid, atttypmod) FROM pg_attribute"
+        " WHERE attrelid = %s::regclass AND attname = 'kafka_value'",
+        (f"{schema}.outbox_dead_letter",),
+    ).fetchone()
+    assert kind == ("character varying(10000)",)
