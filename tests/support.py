@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
+from importlib.metadata import version
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -27,6 +30,49 @@ HarvesterFactory = Callable[..., "Harvester"]
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVICES = ROOT / "deploy" / "local" / "services.sh"
+
+
+# Build and tool state at the top of the checkout (.gitignore's entries), never part of a build.
+LOCAL_STATE = {
+    ".git",
+    ".venv",
+    ".local",
+    ".ci",
+    ".mypy_cache",
+    ".ruff_cache",
+    ".pytest_cache",
+    ".hypothesis",
+    "build",
+    "dist",
+    "spark-warehouse",
+    "metastore_db",
+    "derby.log",
+}
+
+
+def _skip_local_state(directory: str, names: list[str]) -> set[str]:
+    top = Path(directory) == ROOT
+    return {n for n in names if n == "__pycache__" or n.endswith((".pyc", ".egg-info")) or (top and n in LOCAL_STATE)}
+
+
+def build_wheel(tmp: Path) -> Path:
+    """This project's wheel, built under ``tmp`` from a copy of the checkout: an in-tree build would
+    write build/ and *.egg-info into the working tree, and a stale build/lib there could put files
+    into the wheel that the package-data configuration no longer selects."""
+    setuptools_major = int(version("setuptools").split(".")[0])
+    assert setuptools_major >= 77, "building with --no-build-isolation needs setuptools>=77 (the dev extra has it)"
+    src, out = tmp / "src", tmp / "out"
+    shutil.copytree(ROOT, src, ignore=_skip_local_state)
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(src)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    (built,) = out.glob("*.whl")
+    return built
 
 
 @dataclass(frozen=True)

@@ -1,70 +1,29 @@
 """The wheel: PEP 639 license metadata, the LICENSE file, the one-source version and the package data.
 
-The wheel is built from a copy of the checkout: an in-tree build would write build/ and *.egg-info
-into the working tree, and a stale build/lib there could put files into the wheel that the
-package-data configuration no longer selects.
+The wheel is built from a copy of the checkout (``tests.support.build_wheel``).
 """
 
 from __future__ import annotations
 
 import hashlib
-import shutil
-import subprocess
-import sys
 import zipfile
 from email.message import Message
 from email.parser import HeaderParser
-from importlib.metadata import version
 from pathlib import Path
 
 import pytest
 
 import harvester
-from tests.support import ROOT
+from tests.support import ROOT, build_wheel
 
-# Build and tool state at the top of the checkout (.gitignore's entries), never part of a build.
-LOCAL_STATE = {
-    ".git",
-    ".venv",
-    ".local",
-    ".ci",
-    ".mypy_cache",
-    ".ruff_cache",
-    ".pytest_cache",
-    ".hypothesis",
-    "build",
-    "dist",
-    "spark-warehouse",
-    "metastore_db",
-    "derby.log",
-}
 # sha256 of https://www.apache.org/licenses/LICENSE-2.0.txt (also Debian's /usr/share/common-licenses/Apache-2.0).
 APACHE_2_0_SHA256 = "cfc7749b96f63bd31c3c42b5c471bf756814053e847c10f3eb003417bc523d30"
 MIGRATIONS = sorted((ROOT / "harvester" / "postgres" / "sql").glob("*.sql"))
 
 
-def _skip_local_state(directory: str, names: list[str]) -> set[str]:
-    top = Path(directory) == ROOT
-    return {n for n in names if n == "__pycache__" or n.endswith((".pyc", ".egg-info")) or (top and n in LOCAL_STATE)}
-
-
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> zipfile.ZipFile:
-    setuptools_major = int(version("setuptools").split(".")[0])
-    assert setuptools_major >= 77, "building with --no-build-isolation needs setuptools>=77 (the dev extra has it)"
-    tmp = tmp_path_factory.mktemp("wheel")
-    src, out = tmp / "src", tmp / "out"
-    shutil.copytree(ROOT, src, ignore=_skip_local_state)
-    done = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(src)],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    (built,) = out.glob("*.whl")
-    return zipfile.ZipFile(built)
+    return zipfile.ZipFile(build_wheel(tmp_path_factory.mktemp("wheel")))
 
 
 def dist_info(wheel: zipfile.ZipFile) -> str:

@@ -1,10 +1,14 @@
-"""One local SparkSession for the whole test session, with the ``outbox`` data source registered."""
+"""One local SparkSession for the whole test session, with the ``outbox`` data source registered; a
+standalone cluster and the packages shipped to it, for the cluster tests."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import zipfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from pyspark import cloudpickle
@@ -14,7 +18,8 @@ from examples.spark_pipeline import KAFKA_PACKAGE
 from harvester.postgres.identifiers import TableName
 from harvester.spark import register
 from tests.spark import faults
-from tests.support import Services
+from tests.spark.cluster import StandaloneCluster, base_port
+from tests.support import ROOT, Services, build_wheel
 
 
 @pytest.fixture(scope="session")
@@ -48,3 +53,30 @@ def spark() -> Iterator[SparkSession]:
 def sink(services: Services, outbox: TableName) -> dict[str, str]:
     """The options that point the ``outbox`` data source at this test's outbox table."""
     return {"dsn": services.pg_dsn, "table": outbox.qualified}
+
+
+@pytest.fixture(scope="session")
+def spark_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StandaloneCluster]:
+    """A master and two workers from pyspark's distribution, on loopback; stopped at the end."""
+    cluster = StandaloneCluster(tmp_path_factory.mktemp("spark-cluster"), base_port())
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def shipped(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """What the cluster tests pass with ``--py-files``: this project's wheel, built now, as a .zip
+    (Spark puts only .zip, .egg and .py files on the Python path), and the tests' fault-injecting
+    source and jobs."""
+    tmp = tmp_path_factory.mktemp("shipped")
+    package = tmp / "outbox_harvester.zip"
+    shutil.copyfile(build_wheel(tmp), package)
+    testkit = tmp / "testkit.zip"
+    with zipfile.ZipFile(testkit, "w") as kit:
+        for name in ("tests/__init__.py", "tests/spark/__init__.py", "tests/spark/faults.py", "tests/spark/jobs.py"):
+            kit.write(ROOT / name, name)
+    return [package, testkit]
+

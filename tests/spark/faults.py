@@ -8,12 +8,15 @@ Options on top of the real ones:
   batch as done);
 - ``faultPartition`` / ``faultAttempt`` (for ``stage``; attempt ``-1`` means every attempt) or
   ``faultBatch`` (for the commit faults);
+- ``faultHold``: ``1`` makes a commit fault leave its file and then hang instead of raising, for a
+  test that kills the driver at that moment;
 - ``faultDir``: a directory shared by driver and executors; each fault leaves a file there, which
   both proves it fired and makes a commit fault fire only once across query restarts.
 """
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -26,9 +29,18 @@ from pyspark.sql.types import StructType
 
 from harvester.spark import OutboxDataSource, OutboxStreamWriter, OutboxWriter, StagedPartition
 
+# How long a held commit waits at most (so that a test gone wrong cannot hang a worker).
+HOLD_SECONDS = 240.0
+
 
 class InjectedError(RuntimeError):
     """Raised on purpose by this module."""
+
+
+def _task() -> tuple[int, int]:
+    context = TaskContext.get()
+    assert context is not None, "this fault only fires inside a Spark task"
+    return context.partitionId(), context.attemptNumber()
 
 
 @dataclass(frozen=True)
@@ -40,6 +52,7 @@ class Fault:
     partition: int = -1
     attempt: int = -1
     batch: int = -1
+    hold: bool = False
 
     @classmethod
     def of(cls, options: Any) -> Fault:
@@ -50,6 +63,7 @@ class Fault:
             partition=int(options.get("faultPartition", "-1")),
             attempt=int(options.get("faultAttempt", "-1")),
             batch=int(options.get("faultBatch", "-1")),
+            hold=options.get("faultHold") == "1",
         )
 
     def fired(self) -> list[Path]:
@@ -57,15 +71,15 @@ class Fault:
         return sorted(Path(self.directory).glob(f"{self.at}-*"))
 
     def fire(self, label: str) -> None:
-        """Leave a marker file and raise."""
+        """Leave a marker file and raise (or hang, with ``faultHold``)."""
         (Path(self.directory) / f"{self.at}-{label}-{uuid.uuid4().hex[:8]}").touch()
+        if self.hold:
+            time.sleep(HOLD_SECONDS)
         raise InjectedError(f"injected fault {self.at} {label}")
 
     def after_stage(self) -> None:
         """Fail the task if it is the configured partition and attempt (executor side)."""
-        context = TaskContext.get()
-        assert context is not None, "the stage fault only fires inside a Spark task"
-        partition, attempt = context.partitionId(), context.attemptNumber()
+        partition, attempt = _task()
         if self.at == "stage" and partition == self.partition and self.attempt in (-1, attempt):
             self.fire(f"p{partition}a{attempt}")
 

@@ -12,13 +12,14 @@ import psycopg
 import pyarrow as pa
 import pytest
 from psycopg import sql
-from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import SparkSession
 from pyspark.sql.types import StringType, StructField, StructType
 
 from harvester.postgres.identifiers import TableName
 from harvester.spark import store
 from harvester.spark.plan import resolve
 from harvester.spark.store import SinkTables, clean_stale
+from tests.spark.jobs import newest_first, numbered
 
 pytestmark = pytest.mark.integration
 
@@ -41,13 +42,6 @@ def leftovers(pg: Conn, table: TableName) -> tuple[int, int]:
     tasks = pg.execute(sql.SQL("SELECT count(*) FROM {}").format(names.tasks)).fetchone()
     assert staged is not None and tasks is not None
     return int(str(staged[0])), int(str(tasks[0]))
-
-
-def numbered(spark: SparkSession, rows: int, partitions: int, keys: int = 7) -> DataFrame:
-    """Rows 0..rows-1 spread over ``partitions`` in order; key = n % keys, value = n."""
-    return spark.range(0, rows, 1, partitions).selectExpr(
-        "cast(id % " + str(keys) + " as string) AS key", "cast(id as string) AS value", "id"
-    )
 
 
 def test_retried_task_commits_each_row_once_in_dataframe_order(
@@ -117,11 +111,7 @@ def test_order_column_orders_records_of_a_key(
     spark: SparkSession, sink: dict[str, str], pg: Conn, outbox: TableName
 ) -> None:
     # The DataFrame holds each key's events newest first; the order column restores event order.
-    df = spark.range(0, 600, 1, 3).selectExpr(
-        "cast(id % 5 as string) AS key",
-        "cast(600 - id as string) AS value",
-        "timestamp_seconds(600 - id) AS event_time",
-    )
+    df = newest_first(spark, 600, 3)
     df.write.format("outbox").mode("append").options(**sink, topic="events", orderColumn="event_time").save()
     by_key: dict[str, list[int]] = defaultdict(list)
     for _, key, value, _, _ in records(pg, outbox):

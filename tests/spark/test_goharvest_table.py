@@ -15,8 +15,8 @@ from psycopg import sql
 from pyspark.sql import SparkSession
 
 from harvester.postgres.identifiers import TableName
+from tests.spark.jobs import run_stream
 from tests.spark.test_batch import leftovers
-from tests.spark.test_stream import run
 from tests.support import Services, create_goharvest_outbox, unique
 
 pytestmark = pytest.mark.integration
@@ -107,7 +107,7 @@ def test_streaming_micro_batches_are_stamped_with_their_commit_time(
         path.write_text("\n".join(lines) + "\n")
         os.utime(path, (time.time() - 60 + f, time.time() - 60 + f))
     before = server_now(pg)
-    run(
+    run_stream(
         spark,
         source,
         tmp_path / "checkpoint",

@@ -1,0 +1,212 @@
+"""Spark processes started from pyspark's own distribution, on loopback, for the tests.
+
+A standalone cluster (one master and two workers, each a JVM of its own: ``spark-class …Master`` /
+``…Worker``) with drivers submitted to it with ``spark-submit`` as users do. Every port is set
+explicitly from one base port (``HARVESTER_TEST_SPARK_PORT``), so that the harness never collides
+with other services.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+
+import pyspark
+
+SPARK_HOME = Path(pyspark.__file__).resolve().parent
+# Port layout from the base: master, its UI, then per worker its port and UI; the submitted
+# driver's ports; executors' block managers take the last few.
+MASTER, MASTER_UI, WORKERS, DRIVER, EXECUTORS = 0, 1, 2, 10, 30
+DEFAULT_BASE_PORT = 17070
+# Small on purpose: the cluster shares two cores with PostgreSQL, Kafka and the test process.
+WORKER_CORES, WORKER_MEMORY, EXECUTOR_MEMORY, DAEMON_MEMORY = 2, "1g", "512m", "256m"
+
+
+def base_port() -> int:
+    """The first of the 40 consecutive ports the Spark harness uses."""
+    return int(os.environ.get("HARVESTER_TEST_SPARK_PORT", DEFAULT_BASE_PORT))
+
+
+def spark_env(root: Path) -> dict[str, str]:
+    """The environment of every Spark process: loopback only, logs under ``root``, and no
+    ``PYTHONPATH``, so that Python workers import this package only from what is shipped to them."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(
+        SPARK_HOME=str(SPARK_HOME),
+        SPARK_LOCAL_IP="127.0.0.1",
+        SPARK_LOG_DIR=str(root / "logs"),
+        SPARK_DAEMON_MEMORY=DAEMON_MEMORY,
+        SPARK_NO_DAEMONIZE="1",
+        PYSPARK_PYTHON=sys.executable,
+    )
+    return env
+
+
+def descendants(pid: int) -> list[int]:
+    """``pid`` and every process below it (read from /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        found.append(current)
+        todo.extend(children.get(current, []))
+    return found
+
+
+def parent_of(pid: int) -> int:
+    """The parent process id of ``pid`` (0 once it is gone)."""
+    try:
+        return int((Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return 0
+
+
+def kill_tree(pid: int) -> list[int]:
+    """SIGKILL ``pid`` and its descendants at once, as when their machine dies; return them."""
+    doomed = descendants(pid)
+    for victim in doomed:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim, signal.SIGKILL)
+    return doomed
+
+
+class StandaloneCluster:
+    """A master and ``workers`` workers on 127.0.0.1, their state and logs under ``root``."""
+
+    def __init__(self, root: Path, port: int, workers: int = 2) -> None:
+        self.root, self.port, self.env = root, port, spark_env(root)
+        self.url = f"spark://127.0.0.1:{port + MASTER}"
+        self.properties = root / "spark-daemons.conf"
+        self.master: subprocess.Popen[bytes] | None = None
+        self.workers: list[subprocess.Popen[bytes] | None] = [None] * workers
+
+    def _daemon(self, name: str, cls: str, *args: str) -> subprocess.Popen[bytes]:
+        log = (self.root / "logs" / f"{name}.out").open("ab")
+        spark_class = str(SPARK_HOME / "bin" / "spark-class")
+        cmd = [spark_class, cls, "--host", "127.0.0.1", "--properties-file", str(self.properties), *args]
+        return subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def start(self) -> None:
+        """Start the master and every worker; return once all workers have registered."""
+        (self.root / "logs").mkdir(parents=True, exist_ok=True)
+        # The master's REST submission server would take a fixed port (6066) outside the range.
+        self.properties.write_text("spark.master.rest.enabled false\n")
+        self.master = self._daemon(
+            "master",
+            "org.apache.spark.deploy.master.Master",
+            *("--port", str(self.port + MASTER), "--webui-port", str(self.port + MASTER_UI)),
+        )
+        for index in range(len(self.workers)):
+            self.start_worker(index)
+
+    def start_worker(self, index: int) -> None:
+        """Start worker ``index`` (again, after :meth:`kill_worker`) and wait until it has registered."""
+        port = self.port + WORKERS + 2 * index
+        self.workers[index] = self._daemon(
+            f"worker-{index}",
+            "org.apache.spark.deploy.worker.Worker",
+            *("--port", str(port), "--webui-port", str(port + 1), "--cores", str(WORKER_CORES)),
+            *("--memory", WORKER_MEMORY, "--work-dir", str(self.root / f"work-{index}"), self.url),
+        )
+        self.wait_for_workers(sum(w is not None for w in self.workers))
+
+    def alive_workers(self) -> int:
+        """How many workers the master counts as alive (0 while it is not answering yet)."""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port + MASTER_UI}/json/", timeout=5) as answer:
+                return int(json.load(answer)["aliveworkers"])
+        except OSError:
+            return 0
+
+    def wait_for_workers(self, count: int, timeout: float = 180.0) -> None:
+        """Wait until exactly ``count`` workers are alive."""
+        deadline = time.monotonic() + timeout
+        while self.alive_workers() != count:
+            for process in [self.master, *self.workers]:
+                if process is not None and process.poll() is not None:
+                    raise RuntimeError(f"a Spark daemon exited early; see {self.root / 'logs'}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{count} Spark workers did not register; see {self.root / 'logs'}")
+            time.sleep(0.5)
+
+    def worker_of(self, pid: int) -> int | None:
+        """The index of the worker that ``pid`` (an executor's Python worker, say) runs under."""
+        pids = {w.pid: i for i, w in enumerate(self.workers) if w is not None}
+        while pid > 1:
+            if pid in pids:
+                return pids[pid]
+            pid = parent_of(pid)
+        return None
+
+    def kill_worker(self, index: int) -> list[int]:
+        """SIGKILL worker ``index`` together with its executors and their Python workers."""
+        worker = self.workers[index]
+        assert worker is not None
+        killed = kill_tree(worker.pid)
+        worker.wait()
+        self.workers[index] = None
+        return killed
+
+    def stop(self) -> None:
+        """Stop the workers (which stop their executors), then the master."""
+        for process in [*self.workers, self.master]:
+            if process is None:
+                continue
+            process.terminate()
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                kill_tree(process.pid)
+                process.wait()
+
+    def driver_conf(self) -> dict[str, str]:
+        """Settings of a driver submitted to this cluster: small, and its ports in the range."""
+        return {
+            "spark.driver.host": "127.0.0.1",
+            "spark.driver.bindAddress": "127.0.0.1",
+            "spark.driver.port": str(self.port + DRIVER),
+            "spark.driver.blockManager.port": str(self.port + DRIVER + 1),
+            "spark.blockManager.port": str(self.port + EXECUTORS),
+            "spark.port.maxRetries": "8",
+            "spark.ui.enabled": "false",
+            "spark.driver.memory": "512m",
+            "spark.executor.memory": EXECUTOR_MEMORY,
+            "spark.executor.cores": str(WORKER_CORES),
+            "spark.sql.shuffle.partitions": "4",
+        }
+
+
+def spark_submit(
+    env: dict[str, str],
+    master: str,
+    script: Path,
+    args: Sequence[str],
+    py_files: Sequence[Path],
+    conf: dict[str, str],
+    log: Path,
+) -> subprocess.Popen[bytes]:
+    """``spark-submit --master … --py-files … script args`` in a process group of its own (so a test
+    can kill the whole driver), its output in ``log``."""
+    settings = [arg for key, value in conf.items() for arg in ("--conf", f"{key}={value}")]
+    cmd = [
+        str(SPARK_HOME / "bin" / "spark-submit"),
+        *("--master", master, "--py-files", ",".join(map(str, py_files)), *settings),
+        str(script),
+        *args,
+    ]
+    return subprocess.Popen(cmd, env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True)
+

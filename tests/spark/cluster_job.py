@@ -1,0 +1,101 @@
+"""The driver the cluster tests submit to the standalone cluster, with the recipe docs/spark.md gives:
+
+    spark-submit --master spark://… --py-files outbox_harvester.zip,testkit.zip cluster_job.py SCENARIO CONFIG
+
+``CONFIG`` is JSON: the DSN, the tables and directories of the scenario, and ``result``, a file
+where the driver writes what the test checks besides the tables (JSON).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+from pyspark.sql import SparkSession
+
+from harvester.spark import register
+from tests.spark import faults
+from tests.spark.jobs import newest_first, numbered, run_stream
+
+Config = dict[str, Any]
+
+
+def _harvester_file(_: Iterable[int]) -> Iterator[str]:
+    import harvester
+
+    yield str(harvester.__file__)
+
+
+def batch(spark: SparkSession, config: Config) -> dict[str, Any]:
+    """A retried task, a job that fails, ``orderColumn``, ``commitSql``: each into its own table."""
+    sink = {"dsn": config["dsn"], "faultDir": config["faults"]}
+    imported = spark.sparkContext.parallelize(range(4), 4).mapPartitions(_harvester_file).collect()
+    # Partition 1's first attempt stages its rows, then fails; Spark retries it.
+    numbered(spark, 4000, 4).write.format("outbox_faulty").mode("append").options(
+        **sink, table=config["retried"], topic="orders", faultAt="stage", faultPartition="1", faultAttempt="0"
+    ).save()
+    failed = ""
+    try:  # every attempt of partition 1 fails after staging: the job aborts
+        numbered(spark, 1000, 3).write.format("outbox_faulty").mode("append").options(
+            **sink, table=config["failed"], topic="orders", faultAt="stage", faultPartition="1"
+        ).save()
+    except Exception as error:
+        failed = str(error)
+    newest_first(spark, 600, 3).write.format("outbox").mode("append").options(
+        dsn=config["dsn"], table=config["ordered"], topic="events", orderColumn="event_time"
+    ).save()
+    for _ in range(2):
+        numbered(spark, 70, 2).write.format("outbox").mode("append").options(
+            dsn=config["dsn"], table=config["business"], topic="t", commitSql=config["commitSql"]
+        ).save()
+    return {"imported": imported, "failed": failed}
+
+
+def stream(spark: SparkSession, config: Config) -> dict[str, Any]:
+    """Phase ``crash``: batch 1's commit fails before the database; after a query restart, batch 2's
+    commit reaches the database and hangs there until the test kills this driver. Phase ``finish``:
+    a new driver picks the query up from the checkpoint."""
+    options = {
+        "dsn": config["dsn"],
+        "table": config["table"],
+        "topic": "counts",
+        "sinkId": config["sinkId"],
+        "faultDir": config["faults"],
+    }
+    source, checkpoint = Path(config["source"]), Path(config["checkpoint"])
+    if config["phase"] == "finish":
+        run_stream(spark, source, checkpoint, "outbox", **options)
+        return {}
+    failed = ""
+    try:
+        run_stream(spark, source, checkpoint, "outbox_faulty", **options, faultAt="commitBefore", faultBatch="1")
+    except Exception as error:
+        failed = str(error)
+    Path(config["result"]).write_text(json.dumps({"failed": failed}))
+    held = {"faultAt": "commitAfter", "faultBatch": "2", "faultHold": "1"}
+    run_stream(spark, source, checkpoint, "outbox_faulty", **options, **held)
+    raise AssertionError("the held commit returned: the test was to kill this driver")
+
+
+SCENARIOS: dict[str, Callable[[SparkSession, Config], dict[str, Any]]] = {
+    "batch": batch,
+    "stream": stream,
+}
+
+
+def main(scenario: str, config: Config) -> None:
+    """Run ``scenario`` on the cluster this driver was submitted to."""
+    spark = SparkSession.builder.appName(f"harvester-tests-{scenario}").getOrCreate()
+    spark.sparkContext.setLogLevel("WARN")
+    register(spark)
+    spark.dataSource.register(faults.FaultyOutbox)
+    result = SCENARIOS[scenario](spark, config)
+    Path(config["result"]).write_text(json.dumps(result))
+    spark.stop()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], json.loads(sys.argv[2]))

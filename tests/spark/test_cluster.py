@@ -1,0 +1,175 @@
+"""The ``outbox`` source on a standalone cluster: drivers submitted with ``spark-submit``, the package
+shipped to the executors with ``--py-files``, executors in JVMs and Python workers of their own."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from harvester.postgres.identifiers import TableName
+from harvester.postgres.migrations import migrate
+from harvester.spark.store import SinkTables, clean_stale
+from tests.spark.cluster import StandaloneCluster, kill_tree, spark_submit
+from tests.spark.test_batch import leftovers, records
+from tests.spark.test_stream import PER_FILE, write_inputs
+from tests.support import Services, unique
+
+pytestmark = pytest.mark.integration
+
+Conn = psycopg.Connection[tuple[object, ...]]
+JOB = Path(__file__).with_name("cluster_job.py")
+DRIVER_SECONDS = 240.0
+# Micro-batches of the streaming test: 0 commits, 1 fails, 2 commits and the driver dies; each costs
+# seconds on a cluster, so there are no more.
+FILES = 3
+
+
+class Driver:
+    """One ``spark-submit`` of ``cluster_job.py`` to the test cluster."""
+
+    def __init__(self, cluster: StandaloneCluster, shipped: list[Path], scenario: str, config: dict[str, Any]) -> None:
+        self.log = Path(config["result"]).with_suffix(".log")
+        self.result = Path(config["result"])
+        conf = {**cluster.driver_conf(), "spark.task.maxFailures": "2"}  # as the local session's local[2,2]
+        self.process = spark_submit(
+            cluster.env, cluster.url, JOB, [scenario, json.dumps(config)], shipped, conf, self.log
+        )
+
+    def failure(self) -> str:
+        """The end of the driver's output, for an assertion message."""
+        return self.log.read_text(errors="replace")[-4000:]
+
+    def finish(self) -> dict[str, Any]:
+        """Wait for the driver to succeed; return its result."""
+        try:
+            code = self.process.wait(timeout=DRIVER_SECONDS)
+        except subprocess.TimeoutExpired:
+            kill_tree(self.process.pid)
+            raise AssertionError(f"the driver did not finish:\n{self.failure()}") from None
+        assert code == 0, self.failure()
+        result: dict[str, Any] = json.loads(self.result.read_text())
+        return result
+
+    def wait_for(self, done: Callable[[], bool]) -> None:
+        """Wait until ``done()`` while the driver runs."""
+        deadline = time.monotonic() + DRIVER_SECONDS
+        while not done():
+            assert self.process.poll() is None, f"the driver exited early:\n{self.failure()}"
+            assert time.monotonic() < deadline, f"timed out:\n{self.failure()}"
+            time.sleep(0.2)
+
+    def kill(self) -> None:
+        """SIGKILL the driver (spark-submit's JVM and the Python driver under it), as a crash would."""
+        kill_tree(self.process.pid)
+        self.process.wait()
+
+
+def config(services: Services, tmp_path: Path, **more: Any) -> dict[str, Any]:
+    """What every scenario needs: the DSN, a fault directory and a result file (all on local disk,
+    which driver and executors share here)."""
+    faults = tmp_path / "faults"
+    faults.mkdir(exist_ok=True)
+    return {"dsn": services.pg_dsn, "faults": str(faults), "result": str(tmp_path / unique("result")), **more}
+
+
+def by_key(rows: list[tuple[Any, ...]]) -> dict[str, list[int]]:
+    """Each key's values as numbers, in id order."""
+    found: dict[str, list[int]] = defaultdict(list)
+    for _, key, value, _, _ in rows:
+        found[key].append(int(value))
+    return found
+
+
+def test_batch_writes_on_the_cluster(
+    spark_cluster: StandaloneCluster, shipped: list[Path], services: Services, pg: Conn, schema: str, tmp_path: Path
+) -> None:
+    tables = {name: TableName(schema, name) for name in ("retried", "failed", "ordered", "business")}
+    for table in tables.values():
+        migrate(pg, table)
+    totals = sql.Identifier(schema, "totals")
+    pg.execute(sql.SQL("CREATE TABLE {} (key TEXT PRIMARY KEY, n BIGINT NOT NULL)").format(totals))
+    upsert = sql.SQL(
+        "INSERT INTO {} SELECT key, count(*) FROM outbox_batch GROUP BY key"
+        " ON CONFLICT (key) DO UPDATE SET n = {}.n + excluded.n"
+    ).format(totals, totals)
+    settings = config(
+        services,
+        tmp_path,
+        commitSql=upsert.as_string(pg),
+        **{name: table.qualified for name, table in tables.items()},
+    )
+    result = Driver(spark_cluster, shipped, "batch", settings).finish()
+
+    # The executors imported this package from the shipped archive, not from any installation.
+    assert len(result["imported"]) == 4
+    assert all(path.endswith("/outbox_harvester.zip/harvester/__init__.py") for path in result["imported"])
+    # The retried write's first attempt, and both attempts of the failed write's partition 1.
+    assert sorted(p.name.split("-")[1] for p in Path(settings["faults"]).iterdir()) == ["p1a0", "p1a0", "p1a1"]
+
+    retried = records(pg, tables["retried"])
+    assert sorted(int(v) for _, _, v, _, _ in retried) == list(range(4000))
+    assert all(values == sorted(values) for values in by_key(retried).values())
+
+    assert "injected fault stage p1" in result["failed"]
+    assert records(pg, tables["failed"]) == []
+    clean_stale(pg, tables["failed"], 0)  # attempts still running at the abort may stage afterwards
+
+    ordered = by_key(records(pg, tables["ordered"]))
+    assert len(ordered) == 5
+    assert all(values == sorted(values) and len(values) == 120 for values in ordered.values())
+
+    counted = pg.execute(sql.SQL("SELECT key, n FROM {} ORDER BY key").format(totals)).fetchall()
+    assert counted == [(str(k), 20) for k in range(7)]
+    assert len(records(pg, tables["business"])) == 140
+    assert all(leftovers(pg, table) == (0, 0) for table in tables.values())
+
+
+def test_stream_resumes_exactly_once_after_the_driver_is_killed(
+    spark_cluster: StandaloneCluster,
+    shipped: list[Path],
+    services: Services,
+    pg: Conn,
+    outbox: TableName,
+    tmp_path: Path,
+) -> None:
+    source = tmp_path / "in"
+    write_inputs(source, FILES)
+    settings = config(
+        services,
+        tmp_path,
+        table=outbox.qualified,
+        sinkId=unique("sink"),
+        source=str(source),
+        checkpoint=str(tmp_path / "checkpoint"),
+    )
+    faults = Path(settings["faults"])
+    # Batch 1's commit fails before the database; the query restarts; batch 2's commit reaches the
+    # database and the driver is killed before Spark records the batch.
+    crashing = Driver(spark_cluster, shipped, "stream", {**settings, "phase": "crash"})
+    crashing.wait_for(lambda: any(faults.glob("commitAfter-b2-*")))
+    crashing.kill()
+    assert "injected fault commitBefore b1" in json.loads(Path(settings["result"]).read_text())["failed"]
+    # A new driver, from the checkpoint: batch 2 is replayed and skipped, the rest written.
+    Driver(spark_cluster, shipped, "stream", {**settings, "phase": "finish"}).finish()
+
+    values = [int(v) for _, _, v, _, _ in records(pg, outbox)]
+    assert sorted(values) == list(range(FILES * PER_FILE))
+    committed = pg.execute(
+        sql.SQL("SELECT batch_id, records FROM {} WHERE sink_id = %s ORDER BY batch_id").format(
+            SinkTables.of(outbox).commits
+        ),
+        (settings["sinkId"],),
+    ).fetchall()
+    assert committed == [(b, PER_FILE) for b in range(FILES)]
+    assert leftovers(pg, outbox) == (0, 0)
+
+
