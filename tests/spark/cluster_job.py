@@ -80,9 +80,18 @@ def stream(spark: SparkSession, config: Config) -> dict[str, Any]:
     raise AssertionError("the held commit returned: the test was to kill this driver")
 
 
+def lost(spark: SparkSession, config: Config) -> dict[str, Any]:
+    """A write whose first attempts hold while the test kills a worker."""
+    numbered(spark, config["rows"], 4).write.format("outbox_faulty").mode("append").options(
+        dsn=config["dsn"], table=config["table"], topic="orders", faultAt="hold", faultDir=config["faults"]
+    ).save()
+    return {}
+
+
 SCENARIOS: dict[str, Callable[[SparkSession, Config], dict[str, Any]]] = {
     "batch": batch,
     "stream": stream,
+    "lost": lost,
 }
 
 

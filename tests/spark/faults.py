@@ -10,12 +10,17 @@ Options on top of the real ones:
   ``faultBatch`` (for the commit faults);
 - ``faultHold``: ``1`` makes a commit fault leave its file and then hang instead of raising, for a
   test that kills the driver at that moment;
+- ``faultAt=hold``: every row's value gets ``@p<partition>a<attempt>`` appended, and the first
+  attempt of each task holds: on each executor, one task in the middle of its staging COPY, the
+  others after their staging transaction committed; each leaves a file ``hold-<where>-p<partition>a<attempt>-<pid>``
+  and waits for a file ``release`` (for the executor-loss test, which kills a worker meanwhile);
 - ``faultDir``: a directory shared by driver and executors; each fault leaves a file there, which
   both proves it fired and makes a commit fault fire only once across query restarts.
 """
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -23,13 +28,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.compute as pc
 from pyspark import TaskContext
 from pyspark.sql.datasource import WriterCommitMessage
 from pyspark.sql.types import StructType
 
 from harvester.spark import OutboxDataSource, OutboxStreamWriter, OutboxWriter, StagedPartition
 
-# How long a held commit waits at most (so that a test gone wrong cannot hang a worker).
+# How long a held task or commit waits at most (so that a test gone wrong cannot hang a worker).
 HOLD_SECONDS = 240.0
 
 
@@ -83,6 +90,26 @@ class Fault:
         if self.at == "stage" and partition == self.partition and self.attempt in (-1, attempt):
             self.fire(f"p{partition}a{attempt}")
 
+    def where_to_hold(self) -> str | None:
+        """For ``hold``: ``mid`` for the first task attempt 0 on this executor (its Python workers
+        share a parent, the executor's Python daemon), ``after`` for the others, None on retries."""
+        if self.at != "hold" or _task()[1] != 0:
+            return None
+        try:
+            os.close(os.open(Path(self.directory) / f"slot-{os.getppid()}", os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            return "after"
+        return "mid"
+
+    def wait(self, where: str) -> None:
+        """Leave ``hold-<where>-p…a…-<pid>`` and wait for the test's ``release`` file."""
+        partition, attempt = _task()
+        directory = Path(self.directory)
+        (directory / f"hold-{where}-p{partition}a{attempt}-{os.getpid()}").touch()
+        deadline = time.monotonic() + HOLD_SECONDS
+        while not (directory / "release").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+
     def in_commit(self, when: str, batch_id: int) -> None:
         """Fail the micro-batch commit once, at the configured batch and moment (driver side)."""
         if self.at == when and batch_id == self.batch and not self.fired():
@@ -97,10 +124,26 @@ class FaultyWriter(OutboxWriter):
         self.fault = fault
 
     def write(self, iterator: Iterator[Any]) -> StagedPartition:
-        """Stage as usual, then maybe fail."""
-        message = super().write(iterator)
-        self.fault.after_stage()
+        """Stage as usual, then maybe fail; or, for ``hold``, tag the rows and hold on the way."""
+        if self.fault.at != "hold":
+            message = super().write(iterator)
+            self.fault.after_stage()
+            return message
+        where = self.fault.where_to_hold()
+        message = super().write(self._tagged(iterator, where == "mid"))
+        if where == "after":
+            self.fault.wait(where)
         return message
+
+    def _tagged(self, batches: Iterator[Any], hold: bool) -> Iterator[Any]:
+        partition, attempt = _task()
+        tag = pa.scalar(f"@p{partition}a{attempt}")
+        for n, batch in enumerate(batches):
+            index = batch.schema.get_field_index(self.plan.value_column)
+            value = pc.binary_join_element_wise(batch.column(index), tag, "")
+            yield batch.set_column(index, self.plan.value_column, value)
+            if n == 0 and hold:  # the first batch is in the COPY, whose transaction is open
+                self.fault.wait("mid")
 
 
 class FaultyStreamWriter(OutboxStreamWriter):

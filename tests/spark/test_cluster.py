@@ -173,3 +173,51 @@ def test_stream_resumes_exactly_once_after_the_driver_is_killed(
     assert leftovers(pg, outbox) == (0, 0)
 
 
+
+LOST_ROWS = 80_000  # four partitions of two Arrow batches each
+
+
+def test_executor_lost_mid_write_commits_every_row_once_and_nothing_of_the_lost_attempts(
+    spark_cluster: StandaloneCluster,
+    shipped: list[Path],
+    services: Services,
+    pg: Conn,
+    outbox: TableName,
+    tmp_path: Path,
+) -> None:
+    settings = config(services, tmp_path, table=outbox.qualified, rows=LOST_ROWS)
+    faults = Path(settings["faults"])
+    names = SinkTables.of(outbox)
+    driver = Driver(spark_cluster, shipped, "lost", settings)
+    victim: int | None = None
+    try:
+        # The four first attempts hold, two per executor: one in the middle of its staging COPY,
+        # one after its staging transaction committed.
+        driver.wait_for(lambda: len(list(faults.glob("hold-*"))) == 4)
+        held = {p.name: spark_cluster.worker_of(int(p.name.rsplit("-", 1)[1])) for p in faults.glob("hold-*")}
+        victim = held[min(held)]  # the worker of an "after" attempt, whose staged rows are committed
+        lost = {name.split("-")[2] for name, worker in held.items() if worker == victim}  # e.g. p2a0
+        assert victim is not None and len(lost) == 2, held
+        staged = pg.execute(
+            sql.SQL(
+                "SELECT count(*) FROM {} JOIN {} USING (task_id)"
+                " WHERE format('p%%sa%%s', partition_id, attempt) = ANY(%s)"
+            ).format(names.staging, names.tasks),
+            (sorted(lost),),
+        ).fetchone()
+        assert staged is not None and int(str(staged[0])) > 0  # a lost attempt's rows sit in staging
+        spark_cluster.kill_worker(victim)
+        (faults / "release").touch()
+        driver.finish()
+    finally:
+        (faults / "release").touch()
+        if victim is not None and spark_cluster.workers[victim] is None:
+            spark_cluster.start_worker(victim)
+
+    tagged = [str(v).split("@") for _, _, v, _, _ in records(pg, outbox)]
+    assert sorted(int(n) for n, _ in tagged) == list(range(LOST_ROWS))  # every row, exactly once
+    attempts = {tag for _, tag in tagged}
+    assert not attempts & lost  # no row of a lost attempt was committed
+    # One attempt per partition: for the lost ones, the one Spark ran again elsewhere.
+    assert sorted(a.split("a")[0] for a in attempts) == ["p0", "p1", "p2", "p3"]
+    assert leftovers(pg, outbox) == (0, 0)  # the lost attempts' staged rows are gone
