@@ -1,9 +1,9 @@
 """Spark processes started from pyspark's own distribution, on loopback, for the tests.
 
 A standalone cluster (one master and two workers, each a JVM of its own: ``spark-class …Master`` /
-``…Worker``) with drivers submitted to it with ``spark-submit`` as users do. Every port is set
-explicitly from one base port (``HARVESTER_TEST_SPARK_PORT``), so that the harness never collides
-with other services.
+``…Worker``) with drivers submitted to it with ``spark-submit`` as users do, and a Spark Connect
+server. Every port is set explicitly from one base port (``HARVESTER_TEST_SPARK_PORT``), so that
+the harness never collides with other services.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -23,11 +24,11 @@ import pyspark
 
 SPARK_HOME = Path(pyspark.__file__).resolve().parent
 # Port layout from the base: master, its UI, then per worker its port and UI; the submitted
-# driver's ports; executors' block managers take the last few.
-MASTER, MASTER_UI, WORKERS, DRIVER, EXECUTORS = 0, 1, 2, 10, 30
+# driver's and the Connect server's ports; executors' block managers take the last few.
+MASTER, MASTER_UI, WORKERS, DRIVER, CONNECT, EXECUTORS = 0, 1, 2, 10, 20, 30
 DEFAULT_BASE_PORT = 17070
 # Small on purpose: the cluster shares two cores with PostgreSQL, Kafka and the test process.
-WORKER_CORES, WORKER_MEMORY, EXECUTOR_MEMORY, DAEMON_MEMORY = 2, "1g", "512m", "256m"
+WORKER_CORES, WORKER_MEMORY, EXECUTOR_MEMORY, DAEMON_MEMORY, CONNECT_MEMORY = 2, "1g", "512m", "256m", "768m"
 
 
 def base_port() -> int:
@@ -210,3 +211,57 @@ def spark_submit(
     ]
     return subprocess.Popen(cmd, env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True)
 
+
+class ConnectServer:
+    """A Spark Connect server (``SparkConnectServer`` through ``spark-submit``) in local mode, two cores."""
+
+    def __init__(self, root: Path, port: int) -> None:
+        self.root, self.port = root, port + CONNECT
+        # spark-submit sizes the server's JVM like a daemon's, not from spark.driver.memory.
+        self.env = {**spark_env(root), "SPARK_DAEMON_MEMORY": CONNECT_MEMORY}
+        self.url = f"sc://127.0.0.1:{self.port}"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 180.0) -> None:
+        """Start the server; return once it accepts connections."""
+        (self.root / "logs").mkdir(parents=True, exist_ok=True)
+        conf = {
+            "spark.connect.grpc.binding.address": "127.0.0.1",
+            "spark.connect.grpc.binding.port": str(self.port),
+            "spark.driver.host": "127.0.0.1",
+            "spark.driver.bindAddress": "127.0.0.1",
+            "spark.driver.port": str(self.port + 1),
+            "spark.driver.blockManager.port": str(self.port + 2),
+            "spark.ui.enabled": "false",
+            "spark.driver.memory": CONNECT_MEMORY,
+            "spark.sql.shuffle.partitions": "2",
+        }
+        settings = [arg for key, value in conf.items() for arg in ("--conf", f"{key}={value}")]
+        cmd = [
+            str(SPARK_HOME / "bin" / "spark-submit"),
+            *("--class", "org.apache.spark.sql.connect.service.SparkConnectServer"),
+            # local[2,2]: a failed task is retried once (local mode's default is never), as in the tests' session.
+            *("--name", "harvester-tests-connect", "--master", "local[2,2]", *settings),
+        ]
+        log = (self.root / "logs" / "connect.out").open("ab")
+        self.process = subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return
+            except OSError:
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the Spark Connect server did not start; see {self.root / 'logs'}") from None
+                time.sleep(0.5)
+
+    def stop(self) -> None:
+        """Stop the server and its Python workers."""
+        if self.process is None:
+            return
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            kill_tree(self.process.pid)
+            self.process.wait()

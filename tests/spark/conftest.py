@@ -1,5 +1,5 @@
 """One local SparkSession for the whole test session, with the ``outbox`` data source registered; a
-standalone cluster and the packages shipped to it, for the cluster tests."""
+standalone cluster, a Spark Connect server and the packages shipped to them."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from examples.spark_pipeline import KAFKA_PACKAGE
 from harvester.postgres.identifiers import TableName
 from harvester.spark import register
 from tests.spark import faults
-from tests.spark.cluster import StandaloneCluster, base_port
+from tests.spark.cluster import ConnectServer, StandaloneCluster, base_port
 from tests.support import ROOT, Services, build_wheel
 
 
@@ -80,3 +80,13 @@ def shipped(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
             kit.write(ROOT / name, name)
     return [package, testkit]
 
+
+@pytest.fixture(scope="session")
+def connect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ConnectServer]:
+    """A Spark Connect server in local mode, on loopback; stopped at the end."""
+    server = ConnectServer(tmp_path_factory.mktemp("spark-connect"), base_port())
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()

@@ -1,0 +1,77 @@
+"""The ``outbox`` source from a Spark Connect client: registered from the client, the package shipped
+to the server as a session artifact, batch and streaming writes planned and committed server-side."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+from psycopg import sql
+from pyspark.sql.connect.session import SparkSession as RemoteSparkSession
+
+from harvester.postgres.identifiers import TableName
+from harvester.spark import register
+from harvester.spark.store import SinkTables
+from tests.spark import faults
+from tests.spark.cluster import ConnectServer
+from tests.spark.jobs import harvester_file, numbered, run_stream
+from tests.spark.test_batch import leftovers, records
+from tests.spark.test_stream import PER_FILE, write_inputs
+from tests.support import unique
+
+pytestmark = pytest.mark.integration
+
+Conn = psycopg.Connection[tuple[object, ...]]
+
+
+@pytest.fixture(scope="module")
+def remote(connect_server: ConnectServer, shipped: list[Path]) -> Iterator[RemoteSparkSession]:
+    """A Connect session with the package and the tests' faulty source shipped as artifacts (the
+    Connect equivalent of ``--py-files``), both sources registered."""
+    # The Connect class itself, not ``pyspark.sql.SparkSession.builder.remote``, which would switch
+    # this whole process (and the local-mode session the other tests share) to Connect mode.
+    session = RemoteSparkSession.builder.remote(connect_server.url).getOrCreate()
+    for path in shipped:
+        session.addArtifacts(str(path), pyfile=True)
+    register(session)
+    session.dataSource.register(faults.FaultyOutbox)
+    yield session
+    session.stop()
+
+
+def test_batch_write_over_connect(
+    remote: RemoteSparkSession, sink: dict[str, str], pg: Conn, outbox: TableName, tmp_path: Path
+) -> None:
+    (where,) = remote.range(1).mapInArrow(harvester_file, "file string").collect()
+    assert where.file.endswith("/outbox_harvester.zip/harvester/__init__.py")
+    # Planned, staged and committed by the server's Python workers, with a retried task.
+    numbered(remote, 4000, 4).write.format("outbox_faulty").mode("append").options(
+        **sink, topic="orders", faultAt="stage", faultPartition="1", faultAttempt="0", faultDir=str(tmp_path)
+    ).save()
+    assert [p.name.split("-")[1] for p in tmp_path.iterdir()] == ["p1a0"]
+    assert [int(v) for _, _, v, _, _ in records(pg, outbox)] == list(range(4000))
+    assert leftovers(pg, outbox) == (0, 0)
+
+
+def test_streaming_write_over_connect_resumes_exactly_once(
+    remote: RemoteSparkSession, sink: dict[str, str], pg: Conn, outbox: TableName, tmp_path: Path
+) -> None:
+    source, checkpoint, fault_dir = tmp_path / "in", tmp_path / "checkpoint", tmp_path / "faults"
+    write_inputs(source, 3)
+    fault_dir.mkdir()
+    options = {**sink, "topic": "counts", "sinkId": unique("sink"), "faultDir": str(fault_dir)}
+    with pytest.raises(Exception, match="injected fault commitBefore b1"):
+        run_stream(remote, source, checkpoint, "outbox_faulty", **options, faultAt="commitBefore", faultBatch="1")
+    run_stream(remote, source, checkpoint, "outbox", **options)
+
+    assert sorted(int(v) for _, _, v, _, _ in records(pg, outbox)) == list(range(3 * PER_FILE))
+    committed = pg.execute(
+        sql.SQL("SELECT batch_id, records FROM {} WHERE sink_id = %s ORDER BY batch_id").format(
+            SinkTables.of(outbox).commits
+        ),
+        (options["sinkId"],),
+    ).fetchall()
+    assert committed == [(b, PER_FILE) for b in range(3)]
+    assert leftovers(pg, outbox) == (0, 0)
