@@ -23,11 +23,12 @@ from tests.spark.test_batch import leftovers, records
 from tests.spark.test_stream import PER_FILE, write_inputs
 from tests.support import Services, unique
 
-pytestmark = pytest.mark.integration
+# Every driver and server is a JVM of its own: minutes on a loaded two-core machine.
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 Conn = psycopg.Connection[tuple[object, ...]]
 JOB = Path(__file__).with_name("cluster_job.py")
-DRIVER_SECONDS = 240.0
+DRIVER_SECONDS = 480.0
 # Micro-batches of the streaming test: 0 commits, 1 fails, 2 commits and the driver dies; each costs
 # seconds on a cluster, so there are no more.
 FILES = 3

@@ -21,7 +21,8 @@ from tests.spark.test_batch import leftovers, records
 from tests.spark.test_stream import PER_FILE, write_inputs
 from tests.support import unique
 
-pytestmark = pytest.mark.integration
+# Every driver and server is a JVM of its own: minutes on a loaded two-core machine.
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 Conn = psycopg.Connection[tuple[object, ...]]
 
