@@ -16,7 +16,8 @@ class DrainConfigError(ValueError):
 
 
 def _positive(options: Mapping[str, str], name: str, default: int) -> int:
-    text = options.get(name)
+    """Option ``name`` (looked up in lower case, as Spark may pass it) as a positive integer."""
+    text = options.get(name.lower())
     if text is None:
         return default
     try:
@@ -54,7 +55,7 @@ class DrainOptions:
             dsn=dsn,
             table=table,
             shards=_positive(lowered, "shards", 1),
-            max_records=_positive(lowered, "maxrecordspertrigger", DEFAULT_MAX_RECORDS),
+            max_records=_positive(lowered, "maxRecordsPerTrigger", DEFAULT_MAX_RECORDS),
             header_prefix=lowered.get("headerprefix", DEFAULT_PREFIX),
             producer_name=lowered.get("producername") or None,
         )

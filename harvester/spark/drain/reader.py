@@ -24,10 +24,12 @@ ids, whose only effect is the purge of the batch before.
 
 from __future__ import annotations
 
+import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from functools import partial
+from typing import Any, TypeVar
 
 import psycopg
 from psycopg import sql
@@ -36,7 +38,8 @@ from pyspark.sql.streaming.datasource import ReadLimit, ReadMaxRows, SupportsTri
 from pyspark.sql.types import ArrayType, BinaryType, LongType, StringType, StructField, StructType
 
 from harvester.core.identity import IdentityHeaders
-from harvester.core.protocols import ShardCountError
+from harvester.core.protocols import FencedError, ShardCountError, StoreError
+from harvester.postgres.migrations import fence_table
 from harvester.postgres.store import PostgresStore
 from harvester.spark.drain.options import DrainConfigError, DrainOptions
 
@@ -60,6 +63,23 @@ DRAIN_SCHEMA = StructType(
 )
 
 Offset = dict[str, Any]
+T = TypeVar("T")
+
+# A broken connection (a restarted or failed-over server, a terminated backend) is re-opened by the
+# store's next call: the driver retries a plan or a purge (both idempotent) a few times before the
+# query fails, as a reaper backs off and retries. A fence is final.
+_RETRY_PAUSES = (0.5, 2.0, 5.0)
+
+
+def _retrying(call: Callable[[], T]) -> T:
+    for pause in _RETRY_PAUSES:
+        try:
+            return call()
+        except FencedError:
+            raise
+        except StoreError:
+            time.sleep(pause)
+    return call()
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +119,11 @@ class _Term:
                 store.acquire(leader_id)
         except ShardCountError as exc:
             first.close()
-            raise DrainConfigError(f"option shards is {options.shards}, but {exc}") from exc
+            recorded = _recorded_shards(options)
+            raise DrainConfigError(
+                f"option shards is {options.shards} but {options.table} is harvested with {recorded} shards: "
+                "use the number its reapers use (to change it, see docs/sharding.md)"
+            ) from exc
         except BaseException:
             first.close()
             raise
@@ -108,6 +132,15 @@ class _Term:
     def close(self) -> None:
         for store in self.stores:
             store.close()
+
+
+def _recorded_shards(options: DrainOptions) -> str:
+    """The number(s) of shards the outbox's fence rows record, for an error message."""
+    fence = fence_table(options.table)
+    query = sql.SQL("SELECT DISTINCT shards FROM {} WHERE outbox_table = %s ORDER BY 1").format(fence.ident)
+    with psycopg.connect(options.dsn) as conn:
+        found = [str(r[0]) for r in conn.execute(query, (options.table.qualified,))]
+    return " or ".join(found) or "another number of"
 
 
 def _shard_offset(offset: Mapping[str, Any], shard: int) -> Offset:
@@ -138,7 +171,7 @@ class OutboxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def prepareForTriggerAvailableNow(self) -> None:  # noqa: N802
         """``Trigger.AvailableNow``: drain what the outbox holds now (up to its highest id), then stop."""
-        self._until = self._held().stores[0].head_id()
+        self._until = _retrying(self._held().stores[0].head_id)
 
     def getDefaultReadLimit(self) -> ReadLimit:  # noqa: N802
         """At most ``maxRecordsPerTrigger`` records per micro-batch."""
@@ -162,7 +195,7 @@ class OutboxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         end: Offset = {"shards": shards}
         for shard, store in enumerate(term.stores):
             before = _shard_offset(start, shard)
-            ids = store.pending(before["ids"], per_shard)
+            ids = _retrying(partial(store.pending, before["ids"], per_shard))
             if self._until is not None:
                 ids = [i for i in ids if i <= self._until]
             purge_due = bool(before["ids"]) and self._committed.get(shard) != before["batch"]
@@ -215,7 +248,7 @@ class OutboxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         for shard, store in enumerate(term.stores):
             planned = _shard_offset(end, shard)
             if planned["ids"] and self._committed.get(shard) != planned["batch"]:
-                store.purge(planned["ids"])
+                _retrying(partial(store.purge, planned["ids"]))
             self._committed[shard] = int(planned["batch"])
 
     def stop(self) -> None:
