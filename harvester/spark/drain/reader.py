@@ -191,7 +191,7 @@ class OutboxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         total = self.options.max_records
         if isinstance(limit, ReadMaxRows):
             total = min(limit.max_rows, total)
-        per_shard = max(1, -(-total // shards))
+        per_shard = max(1, total // shards)
         end: Offset = {"shards": shards}
         for shard, store in enumerate(term.stores):
             before = _shard_offset(start, shard)
