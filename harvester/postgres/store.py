@@ -349,11 +349,6 @@ class PostgresStore:
         """The identity headers' producer name (see :mod:`harvester.core.identity`)."""
         return self._ready().producer.decode("utf-8")
 
-    @property
-    def columns(self) -> OutboxColumns:
-        """What :meth:`prepare` read of the table's shape."""
-        return self._ready().columns
-
     def purge(self, ids: Sequence[int]) -> None:
         """Delete delivered records in one statement (idempotent)."""
         if not ids:
