@@ -36,6 +36,7 @@ class Statements:
     """The store's statements; each guarded one takes (table, epoch) as its first parameters."""
 
     mark: sql.Composed
+    pending: sql.Composed
     purge: sql.Composed
     fail: sql.Composed | None  # None without the attempt columns: a failure is a reset then
     dead_letter: sql.Composed
@@ -94,6 +95,12 @@ class Statements:
                 " WHERE EXISTS (SELECT 1 FROM fence) AND id = ANY(ARRAY("
                 "SELECT id FROM {t} WHERE {own}id <> " + _SKIP + "{held} ORDER BY {order} LIMIT %s)){ordered}"
             ).format(t=t, f=f, own=own, held=held, order=order, ordered=ordered),
+            # The mark's choice of rows, ids only: a Spark drain plans a micro-batch with it and its
+            # executors read the rows (harvester.spark.drain).
+            pending=sql.SQL(
+                _GUARD + "SELECT id FROM {t} WHERE EXISTS (SELECT 1 FROM fence) AND {own}id <> " + _SKIP + "{held}"
+                " ORDER BY {order} LIMIT %s"
+            ).format(t=t, f=f, own=own, held=held, order=order),
             purge=sql.SQL(
                 _GUARD + "DELETE FROM {t} WHERE EXISTS (SELECT 1 FROM fence) AND id = " + _IDS
             ).format(t=t, f=f),

@@ -328,6 +328,27 @@ class PostgresStore:
             out.append(MarkedRecord(rid, created, topic, key or "", value, headers, attempts, first_failure, malformed))
         return out
 
+    def pending(self, skip: Sequence[int], limit: int) -> list[int]:
+        """The ids of up to ``limit`` records of this store's shard that are not in ``skip``, sorted:
+        what :meth:`mark` would hand out, without reading the records (a caller that tracks what it
+        handed out itself, as the Spark drain does in its offsets). Raises :class:`FencedError` when
+        a newer epoch superseded ours."""
+        own = (self._shard, self._shard + 1) if self._shards > 1 else ()
+        rows = self._run(self._ready().statements.pending, (*self._fence, self._epoch, *own, list(skip), limit))
+        if not rows:
+            self._check_epoch()
+        return sorted(int(r[0]) for r in rows)
+
+    def head_id(self) -> int:
+        """The outbox's highest id (0 when it is empty)."""
+        rows = self._run(self._ready().statements.head, ())
+        return int(rows[0][1]) if rows and rows[0][1] is not None else 0
+
+    @property
+    def producer(self) -> str:
+        """The identity headers' producer name (see :mod:`harvester.core.identity`)."""
+        return self._ready().producer.decode("utf-8")
+
     def purge(self, ids: Sequence[int]) -> None:
         """Delete delivered records in one statement (idempotent)."""
         if not ids:

@@ -16,6 +16,7 @@ from pyspark.sql.datasource import (
 from pyspark.sql.types import StructType
 
 from harvester.spark import store
+from harvester.spark.drain import DRAIN_SCHEMA, DrainOptions, OutboxStreamReader
 from harvester.spark.plan import SinkConfigError, WritePlan, resolve
 
 
@@ -81,10 +82,12 @@ class OutboxStreamWriter(DataSourceStreamArrowWriter):
 
 
 class OutboxDataSource(DataSource):
-    """Writes a DataFrame into a transactional outbox table; see ``docs/spark.md`` for the options.
+    """Writes a DataFrame into a transactional outbox table, or drains one as a stream; see
+    ``docs/spark.md`` for the options.
 
     Register it once per session with :func:`harvester.spark.register`, then use
-    ``df.write.format("outbox")`` or ``df.writeStream.format("outbox")``.
+    ``df.write.format("outbox")``, ``df.writeStream.format("outbox")`` or
+    ``spark.readStream.format("outbox")``.
     """
 
     @classmethod
@@ -104,3 +107,11 @@ class OutboxDataSource(DataSource):
     def streamWriter(self, schema: StructType, overwrite: bool) -> OutboxStreamWriter:  # noqa: N802
         """A streaming writer (any output mode: each micro-batch's rows become records)."""
         return OutboxStreamWriter(self._plan(schema, overwrite, streaming=True))
+
+    def schema(self) -> StructType:
+        """The drained records' columns: topic, key, value, headers, id."""
+        return DRAIN_SCHEMA
+
+    def streamReader(self, schema: StructType) -> OutboxStreamReader:  # noqa: N802
+        """Drain the outbox in micro-batches (``harvester.spark.drain``)."""
+        return OutboxStreamReader(DrainOptions.parse(self.options))

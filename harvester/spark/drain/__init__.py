@@ -1,0 +1,7 @@
+"""Harvesting with Spark micro-batches: ``spark.readStream.format("outbox")`` drains an outbox table
+(mark-purge/reset as a streaming source), see ``docs/spark.md``."""
+
+from harvester.spark.drain.options import DrainConfigError, DrainOptions
+from harvester.spark.drain.reader import DRAIN_SCHEMA, OutboxStreamReader, ShardBatch
+
+__all__ = ["DRAIN_SCHEMA", "DrainConfigError", "DrainOptions", "OutboxStreamReader", "ShardBatch"]

@@ -1,0 +1,90 @@
+"""A local SparkSession with Spark's Kafka connector and the ``outbox`` data source, and the helpers
+the drain tests share: a preloaded outbox, and a query that drains it into Kafka."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+from pyspark.sql import DataFrame, SparkSession
+
+from examples.spark_pipeline import KAFKA_PACKAGE
+from harvester.postgres.identifiers import TableName
+from harvester.spark import register
+from tests.support import Services
+
+
+@pytest.fixture(scope="session")
+def spark() -> Iterator[SparkSession]:
+    """``local[2]`` with Spark's Kafka sink (resolved from Maven Central by ``spark.jars.packages``)."""
+    os.environ["PYSPARK_PYTHON"] = sys.executable  # Python workers import harvester and psycopg
+    session = (
+        SparkSession.builder.master("local[2]")
+        .appName("harvester-drain-tests")
+        .config("spark.ui.enabled", "false")
+        .config("spark.sql.shuffle.partitions", "2")
+        .config("spark.sql.streaming.stopTimeout", "10s")
+        .config("spark.driver.memory", "1g")
+        .config("spark.jars.packages", KAFKA_PACKAGE)
+        .getOrCreate()
+    )
+    session.sparkContext.setLogLevel("ERROR")
+    register(session)
+    yield session
+    session.stop()
+
+
+def preload(conn: psycopg.Connection[Any], table: TableName, topic: str, count: int, keys: int) -> list[int]:
+    """Insert ``count`` records over ``keys`` keys (record n has key ``k<n % keys>``, value ``v<n>``
+    and one header ``n``); return their ids."""
+    rows = conn.execute(
+        sql.SQL(
+            "INSERT INTO {} (create_time, kafka_topic, kafka_key, kafka_value, kafka_header_keys, kafka_header_values)"
+            " SELECT now(), %s, 'k' || (n %% %s), 'v' || n, ARRAY['n'], ARRAY[n::text]"
+            " FROM generate_series(1, %s) AS n ORDER BY n RETURNING id"
+        ).format(table.ident),
+        (topic, keys, count),
+    ).fetchall()
+    return sorted(int(r[0]) for r in rows)
+
+
+def remaining(conn: psycopg.Connection[Any], table: TableName) -> list[int]:
+    """The ids still in the outbox."""
+    return [int(r[0]) for r in conn.execute(sql.SQL("SELECT id FROM {} ORDER BY id").format(table.ident))]
+
+
+Drain = Callable[..., DataFrame]
+
+
+@pytest.fixture
+def drained(spark: SparkSession, services: Services, outbox: TableName) -> Drain:
+    """The ``outbox`` streaming source over this test's outbox; keyword arguments are more options."""
+
+    def make(**options: str) -> DataFrame:
+        return (
+            spark.readStream.format("outbox")
+            .option("dsn", services.pg_dsn)
+            .option("table", outbox.qualified)
+            .options(**options)
+            .load()
+        )
+
+    return make
+
+
+def to_kafka(stream: DataFrame, services: Services, checkpoint: Path) -> Any:
+    """Start delivering ``stream`` through Spark's Kafka sink until the outbox is drained."""
+    return (
+        stream.selectExpr("topic", "key", "value", "headers")
+        .writeStream.format("kafka")
+        .option("kafka.bootstrap.servers", services.bootstrap)
+        .option("checkpointLocation", str(checkpoint))
+        .trigger(availableNow=True)
+        .start()
+    )

@@ -1,0 +1,181 @@
+"""Draining an outbox with Spark micro-batches into Kafka through Spark's own Kafka sink."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from confluent_kafka import Message
+from pyspark.errors import StreamingQueryException
+from pyspark.sql import DataFrame
+from pyspark.sql.streaming.query import StreamingQuery
+
+from harvester.core.identity import Identity
+from harvester.postgres.identifiers import TableName
+from tests.spark_drain.conftest import Drain, preload, remaining, to_kafka
+from tests.support import Services, consumed_headers, read_messages, text
+
+pytestmark = pytest.mark.integration
+
+
+def delivered(messages: list[Message]) -> dict[str, list[int]]:
+    """Per key, the outbox ids in the order Kafka holds them (a key is in one partition)."""
+    out: dict[str, list[int]] = defaultdict(list)
+    for msg in messages:
+        identity = Identity.from_headers(consumed_headers(msg))
+        assert identity is not None
+        out[text(msg.key())].append(identity.id)
+    return out
+
+
+def test_drains_a_preloaded_outbox_per_shard_in_key_order(
+    services: Services,
+    pg: psycopg.Connection[Any],
+    outbox: TableName,
+    topics: Callable[..., str],
+    drained: Drain,
+    tmp_path: Path,
+) -> None:
+    topic = topics(partitions=4)
+    ids = preload(pg, outbox, topic, 2000, keys=40)
+
+    query = to_kafka(drained(shards="2", maxRecordsPerTrigger="300"), services, tmp_path / "cp")
+    query.awaitTermination()
+
+    messages = read_messages(services.bootstrap, [topic], len(ids))
+    by_key = delivered(messages)
+    assert sorted(i for got in by_key.values() for i in got) == ids  # none lost, none twice
+    assert all(got == sorted(got) for got in by_key.values())  # per-key order
+    assert remaining(pg, outbox) == []
+    first = messages[0]
+    headers = dict(consumed_headers(first) or [])
+    assert set(headers) == {"n", "outbox-id", "outbox-epoch", "outbox-producer"}
+    assert text(first.value()) == f"v{text(headers['n'])}"
+    # One term per shard, each shard's batches spread over several micro-batches.
+    fence = pg.execute(f"SELECT shard, shards FROM {outbox.schema}.harvester_fence ORDER BY shard").fetchall()
+    assert fence == [(0, 2), (1, 2)]
+    assert len(query.recentProgress) > 2000 // 300
+
+
+def test_a_failed_batch_is_never_purged_and_a_restart_replays_only_it(
+    services: Services,
+    pg: psycopg.Connection[Any],
+    outbox: TableName,
+    topics: Callable[..., str],
+    drained: Drain,
+    tmp_path: Path,
+) -> None:
+    topic = topics(partitions=2)
+    ids = preload(pg, outbox, topic, 1000, keys=20)
+    checkpoint = tmp_path / "cp"
+
+    def deliver(fail_at: int | None) -> Callable[[DataFrame, int], None]:
+        def write(batch: DataFrame, batch_id: int) -> None:
+            (
+                batch.selectExpr("topic", "key", "value", "headers")
+                .write.format("kafka")
+                .option("kafka.bootstrap.servers", services.bootstrap)
+                .save()
+            )
+            if batch_id == fail_at:  # delivered, but the batch fails before Spark commits it
+                raise RuntimeError("injected failure after delivery")
+
+        return write
+
+    def run(fail_at: int | None) -> StreamingQuery:
+        return (
+            drained(maxRecordsPerTrigger="200")
+            .writeStream.foreachBatch(deliver(fail_at))
+            .option("checkpointLocation", str(checkpoint))
+            .trigger(availableNow=True)
+            .start()
+        )
+
+    with pytest.raises(StreamingQueryException, match="injected failure"):
+        run(fail_at=2).awaitTermination()
+    assert remaining(pg, outbox) == ids[400:]  # batches 0 and 1 purged, batch 2 kept
+    run(fail_at=None).awaitTermination()  # a new driver, from the checkpoint
+    assert remaining(pg, outbox) == []
+
+    messages = read_messages(services.bootstrap, [topic], len(ids) + 200)
+    by_key = delivered(messages)
+    every = [i for got in by_key.values() for i in got]
+    assert sorted(set(every)) == ids  # none lost
+    assert sorted(every) == sorted(ids + ids[400:600])  # duplicates: batch 2, replayed, only
+    for got in by_key.values():
+        firsts = list(dict.fromkeys(got))
+        assert firsts == sorted(firsts)  # per-key order, across the failure and the restart
+        assert [i for i in got if i > ids[599]] == sorted(i for i in got if i > ids[599])
+
+
+def test_a_second_copy_of_the_query_fences_the_first(
+    services: Services,
+    pg: psycopg.Connection[Any],
+    outbox: TableName,
+    topics: Callable[..., str],
+    drained: Drain,
+    tmp_path: Path,
+) -> None:
+    topic = topics()
+    ids = preload(pg, outbox, topic, 600, keys=10)
+    first = (
+        drained(maxRecordsPerTrigger="50")
+        .selectExpr("topic", "key", "value", "headers")
+        .writeStream.format("kafka")
+        .option("kafka.bootstrap.servers", services.bootstrap)
+        .option("checkpointLocation", str(tmp_path / "first"))
+        .trigger(processingTime="1 second")
+        .start()
+    )
+    try:
+        while len(remaining(pg, outbox)) == len(ids) and first.isActive:
+            first.awaitTermination(1)  # until the first copy purged a batch
+        second = to_kafka(drained(maxRecordsPerTrigger="50"), services, tmp_path / "second")
+        second.awaitTermination()
+        # The first copy's next plan or purge finds its epoch superseded, and the query stops.
+        with pytest.raises(StreamingQueryException, match="fenced"):
+            first.awaitTermination()
+    finally:
+        first.stop()
+    assert remaining(pg, outbox) == []
+    messages = read_messages(services.bootstrap, [topic], len(ids))
+    by_key = delivered(messages)
+    assert sorted(set(i for got in by_key.values() for i in got)) == ids
+
+
+def test_drains_a_live_outbox_while_it_is_written(
+    services: Services,
+    pg: psycopg.Connection[Any],
+    outbox: TableName,
+    topics: Callable[..., str],
+    drained: Drain,
+    tmp_path: Path,
+) -> None:
+    topic = topics(partitions=2)
+    query = (
+        drained(shards="2", maxRecordsPerTrigger="100")
+        .selectExpr("topic", "key", "value", "headers")
+        .writeStream.format("kafka")
+        .option("kafka.bootstrap.servers", services.bootstrap)
+        .option("checkpointLocation", str(tmp_path / "cp"))
+        .trigger(processingTime="500 milliseconds")
+        .start()
+    )
+    ids: list[int] = []
+    try:
+        for _ in range(5):  # five transactions, written while the query runs
+            ids += preload(pg, outbox, topic, 200, keys=15)
+            query.awaitTermination(1)
+        while remaining(pg, outbox) and query.isActive:
+            query.awaitTermination(1)
+        assert query.exception() is None
+    finally:
+        query.stop()
+    assert remaining(pg, outbox) == []
+    by_key = delivered(read_messages(services.bootstrap, [topic], len(ids)))
+    assert sorted(i for got in by_key.values() for i in got) == sorted(ids)
+    assert all(got == sorted(got) for got in by_key.values())

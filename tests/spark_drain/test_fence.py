@@ -1,0 +1,85 @@
+"""The drain's fencing and planning, called as Spark's driver calls them (real PostgreSQL, no Spark):
+a newer copy of the query takes every shard's term and the older one changes nothing after that."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import psycopg
+import pytest
+from pyspark.sql.streaming.datasource import ReadMaxRows
+
+from harvester.core.protocols import FencedError
+from harvester.postgres.identifiers import TableName
+from harvester.spark.drain import DrainConfigError, DrainOptions, OutboxStreamReader
+from tests.spark_drain.conftest import preload, remaining
+from tests.support import Services
+
+pytestmark = pytest.mark.integration
+
+
+def reader(services: Services, outbox: TableName, **options: str) -> OutboxStreamReader:
+    return OutboxStreamReader(DrainOptions.parse({"dsn": services.pg_dsn, "table": outbox.qualified, **options}))
+
+
+def test_a_newer_query_fences_the_older_one(services: Services, pg: psycopg.Connection[Any], outbox: TableName) -> None:
+    ids = preload(pg, outbox, "t", 30, keys=3)
+    old, new = reader(services, outbox), reader(services, outbox)
+    try:
+        planned = old.latestOffset(old.initialOffset(), ReadMaxRows(10))
+        assert planned["0"]["ids"] == ids[:10]
+        taken = new.latestOffset(new.initialOffset(), ReadMaxRows(10))
+        assert taken["0"]["ids"] == ids[:10] and taken["0"]["epoch"] > planned["0"]["epoch"]
+
+        with pytest.raises(FencedError):
+            old.commit(planned)  # its purge is refused: the records stay for the newer query
+        assert remaining(pg, outbox) == ids
+        with pytest.raises(FencedError):
+            old.latestOffset(planned, ReadMaxRows(10))
+
+        (part,) = new.partitions(new.initialOffset(), taken)
+        rows = list(new.read(part))
+        assert [r[4] for r in rows] == ids[:10]
+        assert dict(rows[0][3])["outbox-epoch"] == str(taken["0"]["epoch"]).encode()
+        new.commit(taken)
+        assert remaining(pg, outbox) == ids[10:]
+    finally:
+        old.stop()
+        new.stop()
+
+
+def test_a_dry_outbox_plans_one_empty_batch_to_purge_the_last(
+    services: Services, pg: psycopg.Connection[Any], outbox: TableName
+) -> None:
+    ids = preload(pg, outbox, "t", 5, keys=2)
+    drain = reader(services, outbox)
+    try:
+        first = drain.latestOffset(drain.initialOffset(), ReadMaxRows(10))
+        assert first["0"]["ids"] == ids
+        # Spark commits a batch when it plans the next: with nothing new, the next batch is empty.
+        purging = drain.latestOffset(first, ReadMaxRows(10))
+        assert purging["0"]["ids"] == [] and purging["0"]["batch"] == first["0"]["batch"] + 1
+        assert drain.partitions(first, purging) == []
+        drain.commit(first)
+        assert remaining(pg, outbox) == []
+        assert drain.latestOffset(purging, ReadMaxRows(10)) == purging  # nothing to do: no batch
+    finally:
+        drain.stop()
+
+
+def test_configuration_mistakes_are_one_line_errors(
+    services: Services, pg: psycopg.Connection[Any], outbox: TableName
+) -> None:
+    with pytest.raises(DrainConfigError, match="option dsn is required"):
+        DrainOptions.parse({"table": "outbox"})
+    with pytest.raises(DrainConfigError, match="maxRecordsPerTrigger must be a positive integer"):
+        DrainOptions.parse({"dsn": "x", "maxRecordsPerTrigger": "0"})
+    two = reader(services, outbox, shards="2")
+    two.latestOffset(two.initialOffset(), ReadMaxRows(10))
+    two.stop()
+    three = reader(services, outbox, shards="3")
+    mismatch = r"^option shards is 3 but t_\w+\.outbox is harvested with 2 shards: use the number its reapers use"
+    with pytest.raises(DrainConfigError, match=mismatch):
+        three.latestOffset(three.initialOffset(), ReadMaxRows(10))
+    with pytest.raises(DrainConfigError, match="checkpoint was written with 2 shards"):
+        reader(services, outbox).latestOffset({"shards": 2}, ReadMaxRows(10))
