@@ -104,6 +104,14 @@ def test_zombie_producer_is_fenced_by_the_new_leader(services: Services, topics:
         old.publish_batch([record], 1)
     new.publish_batch([MarkedRecord(2, datetime.now(UTC), topic, "k", b"leader", [])], 2)
     assert [m.value() for m in read_messages(services.bootstrap, [topic], 1, **COMMITTED)] == [b"leader"]
+    # Leadership comes back to the fenced process: its next term starts over with a new producer
+    # (its dead one may not even be flushed) and fences the other in turn.
+    old.init()
+    with pytest.raises(ProducerFencedError):
+        new.publish_batch([MarkedRecord(3, datetime.now(UTC), topic, "k", b"zombie again", [])], 3)
+    old.publish_batch([MarkedRecord(4, datetime.now(UTC), topic, "k", b"leader again", [])], 4)
+    got = [m.value() for m in read_messages(services.bootstrap, [topic], 2, **COMMITTED)]
+    assert got == [b"leader", b"leader again"]
     old.close(1)
     new.close(1)
     delete_topics(services.bootstrap, [f"{group}.checkpoints"])
