@@ -9,6 +9,7 @@ through the same ledger (:func:`ensure`), never at the start of a leadership ter
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from importlib import resources
 from string import Template
@@ -166,6 +167,11 @@ def applied(conn: psycopg.Connection[tuple[object, ...]], table: TableName) -> l
     return sorted(_recorded(conn, table))
 
 
+def _try_lock(conn: psycopg.Connection[tuple[object, ...]]) -> bool:
+    row = conn.execute("SELECT pg_try_advisory_lock(%s)", (_INDEX_LOCK_KEY,)).fetchone()
+    return bool(row and row[0])
+
+
 def ensure_shard_index(conn: psycopg.Connection[tuple[object, ...]], table: TableName, shards: int) -> bool:
     """Create the index a shard's mark query walks when there are ``shards`` shards (none for one);
     True if this call built it. ``conn`` must be in autocommit mode.
@@ -176,7 +182,11 @@ def ensure_shard_index(conn: psycopg.Connection[tuple[object, ...]], table: Tabl
     if shards <= 1:
         return False
     index = shard_index(table, shards)
-    conn.execute("SELECT pg_advisory_lock(%s)", (_INDEX_LOCK_KEY,))
+    # Wait for another builder by polling, not in pg_advisory_lock(): a session blocked there holds
+    # a snapshot, which CREATE INDEX CONCURRENTLY waits out, while it waits for the lock this
+    # session holds: a deadlock when several reapers start at once (seen in the chaos test).
+    while not _try_lock(conn):
+        time.sleep(0.1)
     try:
         row = conn.execute(
             "SELECT i.indisvalid FROM pg_index i WHERE i.indexrelid = to_regclass(%s)", (index.quoted,)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import uuid
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from harvester import PostgresStore
 from harvester.core.protocols import FencedError, ShardCountError
 from harvester.core.shards import shard_of
 from harvester.postgres.identifiers import TableName
-from harvester.postgres.migrations import Migration, available, ensure, fence_table, render
+from harvester.postgres.migrations import Migration, available, ensure, ensure_shard_index, fence_table, render
 from harvester.postgres.sharding import shard_expression, shard_index
 from tests.engine.workload import insert
 from tests.support import ROOT, Services, create_goharvest_outbox
@@ -185,3 +186,35 @@ def test_reaper_migrate_builds_the_index_of_the_configured_shards(
         check=False,
     )
     assert (again.returncode, again.stdout) == (0, f"outbox table {outbox}: up to date\n")
+
+
+def test_reapers_starting_together_build_the_shard_index_once_without_deadlock(
+    services: Services, outbox: TableName
+) -> None:
+    """Several reapers prepare a sharded outbox at once: one builds the index CONCURRENTLY while the
+    others wait for it; a waiter must not hold a snapshot the build waits out (a deadlock, 40P01)."""
+    insert(services.pg_dsn, outbox, [("t", f"k{i}", "v" * 100) for i in range(20000)])
+    barrier = threading.Barrier(3)
+    built: list[bool] = []
+    errors: list[BaseException] = []
+
+    def build() -> None:
+        try:
+            with psycopg.connect(services.pg_dsn, autocommit=True) as conn:
+                barrier.wait(10)
+                built.append(ensure_shard_index(conn, outbox, 4))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=build) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert errors == []
+    assert sorted(built) == [False, False, True]
+    with psycopg.connect(services.pg_dsn) as conn:
+        row = conn.execute(
+            "SELECT indisvalid FROM pg_index WHERE indexrelid = to_regclass(%s)", (shard_index(outbox, 4).quoted,)
+        ).fetchone()
+    assert row == (True,)
