@@ -1,7 +1,7 @@
 """Drain throughput, cost per record and latency, next to the ceilings measured in the same run.
 
     ./dev.sh bench harvest [--backlogs 100000,1000000] [--keys 1000] [--burst 200000] [--rate 1000]
-                           [--seconds 15]
+                           [--seconds 15] [--drains-only]
 
 Prints:
   1. ceiling: confluent-kafka alone producing the records (same producer settings);
@@ -405,6 +405,12 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=15.0, help="duration of the steady and latency phases")
     p.add_argument("--mark-query-records", type=int, default=500, help="tuned limits")
     p.add_argument("--max-in-flight", type=int, default=5000, help="tuned limits")
+    p.add_argument(
+        "--drains-only",
+        action="store_true",
+        help="only the default-limits drain of each backlog, with its evidence line (to compare two trees:"
+        " run this file with another checkout first on PYTHONPATH)",
+    )
     args = p.parse_args()
     backlogs = [int(b) for b in args.backlogs.split(",")]
     tuned = Limits(mark_query_records=args.mark_query_records, max_in_flight_records=args.max_in_flight)
@@ -416,6 +422,19 @@ def main() -> None:
         f" tuned {tuned.mark_query_records} / {tuned.max_in_flight_records}"
     )
     with psycopg.connect(DSN, autocommit=True) as conn:
+        if args.drains_only:
+            try:
+                for backlog in backlogs:
+                    d = drain_preloaded(conn, backlog, args.keys, defaults)
+                    cleanup(conn)
+                    print(
+                        f"backlog {backlog}: drain, default limits {d.rate:10.0f} records/s;"
+                        f" CPU s/1000 records: harvester {d.cpu_own:.3f}, PostgreSQL {d.cpu_postgres:.3f}"
+                    )
+                    print(f"           {d.evidence}")
+            finally:
+                cleanup(conn)
+            return
         try:
             producer = ceiling_producer(min(backlogs), args.keys)
             print(f"ceiling  confluent-kafka produce alone      {producer:10.0f} records/s")
