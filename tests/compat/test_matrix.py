@@ -12,7 +12,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,7 +26,6 @@ from harvester.postgres.identifiers import TableName
 from harvester.postgres.migrations import migrate
 from tests.engine.workload import check, wait_drained, writing
 from tests.proc.processes import HarvesterProcess, harvester_spec
-from tests.reaper.test_http_port import CLI, environment
 from tests.support import (
     ROOT,
     PrivateKafka,
@@ -36,6 +34,7 @@ from tests.support import (
     create_topics,
     delete_topics,
     read_messages,
+    run_reaper,
     unique,
 )
 
@@ -185,15 +184,7 @@ def test_drain_and_failover(stack: Stack, outbox: TableName, topic: str, tmp_pat
             f"  leaderGroupID: {group}\n"
             f"  delivery: {delivery}\n"
         )
-        done = subprocess.run(
-            [*CLI, "status", "--json", "-f", str(config)],
-            check=False,
-            capture_output=True,
-            text=True,
-            env=environment(),
-            cwd=ROOT,
-            timeout=60,
-        )
+        done = run_reaper("status", "--json", "-f", str(config))
         assert done.returncode == 0, done.stdout + done.stderr
         status = json.loads(done.stdout)
         # The killed first leader was expelled from the group; the second leads (the test's processes

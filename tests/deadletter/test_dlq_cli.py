@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import uuid
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -18,20 +17,13 @@ from harvester import PostgresStore
 from harvester.core.records import Failure
 from harvester.postgres.identifiers import TableName
 from tests.engine.workload import insert
-from tests.support import Services, create_goharvest_outbox
+from tests.support import Services, create_goharvest_outbox, run_reaper
 
 pytestmark = pytest.mark.integration
 
 
 def reaper(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "harvester.daemon.cli", *args, "-f", str(config)],
-        check=False,
-        capture_output=True,
-        text=True,
-        stdin=subprocess.DEVNULL,
-        timeout=60,
-    )
+    return run_reaper(*args, "-f", str(config))
 
 
 def test_dlq_commands(services: Services, outbox: TableName, tmp_path: Path) -> None:
@@ -86,9 +78,7 @@ def test_dlq_list_refuses_a_count_below_one(tmp_path: Path, count: str) -> None:
 @pytest.mark.unit
 def test_every_dlq_action_has_help_and_a_description() -> None:
     def helped(*args: str) -> str:
-        done = subprocess.run(
-            [sys.executable, "-m", "harvester.daemon.cli", *args, "--help"], capture_output=True, text=True, check=False
-        )
+        done = run_reaper(*args, "--help")
         assert done.returncode == 0, done.stderr
         return done.stdout
 

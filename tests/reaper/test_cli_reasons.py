@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import glob
 import json
-import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,28 +21,20 @@ from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
 from harvester.postgres.identifiers import TableName
-from tests.support import ROOT, PrivatePostgres, Services, delete_topics, unique
+from tests.support import (
+    REAPER,
+    ROOT,
+    PrivatePostgres,
+    Services,
+    delete_topics,
+    reaper_environment,
+    run_reaper,
+    unique,
+)
 
 pytestmark = pytest.mark.integration
 
 SECRET = "Wr0ng-Issue23-S3cret"
-
-
-def reaper(*args: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "harvester.daemon.cli", *args],
-        capture_output=True,
-        text=True,
-        stdin=subprocess.DEVNULL,
-        timeout=timeout,
-        check=False,
-        env=_env(),
-    )
-
-
-def _env() -> dict[str, str]:
-    unset = ("PGPASSWORD", "PGPASSFILE")
-    return {k: v for k, v in os.environ.items() if not k.startswith("REAPER_") and k not in unset}
 
 
 def write_config(tmp_path: Path, dsn: str, table: str, bootstrap: str, topic: str = "") -> str:
@@ -112,7 +102,7 @@ def test_run_with_a_wrong_password_says_why_and_not_the_password(
     password_pg: PrivatePostgres, services: Services, tmp_path: Path
 ) -> None:
     dsn = make_conninfo(password_pg.dsn, password=SECRET)
-    done = reaper("run", "-f", write_config(tmp_path, dsn, "outbox", services.bootstrap, unique("lead")))
+    done = run_reaper("run", "-f", write_config(tmp_path, dsn, "outbox", services.bootstrap, unique("lead")))
     assert done.returncode == 2, done.stderr
     errors = error_lines(done.stderr)
     assert len(errors) == 1, done.stderr
@@ -130,7 +120,7 @@ def test_run_with_a_wrong_password_says_why_and_not_the_password(
 def test_run_redacts_the_password_from_libpq_s_reason(services: Services, tmp_path: Path) -> None:
     # libpq quotes the database name; when it is also the password, the reason must not show it.
     dsn = make_conninfo(services.pg_dsn, dbname=SECRET, password=SECRET)
-    done = reaper("run", "-f", write_config(tmp_path, dsn, "outbox", services.bootstrap, unique("lead")))
+    done = run_reaper("run", "-f", write_config(tmp_path, dsn, "outbox", services.bootstrap, unique("lead")))
     assert done.returncode == 2, done.stderr
     (line,) = error_lines(done.stderr)
     assert 'database "***" does not exist' in line, line
@@ -139,7 +129,7 @@ def test_run_redacts_the_password_from_libpq_s_reason(services: Services, tmp_pa
 
 def test_run_with_a_wrong_port_says_why(services: Services, tmp_path: Path) -> None:
     dsn = make_conninfo(services.pg_dsn, host="127.0.0.1", port=str(_free_port()), password=SECRET)
-    done = reaper("run", "-f", write_config(tmp_path, dsn, "outbox", services.bootstrap, unique("lead")))
+    done = run_reaper("run", "-f", write_config(tmp_path, dsn, "outbox", services.bootstrap, unique("lead")))
     assert done.returncode == 2, done.stderr
     (line,) = error_lines(done.stderr)
     assert "Connection refused" in line and "Is the server running" not in line  # libpq's first line only
@@ -160,7 +150,7 @@ def test_check_on_a_fresh_group_says_run_creates_the_leader_topic(
     topic = unique("fresh-lead")
     path = write_config(tmp_path, services.pg_dsn, outbox.qualified, services.bootstrap, topic)
     try:
-        fresh = reaper("check", "-f", path)
+        fresh = run_reaper("check", "-f", path)
         assert fresh.returncode == 0, fresh.stdout + fresh.stderr
         assert f"leader topic {topic}: absent; reaper run creates it (1 partition)" in fresh.stdout
         assert "problem" not in fresh.stdout
@@ -169,11 +159,11 @@ def test_check_on_a_fresh_group_says_run_creates_the_leader_topic(
 
         # ... and run does create it.
         daemon = subprocess.Popen(
-            [sys.executable, "-m", "harvester.daemon.cli", "run", "-f", path],
+            [*REAPER, "run", "-f", path],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
-            env=_env(),
+            env=reaper_environment(),
         )
         try:
             deadline = time.monotonic() + 60
@@ -186,7 +176,7 @@ def test_check_on_a_fresh_group_says_run_creates_the_leader_topic(
             _, err = daemon.communicate(timeout=60)
         assert daemon.returncode == 0, err
 
-        again = reaper("check", "-f", path)
+        again = run_reaper("check", "-f", path)
         assert again.returncode == 0, again.stdout + again.stderr
         assert f"leader topic {topic}: present, 1 partition(s)" in again.stdout
     finally:
@@ -202,17 +192,17 @@ def test_migrate_says_it_created_the_schema(
     new = unique("s")
     try:
         path = write_config(tmp_path, services.pg_dsn, f"{new}.outbox", services.bootstrap)
-        first = reaper("migrate", "-f", path)
+        first = run_reaper("migrate", "-f", path)
         assert first.returncode == 0, first.stderr
         lines = first.stdout.splitlines()
         assert lines[0] == f"schema {new}: created"
         assert lines[1].startswith(f"outbox table {new}.outbox: applied 0001_outbox")
-        again = reaper("migrate", "-f", path)
+        again = run_reaper("migrate", "-f", path)
         assert (again.returncode, again.stdout) == (0, f"outbox table {new}.outbox: up to date\n")
 
         # A schema that existed already (the fixture's) is not reported.
         old = write_config(tmp_path, services.pg_dsn, f"{schema}.outbox", services.bootstrap)
-        existing = reaper("migrate", "-f", old)
+        existing = run_reaper("migrate", "-f", old)
         assert existing.returncode == 0, existing.stderr
         assert "schema" not in existing.stdout and existing.stdout.startswith(f"outbox table {schema}.outbox: applied")
     finally:
@@ -224,7 +214,8 @@ def test_migrate_says_it_created_the_schema(
 
 def test_run_with_kafka_unreachable_names_the_cause_and_bootstrap_servers(services: Services, tmp_path: Path) -> None:
     port = _free_port()
-    done = reaper("run", "-f", write_config(tmp_path, services.pg_dsn, "outbox", f"127.0.0.1:{port}", unique("lead")))
+    path = write_config(tmp_path, services.pg_dsn, "outbox", f"127.0.0.1:{port}", unique("lead"))
+    done = run_reaper("run", "-f", path)
     assert done.returncode == 2, done.stderr
     (line,) = error_lines(done.stderr)
     assert line == (
@@ -250,7 +241,7 @@ def test_check_names_a_sasl_handshake_failure(services: Services, tmp_path: Path
         "    sasl.username: reaper\n"
         f"    sasl.password: {SECRET}\n"
     )
-    done = reaper("check", "-f", str(path))
+    done = run_reaper("check", "-f", str(path))
     assert done.returncode == 2, done.stdout + done.stderr
     (line,) = error_lines(done.stderr)
     assert line.startswith(

@@ -4,11 +4,9 @@ busy falls back to a free port; an ``http.port`` the user set is used or refused
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -23,15 +21,18 @@ from prometheus_client.parser import text_string_to_metric_families
 from harvester.daemon.settings import DEFAULT_HTTP_PORT, load
 from harvester.postgres.identifiers import TableName
 from tests.reaper.test_e2e import insert, outbox_count, wait_for
-from tests.support import ROOT, Services, delete_topics, read_messages, unique
+from tests.support import (
+    REAPER,
+    ROOT,
+    Services,
+    delete_topics,
+    read_messages,
+    reaper_environment,
+    run_reaper,
+    unique,
+)
 
-CLI = [sys.executable, "-m", "harvester.daemon.cli"]
 STAY_UP = 15.0  # seconds every reaper must keep running
-
-
-def environment(**extra: str) -> dict[str, str]:
-    """This process's environment without any REAPER_* setting (so nothing sets the port by accident)."""
-    return {**{k: v for k, v in os.environ.items() if not k.startswith("REAPER_")}, **extra}
 
 
 def goharvest_yaml(services: Services, table: TableName, group: str) -> str:
@@ -100,9 +101,9 @@ class Process:
         self.name = name
         self.stderr = logs / f"{name}.err"
         self.stdout = logs / f"{name}.out"
-        env = environment(REAPER_HARVEST__NAME=name)  # the instance name only; nothing about http
+        env = reaper_environment(REAPER_HARVEST__NAME=name)  # the instance name only; nothing about http
         with self.stdout.open("w") as out, self.stderr.open("w") as err:
-            self.proc = subprocess.Popen([*CLI, "-f", str(config)], stdout=out, stderr=err, env=env, cwd=ROOT)
+            self.proc = subprocess.Popen([*REAPER, "-f", str(config)], stdout=out, stderr=err, env=env, cwd=ROOT)
 
     def events(self, event: str) -> list[dict[str, Any]]:
         found = []
@@ -164,15 +165,7 @@ def test_three_goharvest_reapers_on_one_host_all_run(
     group = unique("reaper-ports")
     config = tmp_path / "reaper.yaml"
     config.write_text(goharvest_yaml(services, table, group))
-    migrated = subprocess.run(
-        [*CLI, "migrate", "-f", str(config)],
-        check=False,
-        capture_output=True,
-        text=True,
-        env=environment(),
-        cwd=ROOT,
-        timeout=60,
-    )
+    migrated = run_reaper("migrate", "-f", str(config))
     assert migrated.returncode == 0, migrated.stderr
     reapers: list[Process] = []
     try:
@@ -241,15 +234,13 @@ def test_an_explicit_busy_port_is_still_a_one_line_error(services: Services, tmp
         busy.bind(("0.0.0.0", 0))  # the reaper's default host
         busy.listen()
         port = int(busy.getsockname()[1])
-        env = environment()
+        env = reaper_environment()
         if where == "file":
             text += f"http:\n  port: {port}\n"
         else:
             env["REAPER_HTTP__PORT"] = str(port)
         config.write_text(text)
-        done = subprocess.run(
-            [*CLI, "-f", str(config)], check=False, capture_output=True, text=True, env=env, cwd=ROOT, timeout=60
-        )
+        done = run_reaper("-f", str(config), env=env)
     assert done.returncode == 2, done.stderr
     assert done.stderr == f"reaper: error: http.port: cannot listen on 0.0.0.0:{port}: Address already in use\n"
     assert done.stdout == ""

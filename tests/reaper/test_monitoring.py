@@ -18,8 +18,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from harvester.postgres.identifiers import TableName
 from tests.reaper.test_e2e import insert, outbox_count, wait_for
-from tests.reaper.test_http_port import CLI, Process, environment, goharvest_yaml
-from tests.support import ROOT, Services, delete_topics, unique
+from tests.reaper.test_http_port import Process, goharvest_yaml
+from tests.support import ROOT, Services, delete_topics, run_reaper, unique
 
 DASHBOARD = ROOT / "deploy" / "grafana" / "reaper-dashboard.json"
 RULES = ROOT / "deploy" / "prometheus" / "reaper-alerts.yaml"
@@ -135,7 +135,7 @@ def scrape_during_drain(
     config = tmp_path / "reaper.yaml"
     config.write_text(goharvest_yaml(services, table, group))
     assert (
-        subprocess.run([*CLI, "migrate", "-f", str(config)], check=False, env=environment(), cwd=ROOT).returncode == 0
+        run_reaper("migrate", "-f", str(config)).returncode == 0
     )
     insert(pg, table, topic, 0, BACKLOG)
     reaper = Process(config, "metrics", tmp_path)

@@ -23,10 +23,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from psycopg import sql
 
 from harvester.postgres.identifiers import TableName
-from tests.reaper.test_cli_reasons import error_lines, reaper
+from tests.reaper.test_cli_reasons import error_lines
 from tests.reaper.test_e2e import free_port, outbox_count, wait_for
 from tests.reaper.test_http_port import Process
-from tests.support import PrivateKafka, PrivatePostgres, Services, create_topics, unique
+from tests.support import PrivateKafka, PrivatePostgres, Services, create_topics, run_reaper, unique
 
 pytestmark = pytest.mark.integration
 
@@ -92,7 +92,7 @@ def test_a_dead_letter_too_wide_for_its_table_stalls_visibly_and_stops_in_time(
 ) -> None:
     table = TableName(schema, "outbox")
     path = config(tmp_path / "reaper.yaml", services, table, unique("stall"))
-    migrated = reaper("migrate", "-f", str(path))
+    migrated = run_reaper("migrate", "-f", str(path))
     assert migrated.returncode == 0, migrated.stderr
     pg.execute(sql.SQL("ALTER TABLE {} ALTER COLUMN kafka_value TYPE TEXT").format(table.ident))
     pg.execute(
@@ -133,7 +133,7 @@ def test_a_dead_letter_too_wide_for_its_table_stalls_visibly_and_stops_in_time(
         assert [e["operation"] for e in daemon.events("store_stalled")] == ["dead_letter"]
 
         # check sees it (and names what migrate would change) while run is stalled.
-        checked = reaper("check", "-f", str(path))
+        checked = run_reaper("check", "-f", str(path))
         assert checked.returncode == 1, checked.stdout + checked.stderr
         assert (
             f"problem: {schema}.outbox_dead_letter.kafka_value is character varying(10000), narrower than the "
@@ -147,12 +147,12 @@ def test_a_dead_letter_too_wide_for_its_table_stalls_visibly_and_stops_in_time(
         daemon.kill()
     assert outbox_count(pg, table) == 1  # nothing lost
 
-    widened = reaper("migrate", "-f", str(path))
+    widened = run_reaper("migrate", "-f", str(path))
     assert widened.returncode == 0, widened.stderr
     assert widened.stdout.splitlines() == [
         f"{schema}.outbox_dead_letter.kafka_value: widened from character varying(10000) to text"
     ]
-    again = reaper("migrate", "-f", str(path))
+    again = run_reaper("migrate", "-f", str(path))
     assert again.stdout == f"outbox table {table}: up to date\n"
     assert not error_lines(again.stderr)
 
@@ -191,7 +191,7 @@ def test_postgres_down_backs_off_says_why_and_recovers(
     group = unique("pgdown")
     path = config(tmp_path / "reaper.yaml", services, table, group)
     path.write_text(path.read_text().replace(services.pg_dsn, private_pg.dsn))
-    assert reaper("migrate", "-f", str(path)).returncode == 0
+    assert run_reaper("migrate", "-f", str(path)).returncode == 0
     daemon = Process(path, "pgdown", tmp_path)
     try:
         wait_for("the fence", lambda: bool(daemon.events("fence_acquired")) or daemon.proc.poll() is not None)
@@ -273,7 +273,7 @@ def test_the_stop_ends_in_time_with_kafka_down(
     create_topics(kafka_to_stop.bootstrap, [topic])
     path = config(tmp_path / "reaper.yaml", services, table, unique("kafkadown"))
     path.write_text(path.read_text().replace(services.bootstrap, kafka_to_stop.bootstrap))
-    assert reaper("migrate", "-f", str(path)).returncode == 0
+    assert run_reaper("migrate", "-f", str(path)).returncode == 0
     insert = sql.SQL(
         "INSERT INTO {} (kafka_topic, kafka_key, kafka_value) SELECT %s, 'k' || i, 'v' FROM generate_series(1, %s) i"
     ).format(table.ident)
@@ -307,7 +307,7 @@ def test_check_and_migrate_on_a_dead_letter_table_of_another_kind(
     reported for a person to convert, by check and by migrate, and left as it is."""
     table = TableName(schema, "outbox")
     path = config(tmp_path / "reaper.yaml", services, table, unique("kinds"))
-    assert reaper("migrate", "-f", str(path)).returncode == 0
+    assert run_reaper("migrate", "-f", str(path)).returncode == 0
     pg.execute(sql.SQL("ALTER TABLE {} ALTER COLUMN kafka_key TYPE VARCHAR(300)").format(table.ident))
     pg.execute(
         sql.SQL("ALTER TABLE {} ALTER COLUMN kafka_value TYPE BYTEA USING convert_to(kafka_value, 'UTF8')").format(
@@ -318,11 +318,11 @@ def test_check_and_migrate_on_a_dead_letter_table_of_another_kind(
         f"problem: {schema}.outbox_dead_letter.kafka_value is character varying(10000), which cannot hold the "
         "outbox's bytea: convert it by hand ('reaper migrate' changes only text to longer text)"
     )
-    checked = reaper("check", "-f", str(path))
+    checked = run_reaper("check", "-f", str(path))
     assert checked.returncode == 1, checked.stdout + checked.stderr
     # The dead-letter table's kafka_key is TEXT: it holds the wider key already.
     assert [line for line in checked.stdout.splitlines() if line.startswith("problem:")] == [problem]
-    migrated = reaper("migrate", "-f", str(path))
+    migrated = run_reaper("migrate", "-f", str(path))
     assert (migrated.returncode, migrated.stdout.splitlines()) == (1, [problem])
     kind = pg.execute(
         "SELECT format_type(atttypid, atttypmod) FROM pg_attribute"

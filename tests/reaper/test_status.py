@@ -19,20 +19,12 @@ from harvester.daemon.status import Heartbeat, Member, Status, Term
 from harvester.postgres.identifiers import TableName
 from harvester.postgres.migrations import dead_letter_table
 from tests.reaper.test_e2e import insert, wait_for
-from tests.reaper.test_http_port import CLI, Process, environment, goharvest_yaml
-from tests.support import ROOT, Services, create_goharvest_outbox, delete_topics, unique
+from tests.reaper.test_http_port import Process, goharvest_yaml
+from tests.support import Services, create_goharvest_outbox, delete_topics, run_reaper, unique
 
 
 def status(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [*CLI, "status", "-f", str(config), *args],
-        check=False,
-        capture_output=True,
-        text=True,
-        env=environment(),
-        cwd=ROOT,
-        timeout=60,
-    )
+    return run_reaper("status", "-f", str(config), *args)
 
 
 def status_json(config: Path) -> tuple[int, dict[str, Any]]:
@@ -62,7 +54,7 @@ def test_status_with_nobody_then_a_leader_then_after_a_handover(
     config = tmp_path / "reaper.yaml"
     config.write_text(goharvest_yaml(services, table, group))
     assert (
-        subprocess.run([*CLI, "migrate", "-f", str(config)], check=False, env=environment(), cwd=ROOT).returncode == 0
+        run_reaper("migrate", "-f", str(config)).returncode == 0
     )
 
     # Before any reaper ran: three records an hour old and one dead letter waiting.
