@@ -9,18 +9,17 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from harvester import Harvester, HarvesterConfig, Limits
-from harvester.core.protocols import Elector
+from harvester import HarvesterConfig, Limits
 from harvester.postgres.identifiers import TableName
 from harvester.postgres.migrations import migrate
 from tests.support import (
     HarvesterFactory,
-    ManualElector,
     PrivateKafka,
     Services,
     create_topics,
     delete_topics,
     ensure_services,
+    harvesters,
     unique,
 )
 
@@ -81,18 +80,15 @@ def private_kafka() -> Iterator[PrivateKafka]:
 @pytest.fixture
 def make_harvester(services: Services, outbox: TableName) -> Iterator[HarvesterFactory]:
     """Build (and afterwards stop) harvesters on this test's outbox; keyword args tune limits."""
-    made: list[Harvester] = []
 
-    def make(
+    def config(
         *,
-        elector: Elector | None = None,
         bootstrap: str | None = None,
         producer: dict[str, Any] | None = None,
         settings: dict[str, Any] | None = None,
-        start: bool = True,
         **limits: Any,
-    ) -> Harvester:
-        config = HarvesterConfig(
+    ) -> HarvesterConfig:
+        return HarvesterConfig(
             data_source=services.pg_dsn,
             outbox_table=outbox.qualified,
             base_kafka_config={"bootstrap.servers": bootstrap or services.bootstrap},
@@ -100,12 +96,6 @@ def make_harvester(services: Services, outbox: TableName) -> Iterator[HarvesterF
             limits=Limits(**{"io_error_backoff": "100ms", **limits}),
             **(settings or {}),
         )
-        h = Harvester(config, elector=elector if elector is not None else ManualElector())
-        made.append(h)
-        if start:
-            h.start()
-        return h
 
-    yield make
-    for h in made:
-        h.stop(timeout=5)
+    with harvesters(config) as make:
+        yield make

@@ -24,7 +24,8 @@ from psycopg import sql
 from harvester.postgres.identifiers import TableName
 
 if TYPE_CHECKING:
-    from harvester import Harvester
+    from harvester import Harvester, HarvesterConfig
+    from harvester.core.protocols import Elector
 
 HarvesterFactory = Callable[..., "Harvester"]
 
@@ -307,6 +308,27 @@ class ManualElector:
     @property
     def running(self) -> bool:
         return self._on_event is not None
+
+
+@contextmanager
+def harvesters(config_of: Callable[..., HarvesterConfig]) -> Iterator[HarvesterFactory]:
+    """A fixture's harvester factory: each harvester is built from ``config_of(**options)`` with a
+    :class:`ManualElector` unless given an elector, started unless ``start=False``, and stopped when
+    the block ends."""
+    from harvester import Harvester
+
+    made: list[Harvester] = []
+
+    def make(*, elector: Elector | None = None, start: bool = True, **options: Any) -> Harvester:
+        h = Harvester(config_of(**options), elector=elector if elector is not None else ManualElector())
+        made.append(h)
+        if start:
+            h.start()
+        return h
+
+    yield make
+    for h in made:
+        h.stop(timeout=5)
 
 
 class PrivatePostgres:

@@ -18,12 +18,11 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from harvester import Harvester, HarvesterConfig, Limits
-from harvester.core.protocols import Elector
+from harvester import HarvesterConfig, Limits
 from harvester.postgres import logical
 from harvester.postgres.identifiers import TableName
 from harvester.postgres.migrations import migrate
-from tests.support import HarvesterFactory, ManualElector, PrivatePostgres, Services, unique
+from tests.support import HarvesterFactory, PrivatePostgres, Services, harvesters, unique
 
 
 def _free_port() -> int:
@@ -78,12 +77,9 @@ def log_outbox(logical_dsn: str) -> Iterator[TableName]:
 @pytest.fixture
 def make_log_harvester(services: Services, logical_dsn: str, log_outbox: TableName) -> Iterator[HarvesterFactory]:
     """Build (and afterwards stop) log-source harvesters on this test's outbox."""
-    made: list[Harvester] = []
 
-    def make(
-        *, elector: Elector | None = None, start: bool = True, delivery: Any = "at_least_once", **limits: Any
-    ) -> Harvester:
-        config = HarvesterConfig(
+    def config(*, delivery: Any = "at_least_once", **limits: Any) -> HarvesterConfig:
+        return HarvesterConfig(
             data_source=logical_dsn,
             outbox_table=log_outbox.qualified,
             source="log",
@@ -91,15 +87,9 @@ def make_log_harvester(services: Services, logical_dsn: str, log_outbox: TableNa
             base_kafka_config={"bootstrap.servers": services.bootstrap},
             limits=Limits(**{"io_error_backoff": "100ms", **limits}),
         )
-        h = Harvester(config, elector=elector if elector is not None else ManualElector())
-        made.append(h)
-        if start:
-            h.start()
-        return h
 
-    yield make
-    for h in made:
-        h.stop(timeout=5)
+    with harvesters(config) as make:
+        yield make
 
 
 def slot_position(dsn: str, table: TableName) -> str:
