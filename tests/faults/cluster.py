@@ -101,9 +101,17 @@ class KafkaCluster:
         return int(partitions[java_hash(key) % len(partitions)].leader)
 
     def group_coordinator(self, group: str) -> int:
-        """The node coordinating consumer group ``group``."""
-        described = self.admin.describe_consumer_groups([group])[group].result(30)
-        return int(described.coordinator.id)
+        """The node coordinating consumer group ``group``. Right after a broker restart the group's
+        coordinator may be moving (NOT_COORDINATOR, COORDINATOR_NOT_AVAILABLE): ask again."""
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                described = self.admin.describe_consumer_groups([group])[group].result(30)
+                return int(described.coordinator.id)
+            except KafkaException:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(1)
 
     def transaction_coordinator(self, transactional_id: str) -> int:
         """The node coordinating ``transactional_id`` (once a producer initialised transactions)."""
