@@ -181,6 +181,7 @@ class Harvester:
                 shard=shard if cfg.shards > 1 else None,
                 labels=self._labels,
                 on_fatal=self._fatal,
+                outbox=cfg.table.qualified,
                 **tracing,
             )
         for pipeline in self._pipelines:

@@ -74,6 +74,7 @@ class Engine:
         shard: int | None = None,
         labels: Mapping[str, object] | None = None,
         on_fatal: Callable[[Exception], None] = lambda _: None,
+        outbox: str = "",  # the outbox's name, in stall reports
     ) -> None:
         self._store = store
         self._batch_scope = batch_scope
@@ -87,7 +88,7 @@ class Engine:
         self._term = 0  # bumped on every LeaderAcquired (guarded by state.cond)
         self._fenced_term = 0  # the term whose epoch the store holds (mark thread only)
         self._backoff = RetryBackoff(limits)
-        self._retries = retries = StoreRetries(limits, metrics)
+        self._retries = retries = StoreRetries(limits, metrics, outbox=outbox, shard=shard or 0)
         settler = Settler(store, limits, metrics, self._backoff, retries, self._fenced, lambda: state.leader_id)
         # ``labels`` (the outbox, when a reaper harvests several) and the shard go on every log line
         # of the pipeline's threads.

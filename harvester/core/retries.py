@@ -26,11 +26,14 @@ log = structlog.get_logger("harvester.engine")
 
 @dataclass(frozen=True, slots=True)
 class Stall:
-    """An operation that has failed without a success for ``seconds``, and its last error."""
+    """An operation that has failed without a success for ``seconds``, and its last error, in the
+    outbox and shard whose pipeline retries it (shard 0 when the outbox is not sharded)."""
 
     operation: str
     seconds: float
     error: str
+    outbox: str = ""
+    shard: int = 0
 
 
 @dataclass(slots=True)
@@ -43,9 +46,12 @@ class _Failing:
 
 class StoreRetries:
     """The back-off state of every retried store operation (``mark``, ``purge``, ``dead_letter``, ...);
-    thread-safe, one instance per engine."""
+    thread-safe, one instance per engine. ``outbox`` and ``shard`` name the engine's pipeline in its
+    stalls and its log lines, whichever thread asks (a health probe's has no pipeline labels bound)."""
 
-    def __init__(self, limits: Limits, metrics: HarvesterMetrics) -> None:
+    def __init__(self, limits: Limits, metrics: HarvesterMetrics, *, outbox: str = "", shard: int = 0) -> None:
+        self._outbox, self._shard = outbox, shard
+        self._log = log.bind(**({"outbox": outbox} if outbox else {}), shard=shard)
         self._first = limits.io_error_backoff.total_seconds()
         self._ceiling = max(self._first, limits.max_retry_backoff.total_seconds())
         self._stall_after = limits.stall_timeout.total_seconds()
@@ -66,7 +72,7 @@ class StoreRetries:
             seconds = now - failing.since
             attempt = failing.attempts
         self._metrics.store_retries.labels(operation).inc()
-        log.warning(
+        self._log.warning(
             "store_retry",
             operation=operation,
             error=str(error),
@@ -85,7 +91,7 @@ class StoreRetries:
         with self._lock:
             failing = self._failing.pop(operation, None)
         if failing is not None:
-            log.info(
+            self._log.info(
                 "store_recovered",
                 operation=operation,
                 attempts=failing.attempts,
@@ -106,10 +112,10 @@ class StoreRetries:
             if oldest is None or now - oldest[1].since < self._stall_after:
                 return None
             operation, failing = oldest
-            stall = Stall(operation, round(now - failing.since, 1), failing.error)
+            stall = Stall(operation, round(now - failing.since, 1), failing.error, self._outbox, self._shard)
             first, failing.reported = not failing.reported, True
         if first:
-            log.error(
+            self._log.error(
                 "store_stalled",
                 operation=operation,
                 error=stall.error,

@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from harvester.daemon.errors import FailError, one_line
@@ -58,20 +60,35 @@ def validate_election(settings: ReaperSettings) -> None:
 def check(settings: ReaperSettings, timeout: float) -> int:
     """Check every harvest section in file order; 0 when all is in place, 1 when something is missing."""
     sections = settings.sections
-    for section in sections:  # every configuration mistake before any connection
-        validate_kafka_config(section)
-        validate_election(section)
+    several = len(sections) > 1
+    for i, section in enumerate(sections):  # every configuration mistake before any connection
+        with in_section(i if several else None):
+            validate_kafka_config(section)
+            validate_election(section)
     problems: list[str] = []
     for i, section in enumerate(sections):
-        if len(sections) > 1:
+        if several:
             print(f"{chr(10) if i else ''}harvest[{i}]: outbox {section.harvest.table}")
         for default in defaulted_connections(section):
             print(f"note: {default} is not set: using the default")
-        problems += _check_postgres(section, timeout) + _check_kafka(section, timeout)
+        with in_section(i if several else None):
+            problems += _check_postgres(section, timeout) + _check_kafka(section, timeout)
     for problem in problems:
         print(f"problem: {problem}")
     print("configuration ok" if not problems else f"{len(problems)} problem(s) found")
     return 1 if problems else 0
+
+
+@contextlib.contextmanager
+def in_section(index: int | None) -> Iterator[None]:
+    """Name section ``index`` of a list of harvest sections in a :class:`FailError` naming a harvest
+    setting (``harvest.x`` becomes ``harvest[1].x``); ``None``: a single section, named as it was."""
+    try:
+        yield
+    except FailError as exc:
+        if index is None:
+            raise
+        raise FailError(str(exc).replace("harvest.", f"harvest[{index}]."), code=exc.code) from None
 
 
 def _check_postgres(settings: ReaperSettings, timeout: float) -> list[str]:

@@ -252,10 +252,11 @@ def librdkafka_logger() -> logging.Logger:
     return logger
 
 
-def librdkafka_error_cb() -> Callable[[KafkaError], None]:
+def librdkafka_error_cb(**labels: str) -> Callable[[KafkaError], None]:
     """librdkafka's error callback (its ``error_cb`` property): ``kafka_error`` with the error's text,
-    not its repr, repeats folded; a warning (librdkafka retries it by itself) unless fatal."""
-    folder, log = Folder(), structlog.get_logger("rdkafka")
+    not its repr, repeats folded; a warning (librdkafka retries it by itself) unless fatal. ``labels``
+    go on each line (the outbox: the callback runs on whichever thread polls the client)."""
+    folder, log = Folder(), structlog.get_logger("rdkafka").bind(**labels)
 
     def on_error(error: KafkaError) -> None:
         text = str(error.str())

@@ -1,23 +1,25 @@
-"""``reaper run`` over several harvest sections: one process harvests several outboxes, each isolated.
+"""The outboxes one ``reaper run`` harvests: one :class:`Outbox` per ``harvest:`` section.
 
-Each section gets its own :class:`~harvester.harvester.Harvester` (store, elector, engines, metrics)
-and a supervisor thread that starts it and starts it again when it cannot start (its table is
-missing, its database or Kafka unreachable, its group disagreeing on the number of shards) or when
-it ended by itself, with a back-off, until the reaper stops. Nothing one outbox does blocks another:
-they share only the process, the HTTP endpoint and the log. A section not running is logged with
-its reason and shown by ``/readyz``, which answers 503 until every section runs.
+A goharvest file's single ``harvest:`` mapping is the one-item case of a list of sections, and runs
+through the same code: each outbox gets its own :class:`~harvester.harvester.Harvester` (store,
+elector, engines, metrics in a private registry) and a thread of its own that watches it and refreshes
+its health. The two cases differ only in what follows when an outbox cannot start or ends by itself.
+Alone, the process exits with the reason (an orchestrator restarts it; an operator reads one line).
+Among several, the outbox is ``supervised``: logged and started again in the background with a
+back-off, until the reaper stops, so that nothing one outbox does blocks another. They share only
+the process, the HTTP endpoint and the log.
 
-Metrics: each harvester keeps a private registry, exported with an ``outbox`` label (the section's
-table) by :class:`OutboxLabels`. Log lines of a section's threads carry ``outbox``.
+Metrics: :class:`OutboxLabels` exports each outbox's registry, with an ``outbox`` label (the
+section's table) when there are several. :class:`Probes` answers ``/healthz`` (threads alive, and
+no statement stalled: the body names the stalled outbox, shard and statement) and ``/readyz``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
-import signal
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -25,75 +27,118 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from harvester.daemon.check import validate_election, validate_kafka_config
+from harvester.daemon import logs
 from harvester.daemon.errors import FailError
-from harvester.daemon.run import _close as close
-from harvester.daemon.run import _listen as listen
-from harvester.daemon.run import _Signals as Signals
-from harvester.daemon.run import start_error
-from harvester.daemon.settings import ReaperSettings, defaulted_connections
+from harvester.daemon.settings import ReaperSettings
 
 if TYPE_CHECKING:
+    from harvester.core.events import Event
+    from harvester.core.retries import Stall
     from harvester.harvester import Harvester
 
 log = structlog.get_logger("reaper")
 
 FIRST_RETRY = 1.0
-"""Seconds before a section that could not start (or ended) is started again; doubled up to :data:`LAST_RETRY`."""
+"""Seconds before a supervised outbox that could not start (or ended) is started again; doubled up
+to :data:`LAST_RETRY`."""
 LAST_RETRY = 30.0
 HEALTH_INTERVAL = 5.0
-"""Seconds between two health checks of a running section (each bounded to about 4 s)."""
+"""Seconds between two health checks of a running outbox (each bounded to about 4 s)."""
 
 
 class Outbox:
-    """One harvest section: its harvester, started (and started again) by a supervisor thread."""
+    """One harvest section: its harvester, started (and, when ``supervised``, started again) and
+    watched by a thread of its own."""
 
-    def __init__(self, settings: ReaperSettings, stop: threading.Event) -> None:
+    def __init__(
+        self,
+        settings: ReaperSettings,
+        stop: threading.Event,
+        *,
+        supervised: bool,
+        on_event: Callable[[Event], None] | None = None,
+    ) -> None:
         self.settings = settings
         self.name = settings.harvest.table.qualified
         self.registry = CollectorRegistry()
         self.state = "starting"  # starting, running, retrying
         self.error: str | None = None
+        self.ended = threading.Event()
+        """Set when an outbox that is not supervised ended by itself; :attr:`failure` says why."""
+        self.failure: str | None = None
+        self._supervised = supervised
+        self._on_event = on_event
         self._stop = stop
         self._lock = threading.Lock()
         self._harvester: Harvester | None = None
         self._health: dict[str, object] = {}  # the running harvester's latest health()
-        self._thread = threading.Thread(target=self._supervise, name=f"reaper-outbox-{self.name}", daemon=True)
+        self._thread: threading.Thread | None = None
+
+    @property
+    def labels(self) -> dict[str, str]:
+        """What this outbox's log lines and series carry: ``outbox`` when the reaper harvests several."""
+        return {"outbox": self.name} if self._supervised else {}
 
     def start(self) -> None:
+        """Start harvesting. Not supervised: now, raising :class:`FailError` (the setting to look at)
+        when the harvester cannot start. Supervised: in the background, retried until it starts."""
+        if self._supervised:
+            target: Callable[[], None] = self._supervise
+        else:
+            harvester = self._attempt()
+            target = lambda: self._watch_once(harvester)  # noqa: E731
+        self._thread = threading.Thread(target=target, name=f"reaper-outbox-{self.name}", daemon=True)
         self._thread.start()
 
     def _build(self) -> Harvester:
         from harvester.harvester import Harvester
 
         harvest = self.settings.harvest
-        kafka = {**harvest.base_kafka_config, "logger": logging.getLogger("rdkafka")}
+        # librdkafka logs to stderr on its own unless given a logger: route it through ours, so its
+        # lines are JSON too, carry the instance name, are redacted, and a line repeated is folded;
+        # so are the errors its clients report.
+        rdkafka = {"logger": logs.librdkafka_logger(), "error_cb": logs.librdkafka_error_cb(**self.labels)}
+        kafka = {**harvest.base_kafka_config, **rdkafka}
         # A fresh registry per attempt: a harvester registers its series once, in its own registry.
         self.registry = CollectorRegistry()
         return Harvester(
             harvest.model_copy(update={"base_kafka_config": kafka}),
+            on_event=self._on_event,
             registry=self.registry,
-            labels={"outbox": self.name},
+            labels=self.labels,
         )
+
+    def _attempt(self) -> Harvester:
+        """Build and start a harvester; :class:`FailError` naming the setting when it cannot start."""
+        harvester = self._build()
+        try:
+            harvester.start()
+        except Exception as exc:
+            with contextlib.suppress(Exception):  # no background thread of the failed start lives on
+                harvester.stop(1.0)
+            raise start_error(exc) from None
+        with self._lock:
+            self._harvester, self._health = harvester, {}
+            self.state, self.error = "running", None
+        return harvester
+
+    def _watch_once(self, harvester: Harvester) -> None:
+        if self._watch(harvester):
+            self.failure = harvester.failure
+            self.ended.set()
 
     def _supervise(self) -> None:
         delay = FIRST_RETRY
         while not self._stop.is_set():
-            harvester = self._build()
             try:
-                harvester.start()
-            except Exception as exc:
-                with contextlib.suppress(Exception):
-                    harvester.stop(1.0)
-                self._not_running("outbox_start_failed", str(start_error(exc)), delay)
+                harvester = self._attempt()
+            except FailError as exc:
+                self._not_running("outbox_start_failed", str(exc), delay)
             else:
-                with self._lock:
-                    self._harvester, self._health = harvester, {}
-                    self.state, self.error = "running", None
                 delay = FIRST_RETRY
                 log.info("outbox_started", outbox=self.name, group=self.settings.harvest.group_id)
                 if not self._watch(harvester):
-                    return  # stop() stops the harvester, within the shutdown timeout
+                    return  # stop() stops the harvester, by the shutdown deadline
                 with self._lock:
                     self._harvester, self._health = None, {}
                 self._not_running("outbox_ended", harvester.failure or "the harvester ended unexpectedly", delay)
@@ -107,7 +152,7 @@ class Outbox:
         while True:
             try:
                 health = dict(harvester.health())
-            except Exception as exc:  # a failing check means "not ready", never a dead supervisor
+            except Exception as exc:  # a failing check means "not ready", never a dead watcher
                 health = {"running": False, "error": type(exc).__name__}
             with self._lock:
                 self._health = health
@@ -122,26 +167,33 @@ class Outbox:
             self.state, self.error = "retrying", reason
         log.error(event, outbox=self.name, error=reason, retry_in_seconds=delay)
 
-    def stop(self, timeout: float) -> None:
-        """Stop the harvester, if running (the stop event is set by then: no new start follows). A start
-        still under way (a slow connection) is waited for up to ``timeout``, then left to the exit."""
-        self._thread.join(timeout)
+    def stop(self, deadline: float) -> None:
+        """Stop the harvester, if running, by ``deadline`` (``time.monotonic()``); the reaper's stop
+        event is set by then, so no new start follows. A start still under way (a slow connection) is
+        waited for until the deadline, then left to the process's exit."""
+        if self._thread is not None:
+            self._thread.join(max(0.0, deadline - time.monotonic()))
         with self._lock:
             harvester = self._harvester
         if harvester is not None:
-            harvester.stop(timeout)
+            harvester.stop(max(0.0, deadline - time.monotonic()))
 
     @property
     def in_flight_records(self) -> int:
         harvester = self._harvester
         return harvester.in_flight_records if harvester is not None else 0
 
-    def liveness(self) -> bool:
+    def liveness(self) -> tuple[bool, Stall | None]:
+        """Whether the harvester's threads live, and its longest stall, if any (an outbox not running
+        is retried, or ends the process: not dead)."""
         harvester = self._harvester
-        return harvester is None or harvester.alive  # a section not running is retried, not dead
+        if harvester is None:
+            return True, None
+        return harvester.threads_alive, harvester.stalled
 
     def readiness(self) -> tuple[bool, dict[str, object]]:
-        """Ready when running with its database, its table and Kafka reachable (a standby too)."""
+        """Ready when running with its database, its table and Kafka reachable (a standby too: it
+        takes over at once when needed)."""
         with self._lock:
             running, health, state, error = self._harvester is not None, self._health, self.state, self.error
         if not running:
@@ -152,8 +204,29 @@ class Outbox:
         return ok, {**details, "state": state}
 
 
+def start_error(exc: Exception) -> FailError:
+    """Why ``Harvester.start()`` failed, as a one-line error naming the setting to look at."""
+    from harvester.kafka.topics import TopicError
+    from harvester.postgres.store import OutboxMissingError, ShardCountError, StoreError
+    from leader.election import LeaderTopicError
+
+    if isinstance(exc, ShardCountError):  # it names the setting and both numbers
+        return FailError(str(exc))
+    if isinstance(exc, TopicError):
+        return FailError(f"harvest.checkpointTopic: {exc}")
+    if isinstance(exc, OutboxMissingError):
+        return FailError(f"harvest.outboxTable: {exc}")
+    if isinstance(exc, StoreError):  # PostgreSQL unreachable, or a table of an unsupported layout
+        return FailError(f"PostgreSQL (harvest.dataSource, harvest.outboxTable): {exc}")
+    if isinstance(exc, LeaderTopicError):  # Kafka unreachable, or the topic absent and not creatable
+        return FailError(f"harvest.leaderTopic: {exc}")
+    log.debug("start_failed", exc_info=exc)
+    return FailError(f"cannot start: {type(exc).__name__}: {exc}", code=1)
+
+
 class OutboxLabels(Collector):
-    """Exports every section's series as one set of series labelled ``outbox``."""
+    """Exports every outbox's series; labelled ``outbox`` when there are several, as they always
+    were (unlabelled) when there is one."""
 
     def __init__(self, outboxes: Sequence[Outbox]) -> None:
         self._outboxes = list(outboxes)
@@ -166,101 +239,60 @@ class OutboxLabels(Collector):
                 if out is None:
                     out = merged[family.name] = Metric(family.name, family.documentation, family.type, family.unit)
                 for sample in family.samples:
-                    labels = {"outbox": outbox.name, **sample.labels}
+                    labels = {**outbox.labels, **sample.labels}
                     out.add_sample(sample.name, labels, sample.value, sample.timestamp, sample.exemplar)
         yield from merged.values()
 
 
-class _Probes:
-    """``/healthz`` and ``/readyz`` over every section: ready when every section is."""
+class Probes:
+    """``/healthz`` and ``/readyz`` over every outbox."""
 
     def __init__(self, outboxes: Sequence[Outbox]) -> None:
         self._outboxes = list(outboxes)
 
     def liveness(self) -> tuple[bool, Mapping[str, object]]:
-        alive = all(o.liveness() for o in self._outboxes)
-        return alive, {"threads_alive": alive}
+        """Alive when every running harvester's threads live and none has stalled; the longest stall
+        is named (outbox, shard, statement, for how long, why), the others in their log lines."""
+        alive, stalls = True, []
+        for outbox in self._outboxes:
+            threads, stall = outbox.liveness()
+            alive = alive and threads
+            if stall is not None:
+                stalls.append(stall)
+        details: dict[str, object] = {"threads_alive": alive}
+        worst = max(stalls, key=lambda stall: stall.seconds, default=None)
+        if worst is not None:
+            details["stalled"] = {
+                "outbox": worst.outbox,
+                "shard": worst.shard,
+                "operation": worst.operation,
+                "seconds": worst.seconds,
+                "error": worst.error,
+            }
+        return alive and worst is None, details
 
     def readiness(self) -> tuple[bool, Mapping[str, object]]:
+        """One outbox: its readiness. Several: ready when every one is, each under ``outboxes``."""
         each = {o.name: o.readiness() for o in self._outboxes}
+        if len(each) == 1:
+            return next(iter(each.values()))
         ok = all(ready for ready, _ in each.values())
         leading = any(bool(details.get("is_leader")) for _, details in each.values())
         return ok, {"is_leader": leading, "outboxes": {name: details for name, (_, details) in each.items()}}
 
 
-def run_outboxes(settings: ReaperSettings, version: str) -> int:
-    """``reaper run`` for a file of several harvest sections; returns the exit code."""
-    from prometheus_client import Gauge
-
-    sections = settings.sections
-    for section in sections:  # configuration mistakes end the process before anything starts
-        try:
-            validate_kafka_config(section)
-            validate_election(section)
-        except FailError as exc:
-            raise FailError(_in_section(str(exc), section, sections), code=exc.code) from None
-    stop = threading.Event()
-    outboxes = [Outbox(section, stop) for section in sections]
-    registry = CollectorRegistry()
-    info = Gauge("reaper_info", "Always 1; labels describe this reaper.", ["version", "instance"], registry=registry)
-    info.labels(version=version, instance=settings.harvest.name).set(1)
-    registry.register(OutboxLabels(outboxes))
-    probes = _Probes(outboxes)
-    server = listen(settings, registry, probes) if settings.http.enabled else None
-    if server is not None:
-        server.start()
-    signals = Signals()
-    signals.install()
-    try:
-        for outbox in outboxes:
-            outbox.start()
-        defaults = sorted({d for section in sections for d in defaulted_connections(section)})
-        if defaults:
-            log.warning("connection_defaults", settings=defaults, hint="set them in the file, or REAPER_HARVEST__*")
-        log.info(
-            "reaper_started",
-            version=version,
-            outboxes=[o.name for o in outboxes],
-            http_port=server.port if server else None,
-        )
-        signals.stop.wait()
-        stop.set()
-        name = signal.Signals(signals.received).name if signals.received else "signal"
-        timeout = settings.shutdown.timeout.total_seconds()
-        in_flight = {o.name: o.in_flight_records for o in outboxes}
-        log.info("reaper_stopping", signal=name, timeout_seconds=timeout, in_flight=in_flight)
-        return _stop_all(outboxes, timeout, server)
-    finally:
-        signals.restore()
+def in_flight(outboxes: Sequence[Outbox]) -> int | dict[str, int]:
+    """Records in flight: a number for one outbox, by outbox for several."""
+    if len(outboxes) == 1:
+        return outboxes[0].in_flight_records
+    return {o.name: o.in_flight_records for o in outboxes}
 
 
-def _stop_all(outboxes: Sequence[Outbox], timeout: float, server: Any) -> int:
-    """Stop every section at once (each within ``timeout``), on threads: the main thread stays free
-    to act on a second signal."""
-    failed: list[tuple[str, BaseException]] = []
+def leader_in_logs(event: Any) -> None:
+    """With one outbox, every log line carries the leader id while this instance leads."""
+    from harvester.core.events import LeaderAcquired, LeaderFenced, LeaderRefreshed, LeaderRevoked
 
-    def stop(outbox: Outbox) -> None:
-        try:
-            outbox.stop(timeout)
-        except Exception as exc:  # reported below, as a log line rather than a raw thread traceback
-            failed.append((outbox.name, exc))
-
-    stoppers = [threading.Thread(target=stop, args=(o,), name=f"reaper-stop-{o.name}", daemon=True) for o in outboxes]
-    for stopper in stoppers:
-        stopper.start()
-    for stopper in stoppers:
-        while stopper.is_alive():
-            stopper.join(0.2)
-    close(server)
-    for name, exc in failed:
-        log.error("reaper_stop_failed", outbox=name, exc_info=exc)
-    if failed:
-        return 1
-    log.info("reaper_stopped")
-    return 0
-
-
-def _in_section(message: str, section: ReaperSettings, sections: Sequence[ReaperSettings]) -> str:
-    """Name the section in a message that names a harvest setting."""
-    index = next(i for i, s in enumerate(sections) if s is section)
-    return message.replace("harvest.", f"harvest[{index}].")
+    if isinstance(event, LeaderAcquired | LeaderRefreshed):
+        logs.set_leader(event.leader_id)
+    elif isinstance(event, LeaderRevoked | LeaderFenced):
+        logs.set_leader(None)

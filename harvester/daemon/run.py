@@ -1,28 +1,34 @@
-"""``reaper run``: the harvester as a daemon, with its HTTP endpoints, until a signal."""
+"""``reaper run``: the harvester as a daemon, with its HTTP endpoints, until a signal.
+
+One path for every file: validate each harvest section, wait (bounded) for each section's Kafka, start
+one :class:`~harvester.daemon.outboxes.Outbox` per section, serve ``/metrics``, ``/healthz`` and
+``/readyz`` over all of them, and on SIGTERM stop them all by one deadline, ``shutdown.timeout``."""
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import signal
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Sequence
 from types import FrameType
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
-from harvester.daemon import logs
-from harvester.daemon.check import connect_pg, reach_kafka, validate_election, validate_kafka_config
+import structlog
+
+from harvester.daemon.check import connect_pg, in_section, reach_kafka, validate_election, validate_kafka_config
 from harvester.daemon.errors import FailError
+from harvester.daemon.outboxes import Outbox, OutboxLabels, Probes, in_flight, leader_in_logs
 from harvester.daemon.settings import ReaperSettings, defaulted_connections
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
     from harvester.daemon.http import HttpServer
-    from harvester.harvester import Harvester
+
+log = structlog.get_logger("reaper")
 
 
 class _Signals:
@@ -52,105 +58,91 @@ class _Signals:
         self.stop.set()
 
 
-class _Probes(Protocol):
-    """What the HTTP endpoint asks: a :class:`_HealthCache`, or the probes over several outboxes."""
-
-    def liveness(self) -> tuple[bool, Mapping[str, object]]: ...
-
-    def readiness(self) -> tuple[bool, Mapping[str, object]]: ...
-
-
-class _HealthCache:
-    """Readiness from ``Harvester.health()``, refreshed in the background so probes answer at once."""
-
-    def __init__(self, harvester: Harvester, interval: float) -> None:
-        self._harvester = harvester
-        self._interval = interval
-        self._lock = threading.Lock()
-        self._latest: dict[str, Any] = {"database_ok": False, "kafka_ok": False, "is_leader": False, "running": False}
-        self._closed = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="reaper-health", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def close(self) -> None:
-        self._closed.set()
-
-    def _loop(self) -> None:
-        while True:
-            try:
-                latest = dict(self._harvester.health())
-            except Exception as exc:  # a failing check means "not ready", never a dead thread
-                latest = {"database_ok": False, "kafka_ok": False, "is_leader": False, "running": False,
-                          "error": type(exc).__name__}
-            with self._lock:
-                self._latest = latest
-            if self._closed.wait(self._interval):
-                return
-
-    def liveness(self) -> tuple[bool, Mapping[str, object]]:
-        threads, stall = self._harvester.threads_alive, self._harvester.stalled
-        details: dict[str, object] = {"threads_alive": threads}
-        if stall is not None:
-            details["stalled"] = {"operation": stall.operation, "seconds": stall.seconds, "error": stall.error}
-        return threads and stall is None, details
-
-    def readiness(self) -> tuple[bool, Mapping[str, object]]:
-        with self._lock:
-            latest = dict(self._latest)
-        # A standby is ready too: it reaches both services and takes over at once when needed.
-        ok = bool(latest.get("running") and latest.get("database_ok") and latest.get("kafka_ok"))
-        keys = ("is_leader", "leading_shards", "database_ok", "kafka_ok", "running")
-        return ok, {k: latest[k] for k in keys if k in latest}
-
-
 def run(settings: ReaperSettings, version: str) -> int:
-    """Build the harvester and the HTTP endpoint, then serve until a signal."""
+    """Build one harvester per ``harvest:`` section and the HTTP endpoint, then serve until a signal.
+
+    A single section is the one-item case of a list: the same code runs it, except that it is not
+    supervised (see :mod:`harvester.daemon.outboxes`): a failure to start, or its end, ends the process.
+    """
     from prometheus_client import CollectorRegistry, Gauge
 
-    from harvester.core.events import LeaderAcquired, LeaderFenced, LeaderRefreshed, LeaderRevoked
-    from harvester.harvester import Harvester
-
-    if len(settings.harvests) > 1:  # several outboxes: one supervised harvester each
-        from harvester.daemon.outboxes import run_outboxes
-
-        return run_outboxes(settings, version)
-    harvest = settings.harvest
-
-    def on_event(event: object) -> None:
-        if isinstance(event, LeaderAcquired | LeaderRefreshed):
-            logs.set_leader(event.leader_id)
-        elif isinstance(event, LeaderRevoked | LeaderFenced):
-            logs.set_leader(None)
-
-    validate_kafka_config(settings)
-    validate_election(settings)
-    reach_kafka(settings, KAFKA_START_TIMEOUT, say_waiting=True)
-    # librdkafka logs to stderr on its own unless given a logger: route it through ours, so its lines
-    # are JSON too, carry the instance name, are redacted, and a line repeated is folded; so are the
-    # errors its clients report.
-    kafka = {**harvest.base_kafka_config, "logger": logs.librdkafka_logger(), "error_cb": logs.librdkafka_error_cb()}
-    harvest = harvest.model_copy(update={"base_kafka_config": kafka})
+    sections = settings.sections
+    several = len(sections) > 1
+    for index, section in enumerate(sections):  # configuration mistakes end the process before anything starts
+        with in_section(index if several else None):
+            validate_kafka_config(section)
+            validate_election(section)
+    reached: list[object] = []
+    for index, section in enumerate(sections):  # one wait per Kafka cluster, at most KAFKA_START_TIMEOUT
+        kafka = dict(section.harvest.base_kafka_config)
+        if kafka not in reached:
+            with in_section(index if several else None):
+                reach_kafka(section, KAFKA_START_TIMEOUT, say_waiting=True)
+            reached.append(kafka)
+    stop = threading.Event()
+    on_event = None if several else leader_in_logs  # several terms run at once: no one leader id
+    outboxes = [Outbox(section, stop, supervised=several, on_event=on_event) for section in sections]
     registry = CollectorRegistry()
     info = Gauge("reaper_info", "Always 1; labels describe this reaper.", ["version", "instance"], registry=registry)
-    info.labels(version=version, instance=harvest.name).set(1)
-    harvester = Harvester(harvest, on_event=on_event, registry=registry)
-    health = _HealthCache(harvester, interval=5.0)
-    server: HttpServer | None = None
-    if settings.http.enabled:
-        server = _listen(settings, registry, health)
+    info.labels(version=version, instance=settings.harvest.name).set(1)
+    registry.register(OutboxLabels(outboxes))
+    server = _listen(settings, registry, Probes(outboxes)) if settings.http.enabled else None
+    if server is not None:
         server.start()
-
     signals = _Signals()
     signals.install()
     try:
-        return _serve(settings, version, harvester, health, server, signals)
+        try:
+            for outbox in outboxes:
+                outbox.start()
+        except FailError:
+            _close(server)
+            raise
+        _started(settings, version, outboxes, server)
+        while not signals.stop.wait(0.5):
+            ended = next((o for o in outboxes if o.ended.is_set()), None)
+            if ended is not None:
+                stop.set()
+                _close(server)
+                if ended.failure is not None:
+                    raise FailError(ended.failure, code=1)
+                log.error("harvester_ended_unexpectedly")
+                return 1
+        stop.set()
+        name = signal.Signals(signals.received).name if signals.received else "signal"
+        timeout = settings.shutdown.timeout.total_seconds()
+        log.info("reaper_stopping", signal=name, timeout_seconds=timeout, in_flight=in_flight(outboxes))
+        return _stop_all(outboxes, timeout, server)
     finally:
         signals.restore()
 
 
-def _listen(settings: ReaperSettings, registry: CollectorRegistry, health: _Probes) -> HttpServer:
+def _started(settings: ReaperSettings, version: str, outboxes: list[Outbox], server: HttpServer | None) -> None:
+    """Say what was started, where it connects by default and which tables are narrower than the outbox."""
+    for outbox in outboxes:
+        defaults = defaulted_connections(outbox.settings)
+        if defaults:
+            log.warning(
+                "connection_defaults",
+                settings=defaults,
+                hint="set them in the file, or REAPER_HARVEST__*",
+                **outbox.labels,
+            )
+        for column in _narrower_columns(outbox.settings):
+            log.warning("narrower_than_outbox", column=str(column), **outbox.labels)
+    where: dict[str, object] = {"outboxes": [o.name for o in outboxes]}
+    if len(outboxes) == 1:
+        harvest = settings.harvest
+        where = {
+            "table": harvest.table.qualified,
+            "shards": harvest.shards,
+            "group": harvest.group_id,
+            "topic": harvest.topic,
+        }
+    log.info("reaper_started", version=version, **where, http_port=server.port if server else None)
+
+
+def _listen(settings: ReaperSettings, registry: CollectorRegistry, health: Probes) -> HttpServer:
     """Bind the HTTP endpoint; raise :class:`FailError` when it cannot listen.
 
     A port the configuration set (``http.port`` in the file, or ``REAPER_HTTP__PORT``) is used or
@@ -158,8 +150,6 @@ def _listen(settings: ReaperSettings, registry: CollectorRegistry, health: _Prob
     whose users never configured an HTTP port) gives way to a free port chosen by the OS, logged here
     and in ``reaper_started``.
     """
-    import structlog
-
     from harvester.daemon.http import HttpServer
 
     http = settings.http
@@ -177,7 +167,7 @@ def _listen(settings: ReaperSettings, registry: CollectorRegistry, health: _Prob
         except OSError:
             pass  # the host is the problem, not the port: report the port that was asked for
         else:
-            structlog.get_logger("reaper").warning(
+            log.warning(
                 "http_port_in_use",
                 default_port=http.port,
                 http_port=server.port,
@@ -200,102 +190,6 @@ _BUSY = (errno.EADDRINUSE, errno.EACCES)
 """Bind errors after which a defaulted ``http.port`` falls back to a free one."""
 
 
-def _serve(
-    settings: ReaperSettings,
-    version: str,
-    harvester: Harvester,
-    health: _HealthCache,
-    server: HttpServer | None,
-    signals: _Signals,
-) -> int:
-    """Start the harvester and run until a signal (or its unexpected end); return the exit code."""
-    import structlog
-
-    harvest = settings.harvest
-    log = structlog.get_logger("reaper")
-    try:
-        harvester.start()
-    except Exception as exc:
-        _abandon(harvester, server)
-        raise start_error(exc) from None
-    health.start()
-    defaults = defaulted_connections(settings)
-    if defaults:
-        log.warning("connection_defaults", settings=defaults, hint="set them in the file, or REAPER_HARVEST__*")
-    for column in _narrower_columns(settings):
-        log.warning("narrower_than_outbox", column=str(column))
-    log.info(
-        "reaper_started",
-        version=version,
-        table=harvest.table.qualified,
-        shards=harvest.shards,
-        group=harvest.group_id,
-        topic=harvest.topic,
-        http_port=server.port if server else None,
-    )
-    while not signals.stop.wait(0.5):
-        if harvester.wait(0):
-            health.close()
-            _close(server)
-            if harvester.failure is not None:
-                raise FailError(harvester.failure, code=1)
-            log.error("harvester_ended_unexpectedly")
-            return 1
-    name = signal.Signals(signals.received).name if signals.received else "signal"
-    timeout = settings.shutdown.timeout.total_seconds()
-    log.info("reaper_stopping", signal=name, timeout_seconds=timeout, in_flight=harvester.in_flight_records)
-    failed: list[BaseException] = []
-
-    def stop() -> None:
-        try:
-            harvester.stop(max(0.0, timeout - _STOP_TAIL))
-        except Exception as exc:  # reported below, as a log line rather than a raw thread traceback
-            failed.append(exc)
-
-    # stop() runs on its own thread so the main thread stays free to act on a second signal at once,
-    # even while the stop blocks inside librdkafka.
-    stopper = threading.Thread(target=stop, name="reaper-stop", daemon=True)
-    stopper.start()
-    deadline = time.monotonic() + timeout
-    while stopper.is_alive() and time.monotonic() < deadline:
-        stopper.join(0.2)
-    health.close()
-    _close(server)
-    if stopper.is_alive():
-        # The deadline is the orchestrator's too (it kills after its grace period): exit now. Nothing
-        # is lost: records not purged stay in the outbox and the next leader marks them again.
-        log.error("reaper_stop_deadline", timeout_seconds=timeout, in_flight=harvester.in_flight_records)
-        sys.stderr.flush()
-        os._exit(1)
-    if failed:
-        log.error("reaper_stop_failed", exc_info=failed[0])
-        return 1
-    log.info("reaper_stopped")
-    return 0
-
-
-def start_error(exc: Exception) -> FailError:
-    """Why ``Harvester.start()`` failed, as a one-line error naming the setting to look at."""
-    import structlog
-
-    from harvester.kafka.topics import TopicError
-    from harvester.postgres.store import OutboxMissingError, ShardCountError, StoreError
-    from leader.election import LeaderTopicError
-
-    if isinstance(exc, ShardCountError):  # it names the setting and both numbers
-        return FailError(str(exc))
-    if isinstance(exc, TopicError):
-        return FailError(f"harvest.checkpointTopic: {exc}")
-    if isinstance(exc, OutboxMissingError):
-        return FailError(f"harvest.outboxTable: {exc}")
-    if isinstance(exc, StoreError):  # PostgreSQL unreachable, or a table of an unsupported layout
-        return FailError(f"PostgreSQL (harvest.dataSource, harvest.outboxTable): {exc}")
-    if isinstance(exc, LeaderTopicError):  # Kafka unreachable, or the topic absent and not creatable
-        return FailError(f"harvest.leaderTopic: {exc}")
-    structlog.get_logger("reaper").debug("start_failed", exc_info=exc)
-    return FailError(f"cannot start: {type(exc).__name__}: {exc}", code=1)
-
-
 def _narrower_columns(settings: ReaperSettings) -> list[Any]:
     """Columns of the dead-letter and staging tables narrower than the outbox's, as ``check`` reports
     them: a dead letter too wide for its table would stall the harvester (best effort, at start)."""
@@ -315,8 +209,38 @@ def _close(server: HttpServer | None) -> None:
         server.close()
 
 
-def _abandon(harvester: Harvester, server: HttpServer | None) -> None:
-    """Best-effort cleanup after a failed start, so no background thread keeps the process alive."""
+def _stop_all(outboxes: Sequence[Outbox], timeout: float, server: HttpServer | None) -> int:
+    """Stop every outbox at once, all by one deadline ``timeout`` seconds from now, whatever state
+    each is in; return the exit code. The stops run on threads of their own, so the main thread
+    stays free to act on a second signal at once, even while a stop blocks inside librdkafka."""
+    deadline = time.monotonic() + timeout
+    budget = max(time.monotonic(), deadline - _STOP_TAIL)  # what the harvesters' stops may take
+    failed: list[tuple[Outbox, BaseException]] = []
+
+    def stop(outbox: Outbox) -> None:
+        try:
+            outbox.stop(budget)
+        except Exception as exc:  # reported below, as a log line rather than a raw thread traceback
+            failed.append((outbox, exc))
+
+    stoppers = [
+        threading.Thread(target=stop, args=(o,), name=f"reaper-stop-{o.name}", daemon=True) for o in outboxes
+    ]
+    for stopper in stoppers:
+        stopper.start()
+    for stopper in stoppers:
+        while stopper.is_alive() and time.monotonic() < deadline:
+            stopper.join(0.2)
     _close(server)
-    with contextlib.suppress(Exception):
-        harvester.stop(1.0)
+    if any(stopper.is_alive() for stopper in stoppers):
+        # The deadline is the orchestrator's too (it kills after its grace period): exit now. Nothing
+        # is lost: records not purged stay in the outbox and the next leader marks them again.
+        log.error("reaper_stop_deadline", timeout_seconds=timeout, in_flight=in_flight(outboxes))
+        sys.stderr.flush()
+        os._exit(1)
+    for outbox, exc in failed:
+        log.error("reaper_stop_failed", exc_info=exc, **outbox.labels)
+    if failed:
+        return 1
+    log.info("reaper_stopped")
+    return 0

@@ -213,20 +213,42 @@ def test_migrate_says_it_created_the_schema(
 
 
 def test_run_with_kafka_unreachable_names_the_cause_and_bootstrap_servers(services: Services, tmp_path: Path) -> None:
+    """One section, and two (a list): the same wait and the same line, naming the section in a list.
+    Both run at once, so the test waits out run's 30 s once."""
     port = _free_port()
-    path = write_config(tmp_path, services.pg_dsn, "outbox", f"127.0.0.1:{port}", unique("lead"))
-    done = run_reaper("run", "-f", path)
-    assert done.returncode == 2, done.stderr
-    (line,) = error_lines(done.stderr)
-    assert line == (
-        f"reaper: error: Kafka unreachable at 127.0.0.1:{port} (harvest.baseKafkaConfig: bootstrap.servers): "
-        f"Connect to ipv4#127.0.0.1:{port} failed: Connection refused"
-    )
-    records = [json.loads(r) for r in done.stderr.splitlines() if r.startswith("{")]
-    # One warning while it retries (bounded: run's documented 30 s), no librdkafka line repeated.
-    assert [r["event"] for r in records if r["level"] != "info"] == ["kafka_unreachable"]
-    assert not [r for r in records if r.get("logger") == "rdkafka"]
-    assert "KafkaError{" not in done.stderr and "leaderTopic" not in done.stderr
+    one = write_config(tmp_path, services.pg_dsn, "outbox", f"127.0.0.1:{port}", unique("lead"))
+    two = tmp_path / "two.yaml"
+    sections = [
+        f"  - dataSource: {json.dumps(services.pg_dsn)}\n    outboxTable: {table}\n"
+        f"    baseKafkaConfig: {{bootstrap.servers: '{servers}'}}\n"
+        for table, servers in (("a_outbox", services.bootstrap), ("b_outbox", f"127.0.0.1:{port}"))
+    ]
+    two.write_text("harvest:\n" + "".join(sections) + "http:\n  port: 0\n")
+    runs = [
+        subprocess.Popen(
+            [*REAPER, "run", "-f", str(path)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            env=reaper_environment(),
+            cwd=ROOT,
+        )
+        for path in (one, two)
+    ]
+    for run, section in zip(runs, ("harvest", "harvest[1]"), strict=True):
+        _, stderr = run.communicate(timeout=90)
+        assert run.returncode == 2, stderr
+        (line,) = error_lines(stderr)
+        assert line == (
+            f"reaper: error: Kafka unreachable at 127.0.0.1:{port} ({section}.baseKafkaConfig: bootstrap.servers): "
+            f"Connect to ipv4#127.0.0.1:{port} failed: Connection refused"
+        )
+        records = [json.loads(r) for r in stderr.splitlines() if r.startswith("{")]
+        # One warning while it retries (bounded: run's documented 30 s), no librdkafka line repeated.
+        assert [r["event"] for r in records if r["level"] != "info"] == ["kafka_unreachable"]
+        assert not [r for r in records if r.get("logger") == "rdkafka"]
+        assert "KafkaError{" not in stderr and "leaderTopic" not in stderr
 
 
 def test_check_names_a_sasl_handshake_failure(services: Services, tmp_path: Path) -> None:

@@ -191,7 +191,15 @@ def test_reapers_drain_hand_over_and_lose_nothing(
         wait_for("reaper-a to lead", a.is_leader)
         b = spawn(config, "reaper-b")
         wait_for("reaper-b to be a ready standby", lambda: b.ready() is not None)
-        assert b.ready() == {"status": "ok", "is_leader": False, "database_ok": True, "kafka_ok": True, "running": True}
+        assert b.ready() == {
+            "status": "ok",
+            "is_leader": False,
+            "database_ok": True,
+            "outbox_ok": True,
+            "kafka_ok": True,
+            "running": True,
+            "state": "running",
+        }
         assert a.get("/healthz")[0] == 200 and b.get("/healthz")[0] == 200
 
         # 1. The leader drains what plain SQL INSERTs wrote.
