@@ -16,8 +16,10 @@ from typing import TYPE_CHECKING, Any
 import harvester
 from harvester.daemon import dlq, logs
 from harvester.daemon.check import check, connect_pg, pg_reason
+from harvester.daemon.environment import CONFIG_ENV
 from harvester.daemon.errors import FailError, OneLineParser, one_line
-from harvester.daemon.settings import CONFIG_ENV, ReaperSettings, SettingsError, load, secret_values
+from harvester.daemon.loading import load
+from harvester.daemon.settings import ReaperSettings, SettingsError, secret_values
 
 if TYPE_CHECKING:
     import psycopg

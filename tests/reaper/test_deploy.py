@@ -11,7 +11,8 @@ import pytest
 import yaml
 
 from harvester import __version__
-from harvester.daemon.settings import ReaperSettings, load
+from harvester.daemon.loading import load
+from harvester.daemon.settings import ReaperSettings
 from tests.support import ROOT
 
 pytestmark = pytest.mark.unit

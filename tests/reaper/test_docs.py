@@ -13,7 +13,8 @@ from prometheus_client import CollectorRegistry
 from pydantic import AliasChoices, BaseModel
 
 from harvester.core.metrics import HarvesterMetrics
-from harvester.daemon.settings import ReaperSettings, iter_env_names
+from harvester.daemon.environment import iter_env_names
+from harvester.daemon.settings import ReaperSettings
 from tests.support import ROOT
 
 pytestmark = pytest.mark.unit

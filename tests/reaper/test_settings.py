@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from harvester.daemon.settings import ReaperSettings, SettingsError, defaulted_connections, load, secret_values
+from harvester.daemon.loading import load
+from harvester.daemon.settings import ReaperSettings, SettingsError, defaulted_connections, secret_values
 
 pytestmark = pytest.mark.unit
 
