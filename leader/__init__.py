@@ -10,11 +10,12 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from leader.election import ElectorConfig, LeaderTopicError, NeliElector
+    from leader.config import ElectorConfig
+    from leader.election import LeaderTopicError, NeliElector
     from leader.events import LeaderAcquired, LeaderEvent, LeaderFenced, LeaderRevoked, LeaderStatus
 
 _EXPORTS = {
-    "ElectorConfig": "leader.election",
+    "ElectorConfig": "leader.config",
     "LeaderAcquired": "leader.events",
     "LeaderEvent": "leader.events",
     "LeaderFenced": "leader.events",

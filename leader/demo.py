@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any
 from uuid import UUID
 
-from leader.election import ElectorConfig, NeliElector
+from leader.config import ElectorConfig
+from leader.election import NeliElector
 from leader.events import LeaderAcquired, LeaderEvent, LeaderFenced, LeaderRevoked
 
 Line = dict[str, Any]
