@@ -72,6 +72,11 @@ def run(settings: ReaperSettings, version: str) -> int:
         with in_section(index if several else None):
             validate_kafka_config(section)
             validate_election(section)
+    for section in sections:  # said first: what follows may fail where a default led
+        defaults = defaulted_connections(section)
+        if defaults:
+            where = {"outbox": section.harvest.table.qualified} if several else {}
+            log.warning("connection_defaults", settings=defaults, hint=_SET_THEM, **where)
     reached: list[object] = []
     for index, section in enumerate(sections):  # one wait per Kafka cluster, at most KAFKA_START_TIMEOUT
         kafka = dict(section.harvest.base_kafka_config)
@@ -118,16 +123,8 @@ def run(settings: ReaperSettings, version: str) -> int:
 
 
 def _started(settings: ReaperSettings, version: str, outboxes: list[Outbox], server: HttpServer | None) -> None:
-    """Say what was started, where it connects by default and which tables are narrower than the outbox."""
+    """Say what was started, and which tables are narrower than the outbox."""
     for outbox in outboxes:
-        defaults = defaulted_connections(outbox.settings)
-        if defaults:
-            log.warning(
-                "connection_defaults",
-                settings=defaults,
-                hint="set them in the file, or REAPER_HARVEST__*",
-                **outbox.labels,
-            )
         for column in _narrower_columns(outbox.settings):
             log.warning("narrower_than_outbox", column=str(column), **outbox.labels)
     where: dict[str, object] = {"outboxes": [o.name for o in outboxes]}
@@ -185,6 +182,8 @@ enough for a sidecar started together with its broker, then exit 2 naming the ca
 _STOP_TAIL = 2.0
 """Seconds of ``shutdown.timeout`` kept from the harvester's stop for closing the HTTP endpoint and
 for the process's exit, where librdkafka's clients are destroyed (about a second with a broker down)."""
+
+_SET_THEM = "set them in the file, or REAPER_HARVEST__*"
 
 _BUSY = (errno.EADDRINUSE, errno.EACCES)
 """Bind errors after which a defaulted ``http.port`` falls back to a free one."""

@@ -272,3 +272,23 @@ def test_check_names_a_sasl_handshake_failure(services: Services, tmp_path: Path
     ), line
     assert "Broker transport failure" not in line
     assert SECRET not in done.stdout + done.stderr
+
+
+# ------------------------------------------------------------------ 3. defaults: said before anything can fail
+
+
+def test_run_on_an_empty_file_names_the_defaulted_connections_before_failing(tmp_path: Path) -> None:
+    """A broken ConfigMap (an empty file): the connection settings left to their defaults are logged
+    first, so the one-line failure that follows is read knowing where the reaper connected."""
+    empty = tmp_path / "reaper.yaml"
+    empty.write_text("")
+    env = reaper_environment(REAPER_HARVEST__OUTBOX_TABLE=f"{unique('absent')}.outbox", REAPER_HTTP__PORT="0")
+    done = run_reaper("run", "-f", str(empty), env=env)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.splitlines()
+    first = json.loads(lines[0])
+    assert (first["event"], [s.split(" ")[0] for s in first["settings"]]) == (
+        "connection_defaults",
+        ["harvest.dataSource", "harvest.baseKafkaConfig"],
+    )
+    assert lines[-1].startswith("reaper: error: ") and "password" not in done.stderr
