@@ -23,13 +23,13 @@ from uuid import UUID
 
 import psycopg
 from psycopg import sql
-from psycopg.conninfo import conninfo_to_dict
 
 from harvester.core.identity import IdentityHeaders
 from harvester.core.protocols import FencedError, ShardCountError, StoreError
 from harvester.core.records import Failure, MarkedRecord
 from harvester.postgres import catalog, migrations
 from harvester.postgres.catalog import OutboxColumns, OutboxMissingError
+from harvester.postgres.connections import PooledConnections, dsn_options, error_text
 from harvester.postgres.identifiers import TableName
 from harvester.postgres.marks import HandedOut
 from harvester.postgres.migrations import notify_channel
@@ -41,14 +41,6 @@ from harvester.postgres.vacuum import Vacuumer
 __all__ = ["FencedError", "OutboxMissingError", "PostgresStore", "ShardCountError", "StoreError"]
 
 
-def _dsn_options(dsn: str) -> str:
-    """The DSN's own ``options`` (empty if none, or if the DSN is malformed: connecting reports that)."""
-    try:
-        return str(conninfo_to_dict(dsn).get("options") or "")
-    except psycopg.Error:
-        return ""
-
-
 @dataclass(frozen=True, slots=True)
 class _Prepared:
     """What :meth:`PostgresStore.prepare` learnt; assigned whole, so a failed prepare leaves none."""
@@ -58,7 +50,7 @@ class _Prepared:
     producer: bytes  # the identity headers' producer name
 
 
-class PostgresStore:
+class PostgresStore(PooledConnections):
     """The store roles of :mod:`harvester.core.protocols` over one outbox table, or over shard
     ``shard`` of its ``shards`` (:mod:`harvester.postgres.sharding`): then it marks only that
     shard's rows and runs under that shard's fence row."""
@@ -91,7 +83,7 @@ class PostgresStore:
         # outbox was small (an idle outbox, before a burst) would scan the whole table on every mark
         # and purge until autoanalyze ran; a custom plan sees the table's current size each time, for
         # a fraction of a millisecond of planning. Added to the DSN's own options, if it has any.
-        options = [_dsn_options(dsn), "-c plan_cache_mode=force_custom_plan"]
+        options = [dsn_options(dsn), "-c plan_cache_mode=force_custom_plan"]
         if shards > 1:
             options.append(SHARD_PLANNER_OPTIONS)
         self._options = " ".join(filter(None, options))
@@ -105,56 +97,6 @@ class PostgresStore:
         self._lock = threading.Lock()
         self._connections: list[psycopg.Connection[Any]] = []
         self._listening: psycopg.Connection[Any] | None = None
-
-    # ------------------------------------------------------------------ connections
-
-    def _connect(self) -> psycopg.Connection[Any]:
-        try:
-            conn = psycopg.connect(
-                self._dsn, autocommit=True, connect_timeout=5, application_name=self._app, options=self._options
-            )
-        except psycopg.Error as exc:
-            # libpq's reason (wrong password, port or database, ...), first line only: later lines
-            # repeat it for other addresses or add hints. libpq may quote a malformed DSN's text;
-            # the reaper redacts secrets from everything it prints.
-            lines = str(exc).strip().splitlines()
-            reason = " ".join(lines[0].split()) if lines else type(exc).__name__
-            raise StoreError(f"cannot connect to PostgreSQL: {reason}") from exc
-        with self._lock:
-            self._connections.append(conn)
-        return conn
-
-    def _conn(self) -> psycopg.Connection[Any]:
-        conn: psycopg.Connection[Any] | None = getattr(self._local, "conn", None)
-        if conn is None or conn.closed or conn.broken:
-            if conn is not None:
-                self._forget(conn)
-            conn = self._connect()
-            self._local.conn = conn
-        return conn
-
-    def _forget(self, conn: psycopg.Connection[Any]) -> None:
-        with self._lock:
-            if conn in self._connections:
-                self._connections.remove(conn)
-        conn.close()
-
-    def _execute(self, query: sql.Composed | str, params: Sequence[Any]) -> psycopg.Cursor[Any]:
-        conn = self._conn()
-        try:
-            return conn.execute(query, params, prepare=True)
-        except psycopg.Error as exc:
-            raise self._failed(conn, exc) from exc
-
-    def _failed(self, conn: psycopg.Connection[Any], exc: psycopg.Error) -> StoreError:
-        if isinstance(exc, psycopg.OperationalError):
-            self._forget(conn)
-            return StoreError(f"database error: {_why(exc)}")
-        return StoreError(f"statement failed: {_why(exc)}")
-
-    def _run(self, query: sql.Composed | str, params: Sequence[Any]) -> list[tuple[Any, ...]]:
-        cur = self._execute(query, params)
-        return cur.fetchall() if cur.description else []
 
     # ------------------------------------------------------------------ set-up
 
@@ -194,9 +136,9 @@ class PostgresStore:
                 producer = f"{row[0] if row else 0}/{self._table.qualified}"
         except psycopg.OperationalError as exc:
             self._forget(conn)
-            raise StoreError(f"database error: {_why(exc)}") from exc
+            raise StoreError(f"database error: {error_text(exc)}") from exc
         except psycopg.Error as exc:
-            raise StoreError(f"preparing {self._table} failed: {_why(exc)}") from exc
+            raise StoreError(f"preparing {self._table} failed: {error_text(exc)}") from exc
         statements = Statements.build(self._table, columns, hold_dead_letter_keys=self._hold, shards=self._shards)
         self._prepared = _Prepared(columns, statements, producer.encode("utf-8"))
         return columns
@@ -392,7 +334,7 @@ class PostgresStore:
             try:
                 migrations.ensure(conn, self._table, "dead_letter")
             except psycopg.Error as exc:
-                why = _why(exc)
+                why = error_text(exc)
                 raise StoreError(f"creating the dead-letter table failed: {why}") from exc
             self._dead_letter_ready = True
         ids = [f.id for f in failures]
@@ -448,22 +390,9 @@ class PostgresStore:
             if self._listening is not None:
                 self._forget(self._listening)
                 self._listening = None
-            raise StoreError(f"listen failed: {_why(exc)}") from exc
+            raise StoreError(f"listen failed: {error_text(exc)}") from exc
 
     def close(self) -> None:
         """Close every connection this store opened."""
         self._vacuum.close()
-        with self._lock:
-            conns, self._connections = self._connections, []
-        for conn in conns:
-            conn.close()
-
-
-def _why(exc: psycopg.Error) -> str:
-    """SQLSTATE and the server's message (``22001 value too long for type character varying(10000)``),
-    or the client's first line when the server said nothing (a lost connection). Values and DSNs are
-    left out: the server's primary message names types and objects, not data."""
-    primary = exc.diag.message_primary if exc.sqlstate else None
-    lines = str(exc).strip().splitlines()
-    text = primary or (" ".join(lines[0].split()) if lines else "")
-    return " ".join(filter(None, [exc.sqlstate or type(exc).__name__, text]))
+        self._close_connections()

@@ -1,0 +1,102 @@
+"""The connections of a :class:`~harvester.postgres.store.PostgresStore`: one per thread that uses
+the store (marking, purging, listening), so the mark loop and the purge/reset pipeline never wait
+on each other's round trips. A broken connection is dropped and re-opened on the next call; a
+failure becomes a :class:`StoreError` with libpq's or the server's reason, never a value or a DSN.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import psycopg
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict
+
+from harvester.core.protocols import StoreError
+
+
+def dsn_options(dsn: str) -> str:
+    """The DSN's own ``options`` (empty if none, or if the DSN is malformed: connecting reports that)."""
+    try:
+        return str(conninfo_to_dict(dsn).get("options") or "")
+    except psycopg.Error:
+        return ""
+
+
+class PooledConnections:
+    """A connection per thread, each opened on first use and re-opened once broken. The store sets
+    these attributes in its constructor."""
+
+    _dsn: str
+    _app: str  # application_name
+    _options: str  # the server options of every session
+    _local: threading.local
+    _lock: threading.Lock  # guards _connections
+    _connections: list[psycopg.Connection[Any]]
+
+    def _connect(self) -> psycopg.Connection[Any]:
+        try:
+            conn = psycopg.connect(
+                self._dsn, autocommit=True, connect_timeout=5, application_name=self._app, options=self._options
+            )
+        except psycopg.Error as exc:
+            # libpq's reason (wrong password, port or database, ...), first line only: later lines
+            # repeat it for other addresses or add hints. libpq may quote a malformed DSN's text;
+            # the reaper redacts secrets from everything it prints.
+            lines = str(exc).strip().splitlines()
+            reason = " ".join(lines[0].split()) if lines else type(exc).__name__
+            raise StoreError(f"cannot connect to PostgreSQL: {reason}") from exc
+        with self._lock:
+            self._connections.append(conn)
+        return conn
+
+    def _conn(self) -> psycopg.Connection[Any]:
+        conn: psycopg.Connection[Any] | None = getattr(self._local, "conn", None)
+        if conn is None or conn.closed or conn.broken:
+            if conn is not None:
+                self._forget(conn)
+            conn = self._connect()
+            self._local.conn = conn
+        return conn
+
+    def _forget(self, conn: psycopg.Connection[Any]) -> None:
+        with self._lock:
+            if conn in self._connections:
+                self._connections.remove(conn)
+        conn.close()
+
+    def _execute(self, query: sql.Composed | str, params: Sequence[Any]) -> psycopg.Cursor[Any]:
+        conn = self._conn()
+        try:
+            return conn.execute(query, params, prepare=True)
+        except psycopg.Error as exc:
+            raise self._failed(conn, exc) from exc
+
+    def _failed(self, conn: psycopg.Connection[Any], exc: psycopg.Error) -> StoreError:
+        if isinstance(exc, psycopg.OperationalError):
+            self._forget(conn)
+            return StoreError(f"database error: {error_text(exc)}")
+        return StoreError(f"statement failed: {error_text(exc)}")
+
+    def _run(self, query: sql.Composed | str, params: Sequence[Any]) -> list[tuple[Any, ...]]:
+        cur = self._execute(query, params)
+        return cur.fetchall() if cur.description else []
+
+    def _close_connections(self) -> None:
+        """Close every connection opened so far."""
+        with self._lock:
+            conns, self._connections = self._connections, []
+        for conn in conns:
+            conn.close()
+
+
+def error_text(exc: psycopg.Error) -> str:
+    """SQLSTATE and the server's message (``22001 value too long for type character varying(10000)``),
+    or the client's first line when the server said nothing (a lost connection). Values and DSNs are
+    left out: the server's primary message names types and objects, not data."""
+    primary = exc.diag.message_primary if exc.sqlstate else None
+    lines = str(exc).strip().splitlines()
+    text = primary or (" ".join(lines[0].split()) if lines else "")
+    return " ".join(filter(None, [exc.sqlstate or type(exc).__name__, text]))
