@@ -18,7 +18,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Sequence
 from uuid import UUID
 
@@ -48,6 +48,9 @@ class AtLeastOnceDispatcher:
         self._busy: set[str] = set()
         # Per busy key, the records waiting behind it with the monotonic time they were queued.
         self._waiting: dict[str, deque[tuple[float, MarkedRecord]]] = {}
+        # How many times each id waits in those FIFOs: a delivered record looks for its re-marked
+        # copy here instead of scanning its key's FIFO (which grows with the queue per key).
+        self._waiting_ids: Counter[int] = Counter()
         self._queued = 0
         # Ids purged while a mark query ran: the query may have returned them before the purge
         # committed, and dispatching them again would publish a duplicate.
@@ -93,6 +96,7 @@ class AtLeastOnceDispatcher:
 
     def discard_waiting(self) -> None:
         self._waiting.clear()
+        self._waiting_ids.clear()
         self._queued = 0
         self._ctx.metrics.queued.set(0)
 
@@ -143,6 +147,7 @@ class AtLeastOnceDispatcher:
                     # Includes a re-marked copy of the record in flight: it is dropped if that
                     # record completes, and is the retry if that record fails.
                     self._waiting.setdefault(key, deque()).append((time.monotonic(), record))
+                    self._waiting_ids[record.id] += 1
                     self._queued += 1
                     continue
                 while len(self._in_flight) >= max_in_flight and state.current(leader_id):
@@ -228,13 +233,18 @@ class AtLeastOnceDispatcher:
         waiting = self._waiting.get(record.key)
         if not waiting:
             return
-        if delivered and any(r.id == record.id for _, r in waiting):
+        if delivered and record.id in self._waiting_ids:
             kept = deque(entry for entry in waiting if entry[1].id != record.id)
             self._queued -= len(waiting) - len(kept)
+            del self._waiting_ids[record.id]
             waiting = self._waiting[record.key] = kept
         if waiting and may_send and self._state.leader_id is not None and not self._state.force_remark:
             self._queued -= 1
-            self._send(waiting.popleft()[1])
+            follower = waiting.popleft()[1]
+            self._waiting_ids[follower.id] -= 1
+            if not self._waiting_ids[follower.id]:
+                del self._waiting_ids[follower.id]
+            self._send(follower)
         if not waiting:
             del self._waiting[record.key]
 
