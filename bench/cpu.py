@@ -43,6 +43,22 @@ def process_seconds(pid: int) -> float:
     return cpu_seconds(fields, children=False) if fields else 0.0
 
 
+def librdkafka_seconds(pid: int) -> float:
+    """CPU seconds of process ``pid``'s librdkafka threads (named ``rdk:...``): native threads that
+    never take the GIL. The rest of a reaper's CPU is spent on threads that run Python (holding the
+    GIL except while psycopg or confluent-kafka wait on I/O)."""
+    total = 0.0
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            if not (task / "comm").read_text().startswith("rdk:"):
+                continue
+            text = (task / "stat").read_text()
+        except OSError:
+            continue
+        total += cpu_seconds(text[text.rindex(")") + 2 :].split(), children=False)
+    return total
+
+
 def backend_pid(conn: psycopg.Connection[Any]) -> int:
     """The server process of ``conn``."""
     row = conn.execute("SELECT pg_backend_pid()").fetchone()

@@ -9,7 +9,10 @@ visible at once, at its commit, like a Spark job's), and the drain is timed from
 empty table. It prints the aggregate rate, its ratio to ``1x1`` of the same run, which process led
 which shards, and CPU seconds per 1,000 records of the reapers (together) and of PostgreSQL. A run
 with fewer processes than shards (``2x1``, ``4x1``) shows what one process leading several shards
-gets out of its threads: its CPU per wall second above 1.0 is work done outside the GIL.
+gets out of its threads: its CPU per wall second above 1.0 is work done outside the GIL. "Python
+share" is the part of the reapers' CPU not spent on librdkafka's native threads: the threads that
+run Python hold the GIL for it, apart from psycopg's and confluent-kafka's waits on I/O, so a process
+running its shards as threads cannot use much more than 1 / that share of a core.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from typing import Any
 
 import psycopg
 from confluent_kafka.admin import AdminClient
-from cpu import CpuMeter, process_seconds
+from cpu import CpuMeter, librdkafka_seconds, process_seconds
 from harvest import BOOTSTRAP, DSN, copy_rows, fresh_topic
 from psycopg import sql
 
@@ -47,6 +50,7 @@ class Run:
     cpu_reapers: float  # CPU seconds per 1,000 records, all reaper processes
     cpu_postgres: float
     reaper_cores: float  # the reapers' CPU seconds per wall second of the drain
+    python_share: float  # of the reapers' CPU, the part not on librdkafka's native threads
     led: list[list[int]]  # the shards each process led when the drain ended
 
 
@@ -134,10 +138,12 @@ def drain(conn: psycopg.Connection[Any], shards: int, processes: int, records: i
             copy_rows(conn, table, topic, records, keys)
             pids = [r.proc.pid for r in reapers]
             before, own_before, started = meter.sample(), sum(map(process_seconds, pids)), time.perf_counter()
+            native_before = sum(map(librdkafka_seconds, pids))
             while conn.execute(probe).fetchone() is not None:
                 time.sleep(0.02)
             elapsed = time.perf_counter() - started
             after, own_after = meter.sample(), sum(map(process_seconds, pids))
+            native = sum(map(librdkafka_seconds, pids)) - native_before
             led = [sorted(r.led) for r in reapers]
         finally:
             for r in reapers:
@@ -154,6 +160,7 @@ def drain(conn: psycopg.Connection[Any], shards: int, processes: int, records: i
         (own_after - own_before) * scale,
         (after.postgres - before.postgres) * scale,
         (own_after - own_before) / elapsed,
+        1 - native / max(own_after - own_before, 1e-9),
         led,
     )
 
@@ -166,7 +173,10 @@ def main() -> None:
     args = p.parse_args()
     runs = [tuple(int(n) for n in r.split("x")) for r in args.runs.split(",")]
     print(f"workload: bursts of {args.records} records, {args.keys} keys, default limits; {os.cpu_count()} cores")
-    print("run   records/s  vs 1x1  reapers CPU s/1k  PostgreSQL CPU s/1k  reaper cores  shards led per process")
+    print(
+        "run   records/s  vs 1x1  reapers CPU s/1k  PostgreSQL CPU s/1k  reaper cores  Python share"
+        "  shards led per process"
+    )
     base: float | None = None
     with psycopg.connect(DSN, autocommit=True) as conn:
         for shards, processes in runs:
@@ -175,7 +185,7 @@ def main() -> None:
             ratio = f"{r.rate / base:5.2f}x" if base else "   - "
             print(
                 f"{shards}x{processes}  {r.rate:10.0f}  {ratio}  {r.cpu_reapers:17.3f}  {r.cpu_postgres:19.3f}"
-                f"  {r.reaper_cores:12.2f}  {r.led}",
+                f"  {r.reaper_cores:12.2f}  {r.python_share:12.0%}  {r.led}",
                 flush=True,
             )
 
