@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import subprocess
-import tempfile
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -25,6 +24,7 @@ from harvester import Limits
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVICES = ROOT / "deploy" / "local" / "services.sh"
+MAVEN = ROOT / "deploy" / "local" / "maven.py"
 CACHE = Path(
     os.environ.get(
         "HARVESTER_CACHE_DIR", Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "outbox-harvester"
@@ -46,48 +46,28 @@ class MissingError(Exception):
 # ---------------------------------------------------------------- jars
 
 
-def _pom(artifact: str, deps: list[tuple[str, str, str]]) -> str:
-    lines = "\n".join(
-        f"    <dependency><groupId>{g}</groupId><artifactId>{a}</artifactId><version>{v}</version></dependency>"
-        for g, a, v in deps
-    )
-    return (
-        '<project xmlns="http://maven.apache.org/POM/4.0.0">\n  <modelVersion>4.0.0</modelVersion>\n'
-        f"  <groupId>outbox-harvester.local</groupId><artifactId>{artifact}</artifactId><version>1</version>\n"
-        f"  <packaging>pom</packaging>\n  <dependencies>\n{lines}\n  </dependencies>\n</project>\n"
-    )
-
-
-def _resolve(into: Path, artifact: str, deps: list[tuple[str, str, str]]) -> None:
+def _resolve(into: Path, deps: list[tuple[str, str, str]]) -> None:
     """Copy ``deps`` and their runtime dependencies from Maven Central into ``into`` (once; cached),
-    as deploy/local/services.sh does for Kafka's jars."""
+    with the resolver deploy/local/services.sh uses for Kafka's jars."""
     if (into / ".complete").exists():
         return
-    if shutil.which("mvn") is None:
-        raise MissingError("Maven (mvn) is needed to resolve Kafka Connect's and Debezium's jars from Maven Central")
     print(f"resolving {', '.join(f'{a} {v}' for _, a, v in deps)} from Maven Central into {into} ...", flush=True)
-    with tempfile.TemporaryDirectory() as work:
-        (Path(work) / "pom.xml").write_text(_pom(artifact, deps))
-        shutil.rmtree(into, ignore_errors=True)
-        into.mkdir(parents=True)
-        done = subprocess.run(
-            ["mvn", "-q", "-B", "dependency:copy-dependencies", "-DincludeScope=runtime", f"-DoutputDirectory={into}"],
-            cwd=work,
-            capture_output=True,
-            text=True,
-            timeout=900,
-            check=False,
-        )
-        if done.returncode != 0:
-            errors = [line for line in done.stdout.splitlines() if "ERROR" in line] or [done.stderr.strip()]
-            raise MissingError(f"Maven could not resolve {artifact}: {errors[0][:300]}")
+    done = subprocess.run(
+        [sys.executable, str(MAVEN), "--cache", str(CACHE / "maven"), "--into", str(into)]
+        + [f"{g}:{a}:{v}" for g, a, v in deps],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise MissingError(done.stderr.strip().splitlines()[-1][:300] if done.stderr.strip() else "resolution failed")
     (into / ".complete").touch()
 
 
 def resolve_jars() -> None:
     _resolve(
         CONNECT_LIBS,
-        "connect-runtime",
         [
             ("org.apache.kafka", "connect-runtime", KAFKA_VERSION),
             ("org.apache.kafka", "connect-json", KAFKA_VERSION),
@@ -99,7 +79,6 @@ def resolve_jars() -> None:
     # A plugin directory of its own, loaded in isolation by Connect (as Debezium's plugin archive is).
     _resolve(
         DEBEZIUM_PLUGINS / "debezium-connector-postgres",
-        "debezium-postgres-plugin",
         [("io.debezium", "debezium-connector-postgres", DEBEZIUM_VERSION)],
     )
     if not any((DEBEZIUM_PLUGINS / "debezium-connector-postgres").glob("debezium-core-*.jar")):

@@ -3,7 +3,7 @@ connector with its outbox EventRouter in Kafka Connect standalone) and by this p
 
     ./dev.sh bench peers [--records 200000] [--large] [--rounds 2] [--keys 1000] [--rate 2000] [--seconds 20]
 
-``--large`` uses 1,000,000 records. Needs Java 17 and Maven: Kafka Connect 4.1.1 (the local broker's
+``--large`` uses 1,000,000 records. Needs Java 17: Kafka Connect 4.1.1 (the local broker's
 version) and Debezium 3.3.2.Final (io.debezium:debezium-connector-postgres, whose jars include the
 io.debezium.transforms.outbox.EventRouter SMT) are resolved from Maven Central into
 ``~/.cache/outbox-harvester/`` on first use. The bench starts a private PostgreSQL with

