@@ -15,7 +15,7 @@ p50 and p99 commit-to-append latency of records committed and appended outside f
 fault and the 30 s after it; the first 10 s are left out too) (commit: the ledger row's
 ``clock_timestamp()``; append: the broker's LogAppendTime, in exactly-once mode before the
 transaction commits), and per fault kind the longest time without any append from the fault's start
-to 30 s after its end. Private services only (ports 35110-35191; the fault tests use 35000-35101).
+to 30 s after its end. Private services only, on ports from ``tests.support.free_ports`` (82 of them).
 Exits 1 on any violation.
 """
 
@@ -45,9 +45,10 @@ from tests.faults.pgpair import PgPair
 from tests.faults.proxy import Mode, Proxy
 from tests.faults.scenario import Outcome, Scenario, settings
 from tests.proc.processes import HarvesterProcess
+from tests.support import free_ports
 
-CLUSTER_PORT = 35110  # to 35110 + 79 with three proxied listener sets
-PGPAIR_PORT = 35190
+CLUSTER_PORTS = 80  # with three proxied listener sets (deploy/local/cluster.sh)
+PGPAIR_PORTS = 2
 KINDS = (
     "kill_leader",
     "kill_partition_leader",
@@ -230,8 +231,8 @@ def report(delivery: str, minutes: float, soak: Soak, outcome: Outcome, sc: Scen
 
 
 def soak_once(delivery: str, minutes: float, rate: float, seed: int) -> bool:
-    cluster = KafkaCluster("fault-soak", CLUSTER_PORT, proxied=3)
-    pair = PgPair("fault-soak", PGPAIR_PORT)
+    cluster = KafkaCluster("fault-soak", free_ports(CLUSTER_PORTS), proxied=3)
+    pair = PgPair("fault-soak", free_ports(PGPAIR_PORTS))
     try:
         cluster.start()
         pair.start()

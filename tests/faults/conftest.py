@@ -8,17 +8,18 @@ import pytest
 
 from tests.faults.cluster import KafkaCluster
 from tests.faults.pgpair import PgPair
+from tests.support import free_ports
 
-# Ports used by no other test: the cluster's CLUSTER_PORT to +39 (see deploy/local/cluster.sh),
-# the PostgreSQL pair's PGPAIR_PORT and +1.
-CLUSTER_PORT = 35000
-PGPAIR_PORT = 35100
+# Ports from tests.support.free_ports, outside the kernel's ephemeral range: the cluster takes 40
+# from its first (see deploy/local/cluster.sh), the PostgreSQL pair 2.
+CLUSTER_PORTS = 40
+PGPAIR_PORTS = 2
 
 
 @pytest.fixture(scope="session")
 def cluster() -> Iterator[KafkaCluster]:
     """Three brokers, replication 3, min.insync.replicas 2; stopped at the end of the session."""
-    c = KafkaCluster("faults", CLUSTER_PORT)
+    c = KafkaCluster("faults", free_ports(CLUSTER_PORTS))
     c.start()
     yield c
     c.stop()
@@ -34,7 +35,7 @@ def whole_cluster(cluster: KafkaCluster) -> KafkaCluster:
 @pytest.fixture(scope="session")
 def pg_pair() -> Iterator[PgPair]:
     """A primary and its synchronous standby; stopped at the end of the session."""
-    pair = PgPair("faults", PGPAIR_PORT)
+    pair = PgPair("faults", free_ports(PGPAIR_PORTS))
     pair.start()
     yield pair
     pair.stop()

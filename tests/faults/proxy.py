@@ -93,8 +93,7 @@ class Proxy:
                 sock.bind(("127.0.0.1", self.port))
                 break
             except OSError:
-                # A fixed port in the kernel's ephemeral range may be some process's outgoing
-                # connection for a while.
+                # A fixed port may be held for a moment by a socket of its previous life.
                 sock.close()
                 if self.port == 0 or time.monotonic() > deadline:
                     raise
