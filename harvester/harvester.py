@@ -63,12 +63,16 @@ def elector_config(config: HarvesterConfig) -> ElectorConfig:
     )
 
 
-def neli_elector(config: HarvesterConfig, report: Callable[[int], Mapping[str, int]] | None = None) -> Elector:
+def neli_elector(
+    config: HarvesterConfig,
+    report: Callable[[int], Mapping[str, int]] | None = None,
+    healthy: Callable[[], bool] | None = None,
+) -> Elector:
     """The default elector: Fast NELI over the configured leader group and topic; its heartbeats
-    carry ``report`` of their shard."""
+    carry ``report`` of their shard, and it steps down while ``healthy`` says no."""
     from leader import NeliElector
 
-    return NeliElector(elector_config(config), report=report)
+    return NeliElector(elector_config(config), report=report, healthy=healthy)
 
 
 @runtime_checkable
@@ -134,7 +138,9 @@ class Harvester:
             else PostgresStore(config.data_source, config.table, **options)
         )
         self._pipelines = [_Pipeline(store, per_shard[0])]  # the other shards' are built by start()
-        self._elector = elector if elector is not None else neli_elector(config, self._heartbeat_report)
+        self._elector = (
+            elector if elector is not None else neli_elector(config, self._heartbeat_report, self.database_reachable)
+        )
         if shards > 1 and not isinstance(self._elector, ShardedElector):
             raise ValueError(f"shards: {shards} needs an elector of several shards (status_of), such as NeliElector")
         self._failure: str | None = None
@@ -309,6 +315,13 @@ class Harvester:
     def leader_id(self) -> UUID | None:
         """The id this instance marks records with, while leader (of the first shard it leads)."""
         return next((e.leader_id for e in self._engines if e.leader_id is not None), None)
+
+    def database_reachable(self) -> bool:
+        """False once every store call of some pipeline has failed to reach the database for longer
+        than ``limits.heartbeat_timeout``: the elector then steps down, so that a process whose
+        database path works leads (docs/reaper.md, "A leader cut from PostgreSQL")."""
+        limit = self.config.limits.heartbeat_timeout.total_seconds()
+        return all(engine.unreachable_seconds <= limit for engine in self._engines)
 
     def _heartbeat_report(self, shard: int) -> Mapping[str, int]:
         """What a shard's heartbeats tell ``reaper status``: the records its leader has marked and

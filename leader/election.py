@@ -55,10 +55,16 @@ class NeliElector:
         *,
         clock: Callable[[], float] = time.monotonic,
         report: Callable[[int], Mapping[str, int]] | None = None,
+        healthy: Callable[[], bool] | None = None,
     ) -> None:
         self._config = config
         self._clock = clock
         self._report = report  # fields a partition's heartbeats carry (its leader's records in flight)
+        # False while the leader's own work path fails (the harvester's database): it steps down.
+        self._healthy = healthy
+        self._rejoin_at: float | None = None  # when a member that stepped down subscribes again
+        self._peers_checked = float("-inf")  # when the group was last looked up for a member to yield to
+        self._admin: AdminClient | None = None
         self._lock = threading.Lock()
         self._states = [NeliState(config.heartbeat_timeout, shard=p) for p in range(config.partitions)]
         self._stopping = threading.Event()
@@ -105,9 +111,7 @@ class NeliElector:
         self._on_event = on_event
         self._consumer = Consumer(self._consumer_config())
         self._producer = Producer(self._producer_config())
-        self._consumer.subscribe(
-            [self._config.topic], on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_lost
-        )
+        self._subscribe()
         self._thread = threading.Thread(target=self._run, name=f"neli-{self._config.group_id}", daemon=True)
         self._thread.start()
 
@@ -224,11 +228,65 @@ class NeliElector:
             with self._lock:
                 event = state.tick(self._clock())
             self._emit(event)
+        self._step_down_or_rejoin()
         for partition in range(len(self._states)):
             self._beat(partition)
         for message in self._consumer.consume(self._config.poll_batch, 0):
             self._read(message)
         self._producer.poll(0)
+
+    def _step_down_or_rejoin(self) -> None:
+        """A leader whose work path fails (``healthy`` says so) fences its terms and leaves the group,
+        so that another member takes its partitions over, provided the group has another member
+        (alone, it keeps trying: yielding to nobody only delays its own retries). It subscribes again
+        after ``session_timeout``, when the others have rebalanced (the sticky assignor then leaves
+        the partitions where they are)."""
+        assert self._consumer is not None
+        now = self._clock()
+        if self._rejoin_at is not None:
+            if now >= self._rejoin_at:
+                self._rejoin_at = None
+                self._subscribe()
+            return
+        with self._lock:
+            leading = any(state.leader_id is not None for state in self._states)
+        if not leading or self._healthy is None or now - self._peers_checked < self._config.heartbeat_timeout:
+            return
+        try:
+            if self._healthy():
+                return
+        except Exception:  # a broken check must not end the election thread
+            log.exception("leader_health_check_failed")
+            return
+        self._peers_checked = now
+        if not self._others_in_group():
+            log.info("leader_stays", member=self._config.name, reason="its work path fails, but no other member")
+            return
+        log.warning("leader_stepping_down", member=self._config.name, reason="its work path fails")
+        for state in self._states:
+            with self._lock:
+                event = state.give_up()
+            self._emit(event)
+        self._consumer.unsubscribe()
+        self._rejoin_at = self._clock() + self._config.session_timeout
+
+    def _others_in_group(self) -> bool:
+        """Whether the group has a member besides this one (True when that cannot be told)."""
+        if self._admin is None:
+            self._admin = AdminClient(self._common())
+        timeout = self._config.heartbeat_interval
+        try:
+            found = self._admin.describe_consumer_groups([self._config.group_id], request_timeout=timeout)
+            return len(found[self._config.group_id].result(timeout=timeout + 1).members) > 1
+        except Exception as exc:  # a lookup that fails says nothing: yield, as the check asked
+            log.info("leader_group_lookup_failed", error=str(exc))
+            return True
+
+    def _subscribe(self) -> None:
+        assert self._consumer is not None
+        self._consumer.subscribe(
+            [self._config.topic], on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_lost
+        )
 
     def _beat(self, partition: int) -> None:
         assert self._producer is not None

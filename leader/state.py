@@ -17,6 +17,8 @@ and forwards the events it returns. Rules:
   accepted an offset commit from this member (which it refuses from a member expelled meanwhile).
 - Losing partition 0 ends the term: ``LeaderRevoked`` when handed over in an orderly rebalance,
   ``LeaderFenced`` when the assignment was lost (another member may own it already).
+- Giving the term up (the owner's own work path fails): ``LeaderFenced``, and the same proof is
+  needed before it leads again.
 """
 
 from __future__ import annotations
@@ -134,6 +136,15 @@ class NeliState:
             return None
         term, self.leader_id = self.leader_id, None
         self.probe_id, self._probe_seen = self._fresh_id(), False
+        self._fenced = True
+        return LeaderFenced(term, self.shard)
+
+    def give_up(self) -> LeaderEvent | None:
+        """The member steps down on its own (its work path fails; the elector leaves the group): the
+        term is fenced as on a missed deadline, and a later assignment needs the same proof."""
+        if self.leader_id is None:
+            return None
+        term, self.leader_id = self.leader_id, None
         self._fenced = True
         return LeaderFenced(term, self.shard)
 

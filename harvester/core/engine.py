@@ -148,6 +148,11 @@ class Engine:
         return self._retries.stalled()
 
     @property
+    def unreachable_seconds(self) -> float:
+        """How long the store's calls have failed to reach the database (0 when they do)."""
+        return self._retries.unreachable_seconds()
+
+    @property
     def leader_id(self) -> UUID | None:
         """The id records are currently marked with, or None when not leading."""
         return self._state.leader_id

@@ -21,6 +21,12 @@ class StoreError(Exception):
     """The database could not be reached or refused a statement; retry after a back-off."""
 
 
+class StoreUnreachableError(StoreError):
+    """The database path failed (no connection, a connection lost, or a statement timed out), as
+    opposed to a statement the database refused; a leader that sees only these for longer than
+    ``heartbeat_timeout`` yields (docs/reaper.md)."""
+
+
 class FencedError(StoreError):
     """A newer leader bumped the fence epoch: this process must stop leader work, not retry."""
 

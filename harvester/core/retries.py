@@ -8,6 +8,10 @@ its reason and the next delay; the delays double from ``io_error_backoff`` up to
 ``stall_timeout`` without a success in between stalls the harvester: :meth:`StoreRetries.stalled`
 says which and why, and the reaper's ``/healthz`` turns 503. The records concerned stay in the
 outbox throughout; at shutdown the retries are abandoned and the next leader marks them again.
+
+:meth:`StoreRetries.unreachable_seconds` is how long the database path has failed: since the first
+:class:`StoreUnreachableError` after the last success of any operation. The harvester's elector
+yields leadership when that exceeds ``heartbeat_timeout``, so that a process whose path works leads.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import structlog
 
 from harvester.core.limits import Limits
 from harvester.core.metrics import HarvesterMetrics
+from harvester.core.protocols import StoreUnreachableError
 
 log = structlog.get_logger("harvester.engine")
 
@@ -58,6 +63,7 @@ class StoreRetries:
         self._metrics = metrics
         self._lock = threading.Lock()
         self._failing: dict[str, _Failing] = {}
+        self._unreachable_since: float | None = None  # first path failure since the last success
         self._abandoned = threading.Event()
         metrics.stalled_seconds.set_function(lambda: stall.seconds if (stall := self.stalled()) else 0.0)
 
@@ -66,6 +72,8 @@ class StoreRetries:
         now = time.monotonic()
         with self._lock:
             failing = self._failing.setdefault(operation, _Failing(now))
+            if isinstance(error, StoreUnreachableError) and self._unreachable_since is None:
+                self._unreachable_since = now
             delay = min(self._ceiling, self._first * 2.0 ** min(failing.attempts, 30))
             failing.attempts += 1
             failing.error = str(error)
@@ -86,6 +94,7 @@ class StoreRetries:
 
     def succeeded(self, operation: str) -> None:
         """``operation`` went through: its back-off and stall clock start afresh."""
+        self._unreachable_since = None  # the path works
         if operation not in self._failing:  # the usual case, without the lock
             return
         with self._lock:
@@ -103,6 +112,13 @@ class StoreRetries:
         with self._lock:
             for operation in operations:
                 self._failing.pop(operation, None)
+            if not self._failing:
+                self._unreachable_since = None
+
+    def unreachable_seconds(self) -> float:
+        """How long every store call has failed to reach the database (0 when the path works)."""
+        since = self._unreachable_since
+        return 0.0 if since is None else time.monotonic() - since
 
     def stalled(self) -> Stall | None:
         """The operation failing for longest, if that is ``stall_timeout`` or more (logged once)."""

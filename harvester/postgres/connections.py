@@ -14,7 +14,7 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 
-from harvester.core.protocols import StoreError
+from harvester.core.protocols import StoreError, StoreUnreachableError
 
 
 def dsn_options(dsn: str) -> str:
@@ -47,7 +47,7 @@ class PooledConnections:
             # the reaper redacts secrets from everything it prints.
             lines = str(exc).strip().splitlines()
             reason = " ".join(lines[0].split()) if lines else type(exc).__name__
-            raise StoreError(f"cannot connect to PostgreSQL: {reason}") from exc
+            raise StoreUnreachableError(f"cannot connect to PostgreSQL: {reason}") from exc
         with self._lock:
             self._connections.append(conn)
         return conn
@@ -77,7 +77,7 @@ class PooledConnections:
     def _failed(self, conn: psycopg.Connection[Any], exc: psycopg.Error) -> StoreError:
         if isinstance(exc, psycopg.OperationalError):
             self._forget(conn)
-            return StoreError(f"database error: {error_text(exc)}")
+            return StoreUnreachableError(f"database error: {error_text(exc)}")
         return StoreError(f"statement failed: {error_text(exc)}")
 
     def _run(self, query: sql.Composed | str, params: Sequence[Any]) -> list[tuple[Any, ...]]:

@@ -141,12 +141,17 @@ def test_heartbeat_codec() -> None:
     assert (reported["in_flight"], reported["seq"], reported["member"]) == (42, 8, "member-a")
 
 
-@pytest.mark.parametrize("how", ["deadline", "lost"])
+@pytest.mark.parametrize("how", ["deadline", "lost", "given up"])
 def test_after_a_fence_a_new_assignment_also_waits_for_proof(how: str) -> None:
     state, term = leader_after_assignment()
     if how == "deadline":
         assert state.tick(3.0) == LeaderFenced(term)
         assert state.released(lost=True) is None
+    elif how == "given up":  # the member stepped down (its work path failed) and left the group
+        assert state.give_up() == LeaderFenced(term)
+        assert state.give_up() is None
+        assert state.status(0.1).is_leader is False and state.heartbeat_id is None
+        assert state.released(lost=False) is None
     else:
         assert state.released(lost=True) == LeaderFenced(term)
     assert state.assigned(4.0) is None

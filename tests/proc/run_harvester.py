@@ -28,6 +28,7 @@ def main() -> None:
     spec = json.loads(sys.argv[1])
     session_timeout = float(spec.pop("session_timeout", 3.0))
     config = HarvesterConfig.model_validate(spec)
+    made: list[Harvester] = []  # the elector asks the harvester, built below, whether it reaches PostgreSQL
     elector = NeliElector(
         ElectorConfig(
             kafka_config=dict(config.base_kafka_config),
@@ -39,7 +40,8 @@ def main() -> None:
             session_timeout=session_timeout,
             group_heartbeat_interval=0.5,
             partitions=config.shards,
-        )
+        ),
+        healthy=lambda: all(h.database_reachable() for h in made),
     )
 
     def on_event(event: Event) -> None:
@@ -48,6 +50,7 @@ def main() -> None:
             emit({"event": type(event).__name__, "leader_id": leader_id, "shard": shard})
 
     h = Harvester(config, on_event=on_event, elector=elector)
+    made.append(h)
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
     h.start()
