@@ -130,6 +130,7 @@ class Harvester:
             "producer_name": config.producer_name,
             "hold_dead_letter_keys": config.dead_letter_policy == "hold_key",
             "vacuum_every": config.limits.vacuum_every_records,
+            "statement_timeout": config.limits.statement_timeout.total_seconds(),
             "shards": shards,
         }
         store = (

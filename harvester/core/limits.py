@@ -102,6 +102,12 @@ class Limits(BaseModel):
         description="A store statement failing this long without a success stalls the harvester: it is no "
         "longer alive (the reaper's /healthz answers 503); its records stay in the outbox.",
     )
+    statement_timeout: Duration = Field(
+        default=timedelta(seconds=60),
+        description="A harvester statement without an answer for this long fails as a lost connection (the "
+        "server's statement_timeout, libpq's tcp_user_timeout and keepalives, and a client-side deadline for a "
+        "path that stalls); 0 turns these off.",
+    )
     mark_query_records: PositiveOrAuto = Field(
         default="auto",
         description="Records marked per query, at most; 'auto': from 100, doubling while marks come back full, to 500.",

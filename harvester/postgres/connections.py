@@ -15,6 +15,7 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 
 from harvester.core.protocols import StoreError, StoreUnreachableError
+from harvester.postgres.deadline import Deadlines, limit_statements
 
 
 def dsn_options(dsn: str) -> str:
@@ -35,12 +36,22 @@ class PooledConnections:
     _local: threading.local
     _lock: threading.Lock  # guards _connections
     _connections: list[psycopg.Connection[Any]]
+    _tcp: dict[str, Any]  # libpq's TCP settings (deadline.tcp_settings)
+    _server_limit: float  # the server's statement_timeout in seconds (0: left alone)
+    _deadlines: Deadlines
 
     def _connect(self) -> psycopg.Connection[Any]:
         try:
             conn = psycopg.connect(
-                self._dsn, autocommit=True, connect_timeout=5, application_name=self._app, options=self._options
+                self._dsn,
+                autocommit=True,
+                connect_timeout=5,
+                application_name=self._app,
+                options=self._options,
+                **self._tcp,
             )
+            if self._server_limit:
+                limit_statements(conn, self._server_limit)
         except psycopg.Error as exc:
             # libpq's reason (wrong password, port or database, ...), first line only: later lines
             # repeat it for other addresses or add hints. libpq may quote a malformed DSN's text;
@@ -69,10 +80,16 @@ class PooledConnections:
 
     def _execute(self, query: sql.Composed | str, params: Sequence[Any]) -> psycopg.Cursor[Any]:
         conn = self._conn()
-        try:
-            return conn.execute(query, params, prepare=True)
-        except psycopg.Error as exc:
-            raise self._failed(conn, exc) from exc
+        with self._deadlines.guard(conn) as expired:
+            try:
+                return conn.execute(query, params, prepare=True)
+            except psycopg.Error as exc:
+                if expired.fired:
+                    self._forget(conn)
+                    raise StoreUnreachableError(
+                        f"no answer within statementTimeout ({self._deadlines.seconds:g} s): connection dropped"
+                    ) from exc
+                raise self._failed(conn, exc) from exc
 
     def _failed(self, conn: psycopg.Connection[Any], exc: psycopg.Error) -> StoreError:
         if isinstance(exc, psycopg.OperationalError):

@@ -30,6 +30,7 @@ from harvester.core.records import Failure, MarkedRecord
 from harvester.postgres import catalog, migrations
 from harvester.postgres.catalog import OutboxColumns, OutboxMissingError
 from harvester.postgres.connections import PooledConnections, dsn_options, error_text
+from harvester.postgres.deadline import Deadlines, limit_statements, tcp_settings
 from harvester.postgres.identifiers import TableName
 from harvester.postgres.marks import HandedOut
 from harvester.postgres.migrations import notify_channel
@@ -67,6 +68,7 @@ class PostgresStore(PooledConnections):
         vacuum_every: int = 0,
         shard: int = 0,
         shards: int = 1,
+        statement_timeout: float = 0.0,
     ) -> None:
         if not 0 <= shard < shards:
             raise ValueError(f"shard {shard} is not one of {shards} shards")
@@ -87,6 +89,13 @@ class PostgresStore(PooledConnections):
         if shards > 1:
             options.append(SHARD_PLANNER_OPTIONS)
         self._options = " ".join(filter(None, options))
+        # A stalled path (no answer, no reset) is noticed within statement_timeout: the server
+        # cancels a statement that runs longer, TCP gives up on unacknowledged data and on a silent
+        # peer (keepalives), and the client-side deadline ends a statement the path holds up.
+        self._deadlines = Deadlines(statement_timeout)
+        self._tcp = tcp_settings(dsn, statement_timeout)
+        # The server's limit, unless off or the DSN's options set one of their own.
+        self._server_limit = statement_timeout if statement_timeout > 0 and "statement_timeout" not in options[0] else 0
         connect = {"connect_timeout": 5, "application_name": application_name, "options": self._options}
         self._vacuum = Vacuumer(dsn, table, vacuum_every, connect)
         self._epoch = 0
@@ -124,6 +133,8 @@ class PostgresStore(PooledConnections):
             return self._prepared.columns
         conn = self._conn()
         try:
+            if self._server_limit:
+                limit_statements(conn, 0)  # migrations and an index build may take their time
             columns = catalog.read(conn, self._table)
             migrations.ensure(conn, self._table, "fence")
             if self._hold:
@@ -134,6 +145,8 @@ class PostgresStore(PooledConnections):
             if producer is None:
                 row = conn.execute("SELECT system_identifier FROM pg_control_system()").fetchone()
                 producer = f"{row[0] if row else 0}/{self._table.qualified}"
+            if self._server_limit:
+                limit_statements(conn, self._server_limit)
         except psycopg.OperationalError as exc:
             self._forget(conn)
             raise StoreError(f"database error: {error_text(exc)}") from exc
@@ -167,6 +180,7 @@ class PostgresStore(PooledConnections):
             vacuum_every=self._vacuum.every,
             shard=shard,
             shards=self._shards,
+            statement_timeout=self._deadlines.seconds,
         )
         store._prepared = prepared
         return store
@@ -394,5 +408,6 @@ class PostgresStore(PooledConnections):
 
     def close(self) -> None:
         """Close every connection this store opened."""
+        self._deadlines.close()
         self._vacuum.close()
         self._close_connections()

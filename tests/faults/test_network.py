@@ -15,7 +15,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from harvester.core.identity import Identity, IdentityHeaders
 from tests.chaos.harness import read_all
 from tests.faults.cluster import KafkaCluster
-from tests.faults.proxy import Proxy
+from tests.faults.proxy import Mode, Proxy
 from tests.faults.scenario import Scenario, exit_counters, settings
 from tests.support import Services, consumed_headers
 
@@ -108,17 +108,21 @@ def test_leader_cut_from_kafka_yields_and_is_fenced(services: Services, whole_cl
 
 
 @pytest.mark.timeout(300)
-def test_leader_cut_from_postgres_yields_to_one_that_reaches_it(services: Services) -> None:
-    """The leader keeps Kafka but loses PostgreSQL: it publishes no more than its in-flight window,
-    and once its store calls have failed for heartbeatTimeout it steps down; the other process,
-    whose path works, takes over. Nothing is lost, per-key order holds."""
+@pytest.mark.parametrize("mode", ["cut", "stall"])
+def test_leader_cut_from_postgres_yields_to_one_that_reaches_it(services: Services, mode: Mode) -> None:
+    """The leader keeps Kafka but loses PostgreSQL, its connections closed (``cut``) or left
+    without an answer (``stall``, noticed after statementTimeout): it publishes no more than its
+    in-flight window, and once its store calls have failed for heartbeatTimeout it steps down; the
+    other process, whose path works, takes over. Nothing is lost, per-key order holds."""
     window = 20
     s = settings()
     pg = conninfo_to_dict(services.pg_dsn)
     target = (str(pg.get("host", "127.0.0.1")), int(str(pg.get("port") or 5432)))
     with (
         Proxy(target) as proxy,
-        Scenario(s, services.pg_dsn, services.bootstrap, max_in_flight_records=window) as sc,
+        Scenario(
+            s, services.pg_dsn, services.bootstrap, max_in_flight_records=window, statement_timeout="2s"
+        ) as sc,
     ):
         proxied = make_conninfo(services.pg_dsn, host="127.0.0.1", port=proxy.port)
         cut_off = sc.spawn_leader("cut-pg-a", dsn=proxied)
@@ -126,12 +130,13 @@ def test_leader_cut_from_postgres_yields_to_one_that_reaches_it(services: Servic
         sc.writers.start()
         sc.wait_published(150)
         cut = time.time()
-        proxy.set_mode("cut")
+        proxy.set_mode(mode)
         assert other.wait_for("LeaderAcquired", 60.0, after=cut), "no takeover after the cut"
         assert cut_off.seen("LeaderFenced", cut), "the cut leader did not step down"
         sc.wait_published(150)  # the new leader harvests
         takeover = min(e["t"] for e in other.events if e["event"] == "LeaderAcquired" and e["t"] >= cut) - cut
-        print(f"takeover {takeover:.1f} s, first purge {sc.first_purge_after(cut) or float('nan'):.1f} s after the cut")
+        purge = sc.first_purge_after(cut) or float("nan")
+        print(f"{mode}: takeover {takeover:.1f} s, first purge {purge:.1f} s after the fault")
         proxy.set_mode("pass")
         outcome = sc.finish()
         assert outcome.violations() == [], outcome.explain()
