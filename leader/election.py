@@ -64,6 +64,7 @@ class NeliElector:
         self._healthy = healthy
         self._rejoin_at: float | None = None  # when a member that stepped down subscribes again
         self._peers_checked = float("-inf")  # when the group was last looked up for a member to yield to
+        self._stayed = False  # leader_stays was logged for the current failure (once per failure)
         self._admin: AdminClient | None = None
         self._lock = threading.Lock()
         self._states = [NeliState(config.heartbeat_timeout, shard=p) for p in range(config.partitions)]
@@ -254,13 +255,16 @@ class NeliElector:
             return
         try:
             if self._healthy():
+                self._stayed = False
                 return
         except Exception:  # a broken check must not end the election thread
             log.exception("leader_health_check_failed")
             return
         self._peers_checked = now
         if not self._others_in_group():
-            log.info("leader_stays", member=self._config.name, reason="its work path fails, but no other member")
+            if not self._stayed:
+                log.info("leader_stays", member=self._config.name, reason="its work path fails, but no other member")
+                self._stayed = True
             return
         log.warning("leader_stepping_down", member=self._config.name, reason="its work path fails")
         for state in self._states:
