@@ -82,7 +82,7 @@ def _parser() -> argparse.ArgumentParser:
         help=f"configuration file (reaper.yaml); default: ${CONFIG_ENV}, else built-in defaults",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    sub.add_parser(
+    run = sub.add_parser(
         "run",
         parents=[common],
         help="harvest the outbox until SIGTERM/SIGINT (the daemon)",
@@ -91,6 +91,14 @@ def _parser() -> argparse.ArgumentParser:
         "in-flight records, hand leadership over, exit 0); a second signal exits at once (nothing is "
         "lost: unacknowledged records stay in the outbox for the next leader).",
     )
+    run.add_argument(
+        "--workers",
+        type=_workers,
+        metavar="N",
+        help="run N reaper processes under this one, each leading some of the shards on a core of its own "
+        "(default: the file's workers, else 1: one process)",
+    )
+    run.add_argument("--worker", help=argparse.SUPPRESS)  # set by the supervisor for its workers
     sub.add_parser(
         "migrate",
         parents=[common],
@@ -144,6 +152,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(args_list)
     try:
         settings = load(args.file)
+        port_file = None
+        if args.command == "run" and args.worker:
+            from harvester.daemon.workers import as_worker
+
+            settings, port_file = as_worker(settings, args.worker)
         logs.configure(
             settings.logging.level,
             settings.logging.format,
@@ -163,8 +176,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             with connect_pg(section, 10) as conn:
                 held = section.harvest.dead_letter_policy == "hold_key"
                 return dlq.run(args, conn, section.harvest.table, held_keys=held)
+        from harvester.daemon import workers
         from harvester.daemon.run import run
 
+        if port_file is not None:
+            return run(settings, package_version(), workers.announce_to(port_file))
+        count = args.workers or settings.workers
+        if count > 1:
+            return workers.supervise(settings, args.file, count)
         return run(settings, package_version())
     except SettingsError as exc:
         print(f"reaper: configuration error: {one_line(str(exc))}", file=sys.stderr)
@@ -172,6 +191,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except FailError as exc:
         print(f"reaper: error: {one_line(str(exc))}", file=sys.stderr)
         return exc.code
+
+
+def _workers(value: str) -> int:
+    try:
+        count = int(value)
+    except ValueError:
+        count = 0
+    if not 1 <= count <= 64:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number from 1 to 64")
+    return count
 
 
 def _migrate(settings: ReaperSettings) -> int:

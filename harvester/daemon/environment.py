@@ -27,13 +27,22 @@ def apply_environment(data: dict[str, Any], env: Mapping[str, str]) -> dict[tupl
     origins: dict[tuple[str, ...], str] = {}
     for name in sorted(env):
         if name.startswith(ENV_PREFIX) and name != CONFIG_ENV:
-            if "__" not in name:
+            if "__" not in name and not _top_level_scalar(name[len(ENV_PREFIX) :]):
                 raise SettingsError(
                     f"{name}: unknown setting; a section and its fields are separated by two underscores, "
                     f"as in REAPER_HARVEST__OUTBOX_TABLE"
                 )
             origins[_apply_override(data, name, env[name])] = name
     return origins
+
+
+def _top_level_scalar(segment: str) -> bool:
+    """Whether ``segment`` names a setting of the top level that is not a section (``workers``)."""
+    name = _field_for(ReaperSettings, segment)
+    if name is None:
+        return False
+    annotation = ReaperSettings.model_fields[name].annotation
+    return not (isinstance(annotation, type) and issubclass(annotation, BaseModel))
 
 
 def _field_for(model: type[BaseModel], segment: str) -> str | None:

@@ -12,7 +12,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
@@ -26,12 +26,12 @@ from harvester.daemon.settings import ReaperSettings, defaulted_connections
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
-    from harvester.daemon.http import HttpServer
+    from harvester.daemon.http import HttpServer, Probe
 
 log = structlog.get_logger("reaper")
 
 
-class _Signals:
+class Signals:
     """First SIGTERM/SIGINT asks for a graceful stop; a second one exits at once."""
 
     def __init__(self) -> None:
@@ -58,8 +58,11 @@ class _Signals:
         self.stop.set()
 
 
-def run(settings: ReaperSettings, version: str) -> int:
+def run(settings: ReaperSettings, version: str, announce: Callable[[int | None], None] | None = None) -> int:
     """Build one harvester per ``harvest:`` section and the HTTP endpoint, then serve until a signal.
+
+    ``announce`` is told the HTTP port (None without HTTP) once every harvester started: a worker of
+    ``reaper run --workers`` tells its supervisor (:mod:`harvester.daemon.workers`).
 
     A single section is the one-item case of a list: the same code runs it, except that it is not
     supervised (see :mod:`harvester.daemon.outboxes`): a failure to start, or its end, ends the process.
@@ -68,10 +71,7 @@ def run(settings: ReaperSettings, version: str) -> int:
 
     sections = settings.sections
     several = len(sections) > 1
-    for index, section in enumerate(sections):  # configuration mistakes end the process before anything starts
-        with in_section(index if several else None):
-            validate_kafka_config(section)
-            validate_election(section)
+    validate(settings)
     for section in sections:  # said first: what follows may fail where a default led
         defaults = defaulted_connections(section)
         if defaults:
@@ -91,10 +91,11 @@ def run(settings: ReaperSettings, version: str) -> int:
     info = Gauge("reaper_info", "Always 1; labels describe this reaper.", ["version", "instance"], registry=registry)
     info.labels(version=version, instance=settings.harvest.name).set(1)
     registry.register(OutboxLabels(outboxes))
-    server = _listen(settings, registry, Probes(outboxes)) if settings.http.enabled else None
+    probes = Probes(outboxes)
+    server = listen(settings, registry, probes.liveness, probes.readiness) if settings.http.enabled else None
     if server is not None:
         server.start()
-    signals = _Signals()
+    signals = Signals()
     signals.install()
     try:
         try:
@@ -104,6 +105,8 @@ def run(settings: ReaperSettings, version: str) -> int:
             _close(server)
             raise
         _started(settings, version, outboxes, server)
+        if announce is not None:
+            announce(server.port if server else None)
         while not signals.stop.wait(0.5):
             ended = next((o for o in outboxes if o.ended.is_set()), None)
             if ended is not None:
@@ -120,6 +123,15 @@ def run(settings: ReaperSettings, version: str) -> int:
         return _stop_all(outboxes, timeout, server)
     finally:
         signals.restore()
+
+
+def validate(settings: ReaperSettings) -> None:
+    """Raise :class:`FailError` for a configuration mistake in any section, before anything starts."""
+    sections = settings.sections
+    for index, section in enumerate(sections):
+        with in_section(index if len(sections) > 1 else None):
+            validate_kafka_config(section)
+            validate_election(section)
 
 
 def _started(settings: ReaperSettings, version: str, outboxes: list[Outbox], server: HttpServer | None) -> None:
@@ -139,7 +151,7 @@ def _started(settings: ReaperSettings, version: str, outboxes: list[Outbox], ser
     log.info("reaper_started", version=version, **where, http_port=server.port if server else None)
 
 
-def _listen(settings: ReaperSettings, registry: CollectorRegistry, health: Probes) -> HttpServer:
+def listen(settings: ReaperSettings, registry: CollectorRegistry, liveness: Probe, readiness: Probe) -> HttpServer:
     """Bind the HTTP endpoint; raise :class:`FailError` when it cannot listen.
 
     A port the configuration set (``http.port`` in the file, or ``REAPER_HTTP__PORT``) is used or
@@ -152,7 +164,7 @@ def _listen(settings: ReaperSettings, registry: CollectorRegistry, health: Probe
     http = settings.http
 
     def bind(port: int) -> HttpServer:
-        return HttpServer(registry, host=http.host, port=port, liveness=health.liveness, readiness=health.readiness)
+        return HttpServer(registry, host=http.host, port=port, liveness=liveness, readiness=readiness)
 
     try:
         return bind(http.port)
@@ -222,9 +234,7 @@ def _stop_all(outboxes: Sequence[Outbox], timeout: float, server: HttpServer | N
         except Exception as exc:  # reported below, as a log line rather than a raw thread traceback
             failed.append((outbox, exc))
 
-    stoppers = [
-        threading.Thread(target=stop, args=(o,), name=f"reaper-stop-{o.name}", daemon=True) for o in outboxes
-    ]
+    stoppers = [threading.Thread(target=stop, args=(o,), name=f"reaper-stop-{o.name}", daemon=True) for o in outboxes]
     for stopper in stoppers:
         stopper.start()
     for stopper in stoppers:

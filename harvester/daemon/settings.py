@@ -7,6 +7,7 @@ A file has up to four sections::
     logging:   # level (goharvest's names accepted), format
     http:      # the /metrics, /healthz and /readyz endpoint
     shutdown:  # how long a graceful stop may wait for in-flight acknowledgements
+    workers:   # a number: reaper processes this one supervises (default 1: no supervisor)
 
 Reading them (the YAML file, ``REAPER_`` variables, secret references) is
 :mod:`harvester.daemon.loading`'s and :mod:`harvester.daemon.environment`'s.
@@ -35,6 +36,7 @@ from harvester.daemon.logs import SECRET_NAME
 # goharvest's reaper used libstdgo's scribe level names (Trace, Debug, Info, Warn, Error, Off, All);
 # matching is case-insensitive here, and Python's "warning" and "critical" are accepted too.
 LOG_LEVELS = ("all", "trace", "debug", "info", "warn", "warning", "error", "critical", "off")
+
 
 class SettingsError(Exception):
     """A configuration mistake; ``str()`` is a one-line message naming the field."""
@@ -104,6 +106,13 @@ class ReaperSettings(BaseModel):
     logging: LoggingSettings = Field(default_factory=LoggingSettings)
     http: HttpSettings = Field(default_factory=HttpSettings)
     shutdown: ShutdownSettings = Field(default_factory=ShutdownSettings)
+    workers: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="Reaper processes run under one supervisor, each a member of the leader groups, so the "
+        "shards are spread over them and each uses a core of its own; 1 runs the harvesters in this process.",
+    )
     _more: tuple[ReaperSettings, ...] = PrivateAttr(default=())  # sections 1.. of a list, each whole
 
     @property

@@ -296,3 +296,14 @@ def test_sections_of_the_same_table_name_in_other_databases_are_allowed(tmp_path
         "  - {dataSource: 'host=b dbname=x', outboxTable: public.outbox, leaderGroupID: g2}\n"
     )
     assert len(load(write(tmp_path, text), environ={}).harvests) == 2
+
+
+def test_workers_from_the_file_or_the_environment(tmp_path: Path) -> None:
+    path = write(tmp_path, "harvest: {outboxTable: public.outbox}\nworkers: 3\n")
+    assert load(path, environ={}).workers == 3
+    assert load(path, environ={"REAPER_WORKERS": "2"}).workers == 2
+    assert load(write(tmp_path, ""), environ={}).workers == 1  # one process, as before
+    with pytest.raises(SettingsError, match="workers"):
+        load(write(tmp_path, "workers: 0\n"), environ={})
+    with pytest.raises(SettingsError, match="REAPER_HARVEST: unknown setting"):  # a section is not a value
+        load(path, environ={"REAPER_HARVEST": "x"})
