@@ -240,12 +240,12 @@ def supervise(settings: ReaperSettings, file: str | None, count: int) -> int:
                 for w in workers:
                     w.tend()
         except FailError:
-            _stop(workers, signal.SIGTERM, settings.shutdown.timeout.total_seconds())
+            stop_workers(workers, signal.SIGTERM, settings.shutdown.timeout.total_seconds())
             raise
         name = signal.Signals(signals.received or signal.SIGTERM)
         timeout = settings.shutdown.timeout.total_seconds()
         log.info("reaper_stopping", signal=name.name, timeout_seconds=timeout, workers=count)
-        code = _stop(workers, name, timeout)
+        code = stop_workers(workers, name, timeout)
         if code == 0:
             log.info("reaper_stopped")
         return code
@@ -256,7 +256,7 @@ def supervise(settings: ReaperSettings, file: str | None, count: int) -> int:
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def _stop(workers: list[Worker], sig: signal.Signals, timeout: float) -> int:
+def stop_workers(workers: list[Worker], sig: signal.Signals, timeout: float) -> int:
     """Forward ``sig`` to every worker and wait for all by one deadline ``timeout`` seconds from now;
     a worker still running then is killed (exit 1, as one process exits past its deadline). Each
     worker enforces the same deadline on itself; the kill is for one that cannot."""

@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -152,3 +153,39 @@ def test_two_workers_share_the_shards_survive_a_kill_and_stop_on_sigterm(
         assert '"instance": "sup-w0"' in log and '"instance": "sup-w1"' in log
     finally:
         delete_topics(services.bootstrap, [topic, f"{group}.neli"])
+
+
+def test_a_worker_past_the_shutdown_deadline_is_killed_and_the_exit_is_1(tmp_path: Path) -> None:
+    """Real processes, no services: one worker stops on SIGTERM, one ignores it; the supervisor's stop
+    kills the second at the deadline and reports failure, as one process past its deadline exits 1."""
+    from harvester.daemon.workers import Worker, stop_workers
+
+    ready = tmp_path / "ignoring"
+    obeys = [sys.executable, "-c", "import time; time.sleep(60)"]
+    ignores = [
+        sys.executable,
+        "-c",
+        "import pathlib, signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "pathlib.Path(sys.argv[1]).touch(); time.sleep(60)",
+        str(ready),
+    ]
+    workers = [Worker(0, obeys, tmp_path), Worker(1, ignores, tmp_path)]
+    for w in workers:
+        w.start()
+    wait_for("the second worker ignoring SIGTERM", ready.exists)
+    assert stop_workers(workers, signal.SIGTERM, 1.0) == 1
+    codes = [w.proc.returncode for w in workers if w.proc is not None]
+    assert codes == [-signal.SIGTERM, -signal.SIGKILL]
+
+
+def test_a_worker_that_cannot_start_ends_the_supervisor_with_exit_2(tmp_path: Path) -> None:
+    """A worker's exit 2 before it ever started is a configuration mistake, not a restart loop."""
+    from harvester.daemon.errors import FailError
+    from harvester.daemon.workers import Worker
+
+    worker = Worker(0, [sys.executable, "-c", "raise SystemExit(2)"], tmp_path)
+    worker.start()
+    assert worker.proc is not None
+    worker.proc.wait(30)
+    with pytest.raises(FailError, match="worker 0 could not start"):
+        worker.tend()
