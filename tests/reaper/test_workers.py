@@ -91,7 +91,7 @@ def test_two_workers_share_the_shards_survive_a_kill_and_stop_on_sigterm(
         f"harvest:\n  dataSource: '{services.pg_dsn}'\n  outboxTable: {table.qualified}\n"
         f"  leaderGroupID: {group}\n  shards: 4\n"
         f"  baseKafkaConfig: {{bootstrap.servers: '{services.bootstrap}'}}\n"
-        "  limits: {heartbeatTimeout: 3s, minPollInterval: 100ms, minMetricsInterval: 1s}\n"
+        "  limits: {heartbeatTimeout: 2s, minPollInterval: 100ms, minMetricsInterval: 1s}\n"
         "logging: {format: json}\nshutdown: {timeout: 15s}\n",
         "utf-8",
     )
