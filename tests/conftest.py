@@ -23,6 +23,23 @@ from tests.support import (
     unique,
 )
 
+# Tests that share something fixed run in one pytest-xdist worker, one after another: private
+# services on fixed ports (chaos, the fault cluster, the Spark cluster, the restartable broker), the
+# reaper's default HTTP port and tables. Everything else (own schema, own topics) runs anywhere.
+_SERIAL_DIRECTORIES = ("chaos", "compat", "faults", "spark", "spark_drain", "reaper")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        directory = item.path.parent.name
+        if directory in _SERIAL_DIRECTORIES:
+            group = "spark" if directory.startswith("spark") else directory
+        elif "private_kafka" in getattr(item, "fixturenames", ()):
+            group = "private_kafka"
+        else:
+            continue
+        item.add_marker(pytest.mark.xdist_group(group))
+
 
 @pytest.fixture(scope="session")
 def services() -> Services:

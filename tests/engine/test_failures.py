@@ -91,15 +91,18 @@ def test_database_connections_killed_mid_run(
 ) -> None:
     topic = topics(partitions=2)
     expected = write_concurrently(services.pg_dsn, outbox, topic, keys=50, per_key=60, writers=4)
-    make_harvester(mark_query_records=20, max_in_flight_records=50)
+    # A name of its own, so that only this harvester's connections are killed, not those of tests
+    # running beside it on the same server.
+    name = unique("doomed")
+    make_harvester(mark_query_records=20, max_in_flight_records=50, settings={"name": name})
 
     def kill() -> None:
         with psycopg.connect(services.pg_dsn, autocommit=True) as conn:
             for _ in range(5):
                 time.sleep(0.3)
                 conn.execute(
-                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
-                    " WHERE application_name LIKE 'outbox-harvester%%' AND pid <> pg_backend_pid()"
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = %s",
+                    (f"outbox-harvester {name}"[:63],),
                 )
 
     killer = threading.Thread(target=kill)
