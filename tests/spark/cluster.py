@@ -12,11 +12,15 @@ import contextlib
 import json
 import os
 import signal
+import site
 import socket
 import subprocess
 import sys
+import tarfile
 import time
 import urllib.request
+import venv
+import zipfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -27,8 +31,14 @@ SPARK_HOME = Path(pyspark.__file__).resolve().parent
 # driver's and the Connect server's ports; executors' block managers take the last few.
 MASTER, MASTER_UI, WORKERS, DRIVER, CONNECT, EXECUTORS = 0, 1, 2, 10, 20, 30
 DEFAULT_BASE_PORT = 17070
-# Small on purpose: the cluster shares two cores with PostgreSQL, Kafka and the test process.
-WORKER_CORES, WORKER_MEMORY, EXECUTOR_MEMORY, DAEMON_MEMORY, CONNECT_MEMORY = 2, "1g", "512m", "256m", "768m"
+# Small on purpose: the cluster shares two cores with PostgreSQL, Kafka and the test process. Each
+# application (the tests' long-lived driver, a driver a test kills, the Connect server) takes one
+# executor of EXECUTOR_CORES on each worker, so the workers offer room for three at once.
+EXECUTOR_CORES, APP_CORES, EXECUTOR_MEMORY, DAEMON_MEMORY, CONNECT_MEMORY = 2, 4, "512m", "256m", "768m"
+WORKER_CORES, WORKER_MEMORY = 3 * EXECUTOR_CORES, "2g"
+# Every JVM here runs seconds of work: the C1 compiler alone and the serial collector start them far
+# cheaper than the defaults (C2 and parallel GC threads), which matters on two shared cores.
+JAVA_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
 
 
 def base_port() -> int:
@@ -45,6 +55,7 @@ def spark_env(root: Path) -> dict[str, str]:
         SPARK_LOCAL_IP="127.0.0.1",
         SPARK_LOG_DIR=str(root / "logs"),
         SPARK_DAEMON_MEMORY=DAEMON_MEMORY,
+        SPARK_DAEMON_JAVA_OPTS=JAVA_OPTIONS,
         SPARK_NO_DAEMONIZE="1",
         PYSPARK_PYTHON=sys.executable,
     )
@@ -177,18 +188,52 @@ class StandaloneCluster:
     def driver_conf(self) -> dict[str, str]:
         """Settings of a driver submitted to this cluster: small, and its ports in the range."""
         return {
-            "spark.driver.host": "127.0.0.1",
-            "spark.driver.bindAddress": "127.0.0.1",
+            **app_conf(self.port),
             "spark.driver.port": str(self.port + DRIVER),
             "spark.driver.blockManager.port": str(self.port + DRIVER + 1),
-            "spark.blockManager.port": str(self.port + EXECUTORS),
-            "spark.port.maxRetries": "8",
-            "spark.ui.enabled": "false",
             "spark.driver.memory": "512m",
-            "spark.executor.memory": EXECUTOR_MEMORY,
-            "spark.executor.cores": str(WORKER_CORES),
             "spark.sql.shuffle.partitions": "4",
         }
+
+
+def app_conf(port: int) -> dict[str, str]:
+    """What every application on the test cluster (or in local mode) sets: loopback, ports in the
+    range (a busy one is retried upwards: several applications run at once), one executor per
+    worker, fast JVMs."""
+    return {
+        "spark.driver.host": "127.0.0.1",
+        "spark.driver.bindAddress": "127.0.0.1",
+        "spark.blockManager.port": str(port + EXECUTORS),
+        "spark.port.maxRetries": "8",
+        "spark.ui.enabled": "false",
+        "spark.cores.max": str(APP_CORES),
+        "spark.executor.cores": str(EXECUTOR_CORES),
+        "spark.executor.memory": EXECUTOR_MEMORY,
+        "spark.driver.extraJavaOptions": JAVA_OPTIONS,
+        "spark.executor.extraJavaOptions": JAVA_OPTIONS,
+    }
+
+
+def packed_environment(wheel: Path, root: Path) -> tuple[Path, Path]:
+    """docs/spark.md's packed virtual environment for ``spark.archives``: a virtual environment with
+    this package installed from ``wheel``, and its ``.tar.gz``. Return both.
+
+    Cheaply: the dependencies (pyspark and pyarrow among them, hundreds of MB) are not packed but
+    found through a ``.pth`` file naming this interpreter's site-packages, which every process of
+    the test cluster can read. The package itself, which is what the test checks, comes from the
+    archive, ahead of those directories on the path.
+    """
+    env = root / "outbox-env"
+    venv.create(env, symlinks=True, with_pip=False)
+    (site_packages,) = env.glob("lib/python*/site-packages")
+    with zipfile.ZipFile(wheel) as package:
+        package.extractall(site_packages)
+    (site_packages / "dependencies.pth").write_text("".join(f"{path}\n" for path in site.getsitepackages()))
+    (root / "environment").symlink_to(env.name)
+    archive = root / "outbox-env.tar.gz"
+    with tarfile.open(archive, "w:gz", compresslevel=1) as tar:
+        tar.add(env, arcname=".")
+    return env, archive
 
 
 def spark_submit(
@@ -199,6 +244,7 @@ def spark_submit(
     py_files: Sequence[Path],
     conf: dict[str, str],
     log: Path,
+    cwd: Path | None = None,
 ) -> subprocess.Popen[bytes]:
     """``spark-submit --master … --py-files … script args`` in a process group of its own (so a test
     can kill the whole driver), its output in ``log``."""
@@ -209,14 +255,20 @@ def spark_submit(
         str(script),
         *args,
     ]
-    return subprocess.Popen(cmd, env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True)
+    out = log.open("ab")
+    return subprocess.Popen(cmd, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 class ConnectServer:
-    """A Spark Connect server (``SparkConnectServer`` through ``spark-submit``) in local mode, two cores."""
+    """A Spark Connect server (``SparkConnectServer`` through ``spark-submit``) in local mode, two
+    cores; a failed task is retried once (local mode's default is never), as in the tests' session.
+
+    Not on the standalone cluster: there a batch write over Connect works (the data source in the
+    executors, the package from the session's artifact), but a streaming query's micro-batches
+    fail in the executors' Python workers with ``ModuleNotFoundError`` (see docs/spark.md)."""
 
     def __init__(self, root: Path, port: int) -> None:
-        self.root, self.port = root, port + CONNECT
+        self.root, self.port, self.base = root, port + CONNECT, port
         # spark-submit sizes the server's JVM like a daemon's, not from spark.driver.memory.
         self.env = {**spark_env(root), "SPARK_DAEMON_MEMORY": CONNECT_MEMORY}
         self.url = f"sc://127.0.0.1:{self.port}"
@@ -226,13 +278,11 @@ class ConnectServer:
         """Start the server; return once it accepts connections."""
         (self.root / "logs").mkdir(parents=True, exist_ok=True)
         conf = {
+            **app_conf(self.base),
             "spark.connect.grpc.binding.address": "127.0.0.1",
             "spark.connect.grpc.binding.port": str(self.port),
-            "spark.driver.host": "127.0.0.1",
-            "spark.driver.bindAddress": "127.0.0.1",
             "spark.driver.port": str(self.port + 1),
             "spark.driver.blockManager.port": str(self.port + 2),
-            "spark.ui.enabled": "false",
             "spark.driver.memory": CONNECT_MEMORY,
             "spark.sql.shuffle.partitions": "2",
         }
@@ -240,7 +290,6 @@ class ConnectServer:
         cmd = [
             str(SPARK_HOME / "bin" / "spark-submit"),
             *("--class", "org.apache.spark.sql.connect.service.SparkConnectServer"),
-            # local[2,2]: a failed task is retried once (local mode's default is never), as in the tests' session.
             *("--name", "harvester-tests-connect", "--master", "local[2,2]", *settings),
         ]
         log = (self.root / "logs" / "connect.out").open("ab")

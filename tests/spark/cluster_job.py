@@ -1,15 +1,23 @@
-"""The driver the cluster tests submit to the standalone cluster, with the recipe docs/spark.md gives:
+"""The drivers the cluster tests submit to the standalone cluster, with the recipes docs/spark.md gives:
 
-    spark-submit --master spark://… --py-files outbox_harvester.zip,testkit.zip cluster_job.py SCENARIO CONFIG
+    spark-submit --master spark://… --py-files outbox_harvester.zip,testkit.zip cluster_job.py serve CONFIG
+    PYSPARK_PYTHON=./environment/bin/python spark-submit --master spark://… --archives env.tar.gz#environment \
+        --py-files testkit.zip cluster_job.py stream CONFIG
 
-``CONFIG`` is JSON: the DSN, the tables and directories of the scenario, and ``result``, a file
-where the driver writes what the test checks besides the tables (JSON).
+``serve`` is one long-lived driver that runs, one after the other, the scenarios the tests drop into
+its inbox directory as ``<name>.json`` files (``{"scenario": …, "config": …}``), writing each result
+as ``<name>.result`` (JSON; ``{"error": …}`` if the scenario raised): one driver and one set of
+executors for every test that does not kill its driver, instead of one each. ``CONFIG`` is JSON:
+the DSN, the tables and directories of the scenario, and ``result``, a file where the driver writes
+what the test checks besides the tables (JSON).
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import time
+import traceback
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -69,12 +77,13 @@ def stream(spark: SparkSession, config: Config) -> dict[str, Any]:
     if config["phase"] == "finish":
         run_stream(spark, source, checkpoint, "outbox", **options)
         return {}
+    imported = spark.sparkContext.parallelize(range(2), 2).mapPartitions(_harvester_file).collect()
     failed = ""
     try:
         run_stream(spark, source, checkpoint, "outbox_faulty", **options, faultAt="commitBefore", faultBatch="1")
     except Exception as error:
         failed = str(error)
-    Path(config["result"]).write_text(json.dumps({"failed": failed}))
+    Path(config["result"]).write_text(json.dumps({"failed": failed, "imported": imported}))
     held = {"faultAt": "commitAfter", "faultBatch": "2", "faultHold": "1"}
     run_stream(spark, source, checkpoint, "outbox_faulty", **options, **held)
     raise AssertionError("the held commit returned: the test was to kill this driver")
@@ -95,13 +104,31 @@ SCENARIOS: dict[str, Callable[[SparkSession, Config], dict[str, Any]]] = {
 }
 
 
+def serve(spark: SparkSession, config: Config) -> dict[str, Any]:
+    """Run the scenarios dropped into ``config["inbox"]`` until a file ``stop`` appears there."""
+    inbox = Path(config["inbox"])
+    while not (inbox / "stop").exists():
+        for request in sorted(inbox.glob("*.json")):
+            job = json.loads(request.read_text())
+            request.unlink()
+            try:
+                result = SCENARIOS[job["scenario"]](spark, job["config"])
+            except Exception:
+                result = {"error": traceback.format_exc()}
+            done = request.with_suffix(".tmp")
+            done.write_text(json.dumps(result))
+            done.rename(request.with_suffix(".result"))
+        time.sleep(0.1)
+    return {}
+
+
 def main(scenario: str, config: Config) -> None:
     """Run ``scenario`` on the cluster this driver was submitted to."""
     spark = SparkSession.builder.appName(f"harvester-tests-{scenario}").getOrCreate()
     spark.sparkContext.setLogLevel("WARN")
     register(spark)
     spark.dataSource.register(faults.FaultyOutbox)
-    result = SCENARIOS[scenario](spark, config)
+    result = {**SCENARIOS, "serve": serve}[scenario](spark, config)
     Path(config["result"]).write_text(json.dumps(result))
     spark.stop()
 

@@ -18,7 +18,7 @@ from examples.spark_pipeline import KAFKA_PACKAGE
 from harvester.postgres.identifiers import TableName
 from harvester.spark import register
 from tests.spark import faults
-from tests.spark.cluster import ConnectServer, StandaloneCluster, base_port
+from tests.spark.cluster import ConnectServer, StandaloneCluster, base_port, packed_environment
 from tests.support import ROOT, Services, build_wheel
 
 
@@ -79,6 +79,13 @@ def shipped(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
         for name in ("tests/__init__.py", "tests/spark/__init__.py", "tests/spark/faults.py", "tests/spark/jobs.py"):
             kit.write(ROOT / name, name)
     return [package, testkit]
+
+
+@pytest.fixture(scope="session")
+def packed_env(tmp_path_factory: pytest.TempPathFactory, shipped: list[Path]) -> tuple[Path, Path]:
+    """The package in a packed virtual environment, for ``spark.archives``: the environment (whose
+    Python a driver runs) and its archive (which executors unpack)."""
+    return packed_environment(shipped[0], tmp_path_factory.mktemp("packed"))
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@ import json
 import subprocess
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,17 +32,40 @@ DRIVER_SECONDS = 480.0
 # Micro-batches of the streaming test: 0 commits, 1 fails, 2 commits and the driver dies; each costs
 # seconds on a cluster, so there are no more.
 FILES = 3
+LOST_ROWS = 8_000  # four partitions of two Arrow batches each
 
 
 class Driver:
     """One ``spark-submit`` of ``cluster_job.py`` to the test cluster."""
 
-    def __init__(self, cluster: StandaloneCluster, shipped: list[Path], scenario: str, config: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        cluster: StandaloneCluster,
+        shipped: list[Path],
+        scenario: str,
+        config: dict[str, Any],
+        env: dict[str, str] | None = None,
+        conf: dict[str, str] | None = None,
+        cwd: Path | None = None,
+    ) -> None:
         self.log = Path(config["result"]).with_suffix(".log")
         self.result = Path(config["result"])
-        conf = {**cluster.driver_conf(), "spark.task.maxFailures": "2"}  # as the local session's local[2,2]
+        settings = {
+            **cluster.driver_conf(),
+            "spark.task.maxFailures": "2",  # as the local session's local[2,2]
+            # Two Arrow batches per partition of the executor-loss write, with few rows.
+            "spark.sql.execution.arrow.maxRecordsPerBatch": str(LOST_ROWS // 8),
+            **(conf or {}),
+        }
         self.process = spark_submit(
-            cluster.env, cluster.url, JOB, [scenario, json.dumps(config)], shipped, conf, self.log
+            {**cluster.env, **(env or {})},
+            cluster.url,
+            JOB,
+            [scenario, json.dumps(config)],
+            shipped,
+            settings,
+            self.log,
+            cwd,
         )
 
     def failure(self) -> str:
@@ -74,6 +97,51 @@ class Driver:
         self.process.wait()
 
 
+class SharedDriver:
+    """The long-lived ``serve`` driver that runs the scenarios of every test that does not kill its
+    driver: one driver JVM and one executor per worker for all of them."""
+
+    def __init__(self, cluster: StandaloneCluster, shipped: list[Path], root: Path) -> None:
+        self.inbox = root / "inbox"
+        self.inbox.mkdir()
+        self.driver = Driver(cluster, shipped, "serve", {"inbox": str(self.inbox), "result": str(root / "serve.json")})
+
+    def start(self, scenario: str, config: dict[str, Any]) -> Path:
+        """Hand ``scenario`` to the driver; return where its result will be."""
+        request = self.inbox / unique("job")
+        request.with_suffix(".part").write_text(json.dumps({"scenario": scenario, "config": config}))
+        request.with_suffix(".part").rename(request.with_suffix(".json"))
+        return request.with_suffix(".result")
+
+    def finish(self, result: Path) -> dict[str, Any]:
+        """Wait for a scenario's result; fail if the scenario raised."""
+        self.driver.wait_for(result.exists)
+        done: dict[str, Any] = json.loads(result.read_text())
+        assert "error" not in done, done["error"]
+        return done
+
+    def run(self, scenario: str, config: dict[str, Any]) -> dict[str, Any]:
+        """Run ``scenario`` and return its result."""
+        return self.finish(self.start(scenario, config))
+
+    def stop(self) -> None:
+        """Let the driver finish."""
+        (self.inbox / "stop").touch()
+        self.driver.finish()
+
+
+@pytest.fixture(scope="module")
+def driver(
+    spark_cluster: StandaloneCluster, shipped: list[Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[SharedDriver]:
+    """The tests' shared driver on the cluster, shipped the ``--py-files`` way."""
+    shared = SharedDriver(spark_cluster, shipped, tmp_path_factory.mktemp("driver"))
+    try:
+        yield shared
+    finally:
+        shared.stop()
+
+
 def config(services: Services, tmp_path: Path, **more: Any) -> dict[str, Any]:
     """What every scenario needs: the DSN, a fault directory and a result file (all on local disk,
     which driver and executors share here)."""
@@ -91,7 +159,7 @@ def by_key(rows: list[tuple[Any, ...]]) -> dict[str, list[int]]:
 
 
 def test_batch_writes_on_the_cluster(
-    spark_cluster: StandaloneCluster, shipped: list[Path], services: Services, pg: Conn, schema: str, tmp_path: Path
+    driver: SharedDriver, services: Services, pg: Conn, schema: str, tmp_path: Path
 ) -> None:
     tables = {name: TableName(schema, name) for name in ("retried", "failed", "ordered", "business")}
     for table in tables.values():
@@ -108,7 +176,7 @@ def test_batch_writes_on_the_cluster(
         commitSql=upsert.as_string(pg),
         **{name: table.qualified for name, table in tables.items()},
     )
-    result = Driver(spark_cluster, shipped, "batch", settings).finish()
+    result = driver.run("batch", settings)
 
     # The executors imported this package from the shipped archive, not from any installation.
     assert len(result["imported"]) == 4
@@ -137,6 +205,8 @@ def test_batch_writes_on_the_cluster(
 def test_stream_resumes_exactly_once_after_the_driver_is_killed(
     spark_cluster: StandaloneCluster,
     shipped: list[Path],
+    packed_env: tuple[Path, Path],
+    driver: SharedDriver,
     services: Services,
     pg: Conn,
     outbox: TableName,
@@ -154,13 +224,28 @@ def test_stream_resumes_exactly_once_after_the_driver_is_killed(
     )
     faults = Path(settings["faults"])
     # Batch 1's commit fails before the database; the query restarts; batch 2's commit reaches the
-    # database and the driver is killed before Spark records the batch.
-    crashing = Driver(spark_cluster, shipped, "stream", {**settings, "phase": "crash"})
+    # database and the driver is killed before Spark records the batch. This driver ships the package
+    # the packed-environment way (docs/spark.md): its Python is the environment's, its executors'
+    # the unpacked archive's, and only the tests' own modules come through --py-files.
+    env, archive = packed_env
+    crashing = Driver(
+        spark_cluster,
+        shipped[1:],
+        "stream",
+        {**settings, "phase": "crash"},
+        env={"PYSPARK_DRIVER_PYTHON": str(env / "bin" / "python"), "PYSPARK_PYTHON": "./environment/bin/python"},
+        conf={"spark.archives": f"{archive}#environment"},
+        cwd=env.parent,  # where ./environment is the environment, for the driver's own Python processes
+    )
     crashing.wait_for(lambda: any(faults.glob("commitAfter-b2-*")))
     crashing.kill()
-    assert "injected fault commitBefore b1" in json.loads(Path(settings["result"]).read_text())["failed"]
+    result = json.loads(Path(settings["result"]).read_text())
+    assert "injected fault commitBefore b1" in result["failed"]
+    assert len(result["imported"]) == 2
+    assert all("/environment/lib/" in path for path in result["imported"]), result["imported"]
+    assert all(path.endswith("/site-packages/harvester/__init__.py") for path in result["imported"])
     # A new driver, from the checkpoint: batch 2 is replayed and skipped, the rest written.
-    Driver(spark_cluster, shipped, "stream", {**settings, "phase": "finish"}).finish()
+    driver.run("stream", {**settings, "phase": "finish"})
 
     values = [int(v) for _, _, v, _, _ in records(pg, outbox)]
     assert sorted(values) == list(range(FILES * PER_FILE))
@@ -174,13 +259,9 @@ def test_stream_resumes_exactly_once_after_the_driver_is_killed(
     assert leftovers(pg, outbox) == (0, 0)
 
 
-
-LOST_ROWS = 80_000  # four partitions of two Arrow batches each
-
-
 def test_executor_lost_mid_write_commits_every_row_once_and_nothing_of_the_lost_attempts(
     spark_cluster: StandaloneCluster,
-    shipped: list[Path],
+    driver: SharedDriver,
     services: Services,
     pg: Conn,
     outbox: TableName,
@@ -189,12 +270,12 @@ def test_executor_lost_mid_write_commits_every_row_once_and_nothing_of_the_lost_
     settings = config(services, tmp_path, table=outbox.qualified, rows=LOST_ROWS)
     faults = Path(settings["faults"])
     names = SinkTables.of(outbox)
-    driver = Driver(spark_cluster, shipped, "lost", settings)
+    result = driver.start("lost", settings)
     victim: int | None = None
     try:
         # The four first attempts hold, two per executor: one in the middle of its staging COPY,
         # one after its staging transaction committed.
-        driver.wait_for(lambda: len(list(faults.glob("hold-*"))) == 4)
+        driver.driver.wait_for(lambda: len(list(faults.glob("hold-*"))) == 4)
         held = {p.name: spark_cluster.worker_of(int(p.name.rsplit("-", 1)[1])) for p in faults.glob("hold-*")}
         victim = held[min(held)]  # the worker of an "after" attempt, whose staged rows are committed
         lost = {name.split("-")[2] for name, worker in held.items() if worker == victim}  # e.g. p2a0
@@ -209,7 +290,7 @@ def test_executor_lost_mid_write_commits_every_row_once_and_nothing_of_the_lost_
         assert staged is not None and int(str(staged[0])) > 0  # a lost attempt's rows sit in staging
         spark_cluster.kill_worker(victim)
         (faults / "release").touch()
-        driver.finish()
+        driver.finish(result)
     finally:
         (faults / "release").touch()
         if victim is not None and spark_cluster.workers[victim] is None:

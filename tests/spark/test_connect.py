@@ -46,7 +46,7 @@ def test_batch_write_over_connect(
     remote: RemoteSparkSession, sink: dict[str, str], pg: Conn, outbox: TableName, tmp_path: Path
 ) -> None:
     (where,) = remote.range(1).mapInArrow(harvester_file, "file string").collect()
-    assert where.file.endswith("/outbox_harvester.zip/harvester/__init__.py")
+    assert where.file.endswith("/outbox_harvester.zip/harvester/__init__.py"), where.file
     # Planned, staged and committed by the server's Python workers, with a retried task.
     numbered(remote, 4000, 4).write.format("outbox_faulty").mode("append").options(
         **sink, topic="orders", faultAt="stage", faultPartition="1", faultAttempt="0", faultDir=str(tmp_path)
