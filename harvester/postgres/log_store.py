@@ -382,7 +382,7 @@ def _record(values: tuple[bytes | None, ...], c: _Columns, kind: str) -> MarkedR
     if raw_keys != b"{}" or raw_values != b"{}":
         hkeys = pgoutput.text_array(None if raw_keys is None else raw_keys.decode())
         hvalues = pgoutput.text_array(None if raw_values is None else raw_values.decode())
-        why = rows.malformed("", hkeys, hvalues)  # type: ignore[arg-type]
+        why = rows.malformed("", hkeys, hvalues)
         headers = [
             (k or "", v.encode() if v is not None else b"") for k, v in zip(hkeys or (), hvalues or (), strict=False)
         ]

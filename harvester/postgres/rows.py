@@ -1,10 +1,22 @@
 """Checks on an outbox row before it becomes a Kafka message, shared by both record sources (the
-mark-purge/reset store and the log source)."""
+mark-purge/reset store and the log source) and, as SQL, by the Spark drain's plan."""
 
 from __future__ import annotations
 
+from psycopg import sql
 
-def malformed(key: str | None, hkeys: list[str] | None, hvalues: list[str | None] | None) -> str | None:
+MALFORMED_SQL = sql.SQL(
+    "CASE WHEN kafka_key IS NULL THEN 'kafka_key is NULL'"
+    " WHEN kafka_header_keys IS NULL OR kafka_header_values IS NULL THEN 'header arrays are NULL'"
+    " WHEN cardinality(kafka_header_keys) <> cardinality(kafka_header_values)"
+    " THEN cardinality(kafka_header_keys) || ' header keys but '"
+    " || cardinality(kafka_header_values) || ' header values'"
+    " WHEN array_position(kafka_header_keys, NULL) IS NOT NULL THEN 'a header key is NULL' END"
+)
+""":func:`malformed` of an outbox row as an SQL expression: the same reason, or NULL."""
+
+
+def malformed(key: str | None, hkeys: list[str | None] | None, hvalues: list[str | None] | None) -> str | None:
     """Why a row cannot become a Kafka message, or None when it can."""
     if key is None:
         return "kafka_key is NULL"

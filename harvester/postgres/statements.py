@@ -18,6 +18,7 @@ from psycopg import sql
 from harvester.postgres.catalog import OutboxColumns
 from harvester.postgres.identifiers import TableName
 from harvester.postgres.migrations import dead_letter_table, fence_table
+from harvester.postgres.rows import MALFORMED_SQL
 from harvester.postgres.sharding import shard_expression
 
 _RETURNING = "id, create_time, kafka_topic, kafka_key, {value}, kafka_header_keys, kafka_header_values, {attempts}"
@@ -96,11 +97,12 @@ class Statements:
                 "SELECT id FROM {t} WHERE {own}id <> " + _SKIP + "{held} ORDER BY {order} LIMIT %s)){ordered}"
             ).format(t=t, f=f, own=own, held=held, order=order, ordered=ordered),
             # The mark's choice of rows, ids only: a Spark drain plans a micro-batch with it and its
-            # executors read the rows (harvester.spark.drain).
+            # executors read the rows (harvester.spark.drain)
+            # (with why a row is malformed, for the dead-letter table).
             pending=sql.SQL(
-                _GUARD + "SELECT id FROM {t} WHERE EXISTS (SELECT 1 FROM fence) AND {own}id <> " + _SKIP + "{held}"
-                " ORDER BY {order} LIMIT %s"
-            ).format(t=t, f=f, own=own, held=held, order=order),
+                _GUARD + "SELECT id, {bad} FROM {t} WHERE EXISTS (SELECT 1 FROM fence)"
+                " AND {own}id <> " + _SKIP + "{held} ORDER BY {order} LIMIT %s"
+            ).format(t=t, f=f, own=own, held=held, order=order, bad=MALFORMED_SQL),
             purge=sql.SQL(
                 _GUARD + "DELETE FROM {t} WHERE EXISTS (SELECT 1 FROM fence) AND id = " + _IDS
             ).format(t=t, f=f),

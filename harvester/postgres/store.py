@@ -284,16 +284,17 @@ class PostgresStore(PooledConnections):
             out.append(MarkedRecord(rid, created, topic, key or "", value, headers, attempts, first_failure, malformed))
         return out
 
-    def pending(self, skip: Sequence[int], limit: int) -> list[int]:
-        """The ids of up to ``limit`` records of this store's shard that are not in ``skip``, sorted:
-        what :meth:`mark` would hand out, without reading the records (a caller that tracks what it
-        handed out itself, as the Spark drain does in its offsets). Raises :class:`FencedError` when
-        a newer epoch superseded ours."""
+    def pending(self, skip: Sequence[int], limit: int) -> list[tuple[int, str | None]]:
+        """The ids of up to ``limit`` records of this store's shard that are not in ``skip``, sorted,
+        each with why it is malformed (:mod:`harvester.postgres.rows`) or None: what :meth:`mark`
+        would hand out, without reading the records (a caller that tracks what it handed out itself,
+        as the Spark drain does in its offsets). Raises :class:`FencedError` when a newer epoch
+        superseded ours."""
         own = (self._shard, self._shard + 1) if self._shards > 1 else ()
         rows = self._run(self._ready().statements.pending, (*self._fence, self._epoch, *own, list(skip), limit))
         if not rows:
             self._check_epoch()
-        return sorted(int(r[0]) for r in rows)
+        return sorted((int(r[0]), r[1]) for r in rows)
 
     def head_id(self) -> int:
         """The outbox's highest id (0 when it is empty)."""

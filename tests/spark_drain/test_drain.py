@@ -10,12 +10,14 @@ from typing import Any
 import psycopg
 import pytest
 from confluent_kafka import Message
+from psycopg import sql
 from pyspark.errors import StreamingQueryException
 from pyspark.sql import DataFrame
 from pyspark.sql.streaming.query import StreamingQuery
 
 from harvester.core.identity import Identity
 from harvester.postgres.identifiers import TableName
+from harvester.postgres.migrations import dead_letter_table
 from tests.spark_drain.conftest import Drain, preload, remaining, to_kafka
 from tests.support import Services, consumed_headers, read_messages, text
 
@@ -42,6 +44,13 @@ def test_drains_a_preloaded_outbox_per_shard_in_key_order(
 ) -> None:
     topic = topics(partitions=4)
     ids = preload(pg, outbox, topic, 2000, keys=40)
+    poison = pg.execute(  # header arrays of different lengths: no message can be made of it
+        sql.SQL(
+            "INSERT INTO {} (create_time, kafka_topic, kafka_key, kafka_value, kafka_header_keys, kafka_header_values)"
+            " VALUES (now(), %s, 'k1', 'poison', ARRAY['a', 'b'], ARRAY['1']) RETURNING id"
+        ).format(outbox.ident),
+        (topic,),
+    ).fetchone()
 
     query = to_kafka(drained(shards="2", maxRecordsPerTrigger="300"), services, tmp_path / "cp")
     query.awaitTermination()
@@ -51,6 +60,8 @@ def test_drains_a_preloaded_outbox_per_shard_in_key_order(
     assert sorted(i for got in by_key.values() for i in got) == ids  # none lost, none twice
     assert all(got == sorted(got) for got in by_key.values())  # per-key order
     assert remaining(pg, outbox) == []
+    letters = pg.execute(sql.SQL("SELECT id, reason FROM {}").format(dead_letter_table(outbox).ident)).fetchall()
+    assert poison is not None and letters == [(poison[0], "malformed")]  # dead-lettered, the query went on
     first = messages[0]
     headers = dict(consumed_headers(first) or [])
     assert set(headers) == {"n", "outbox-id", "outbox-epoch", "outbox-producer"}

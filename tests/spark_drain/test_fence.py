@@ -1,5 +1,6 @@
 """The drain's fencing and planning, called as Spark's driver calls them (real PostgreSQL, no Spark):
-a newer copy of the query takes every shard's term and the older one changes nothing after that."""
+a newer copy of the query takes every shard's term and the older one changes nothing after that;
+malformed records go to the dead-letter table."""
 
 from __future__ import annotations
 
@@ -7,10 +8,13 @@ from typing import Any
 
 import psycopg
 import pytest
+from psycopg import sql
 from pyspark.sql.streaming.datasource import ReadMaxRows
 
 from harvester.core.protocols import FencedError
 from harvester.postgres.identifiers import TableName
+from harvester.postgres.migrations import dead_letter_table
+from harvester.postgres.rows import malformed
 from harvester.spark.drain import DrainConfigError, DrainOptions, OutboxStreamReader
 from tests.spark_drain.conftest import preload, remaining
 from tests.support import Services
@@ -83,3 +87,49 @@ def test_configuration_mistakes_are_one_line_errors(
         three.latestOffset(three.initialOffset(), ReadMaxRows(10))
     with pytest.raises(DrainConfigError, match="checkpoint was written with 2 shards"):
         reader(services, outbox).latestOffset({"shards": 2}, ReadMaxRows(10))
+
+
+def test_malformed_records_are_dead_lettered_under_the_fence_and_left_out_of_the_plan(
+    services: Services, pg: psycopg.Connection[Any], outbox: TableName
+) -> None:
+    pg.execute(sql.SQL("ALTER TABLE {} ALTER COLUMN kafka_key DROP NOT NULL").format(outbox.ident))
+    before = preload(pg, outbox, "t", 3, keys=2)
+    shapes: list[tuple[str | None, list[str | None], list[str | None]]] = [
+        (None, [], []),  # NULL key
+        ("k0", ["a", "b"], ["1"]),  # header arrays of different lengths
+        ("k1", [None], ["1"]),  # a NULL header key
+    ]
+    bad = [
+        int(row[0])
+        for key, hkeys, hvalues in shapes
+        if (
+            row := pg.execute(
+                sql.SQL(
+                    "INSERT INTO {} (create_time, kafka_topic, kafka_key, kafka_value, kafka_header_keys,"
+                    " kafka_header_values) VALUES (now(), 't', %s, 'v', %s, %s) RETURNING id"
+                ).format(outbox.ident),
+                (key, hkeys, hvalues),
+            ).fetchone()
+        )
+        is not None
+    ]
+    after = preload(pg, outbox, "t", 2, keys=2)
+    drain = reader(services, outbox)
+    try:
+        planned = drain.latestOffset(drain.initialOffset(), ReadMaxRows(100))
+        assert planned["0"]["ids"] == before + after  # the query goes on without them
+        letters = {
+            int(r[0]): tuple(r[1:])
+            for r in pg.execute(
+                sql.SQL("SELECT id, reason, error, attempts, epoch FROM {}").format(dead_letter_table(outbox).ident)
+            )
+        }
+        epoch = planned["0"]["epoch"]
+        # The same reasons a reaper gives (harvester.postgres.rows), under the drain's term.
+        assert letters == {
+            rid: ("malformed", malformed(*shape), 1, epoch) for rid, shape in zip(bad, shapes, strict=True)
+        }
+        drain.commit(planned)
+        assert remaining(pg, outbox) == []
+    finally:
+        drain.stop()

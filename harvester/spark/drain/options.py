@@ -39,6 +39,16 @@ class DrainOptions:
     max_records: int  # per micro-batch, over all shards (``maxRecordsPerTrigger``)
     header_prefix: str
     producer_name: str | None
+    # Kafka properties (the ``kafka.``-prefixed options, prefix removed): with ``bootstrap.servers``
+    # the query joins the reapers' leader group and harvests only the shards it leads.
+    kafka: dict[str, str]
+    group_id: str
+    leader_topic: str
+
+    @property
+    def elected(self) -> bool:
+        """Whether the query competes for the shards in the leader group (else it takes them all)."""
+        return "bootstrap.servers" in self.kafka
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> DrainOptions:
@@ -51,6 +61,7 @@ class DrainOptions:
             table = TableName.parse(lowered.get("table", "outbox"))
         except IdentifierError as exc:
             raise DrainConfigError(str(exc)) from exc
+        group = lowered.get("leadergroupid") or f"outbox-harvester.{table.qualified}"
         return cls(
             dsn=dsn,
             table=table,
@@ -58,4 +69,8 @@ class DrainOptions:
             max_records=_positive(lowered, "maxRecordsPerTrigger", DEFAULT_MAX_RECORDS),
             header_prefix=lowered.get("headerprefix", DEFAULT_PREFIX),
             producer_name=lowered.get("producername") or None,
+            kafka={k.removeprefix("kafka."): v for k, v in lowered.items() if k.startswith("kafka.")},
+            # The reaper's defaults (harvester.config), so that a drain and the outbox's reapers meet.
+            group_id=group,
+            leader_topic=lowered.get("leadertopic") or f"{group}.neli",
         )

@@ -5,17 +5,18 @@
   per shard, the ids it planned, the fence epoch it planned them under and a batch counter. Spark
   writes it to the checkpoint's offset log before the batch runs, so a replay reads exactly the
   same records.
-- **Planning** (``latestOffset``, on the driver) takes a term per shard (an epoch bump of the
-  shard's fence row, as a reaper's leadership start does) once per driver, then reads the next
-  ids of each shard under that epoch (:meth:`PostgresStore.pending`), skipping those of the batch
-  before, whose purge may still be pending.
+- **Planning** (``latestOffset``, on the driver) takes a term on each shard the query leads (an
+  epoch bump of the shard's fence row, as a reaper's leadership start does: every shard without a
+  leader group, :mod:`harvester.spark.drain.leadership`), then reads the next ids of each such
+  shard under that epoch (:meth:`PostgresStore.pending`), skipping those of the batch before,
+  whose purge may still be pending, and dead-lettering malformed rows.
 - **Reading** (``read``, on an executor) fetches the planned ids of one shard, in id order: one
   input partition per shard, so every record of a key is in one partition, in order.
 - **Committing** (``commit``, on the driver, once the sink committed the batch) purges the
   batch's ids under the shard's epoch. A batch that fails is never committed: its records stay,
   and Spark replays it from its offsets. When a newer term took a shard's fence (a second copy of
-  the query, a reaper), planning and purging raise :class:`FencedError` and the query stops having
-  changed nothing.
+  the query, a reaper), planning and purging raise :class:`FencedError`: without a leader group
+  the query stops having changed nothing; in one, the shard is left to its new owner.
 
 Spark commits a batch's offsets to the source when it plans the next batch, so when the outbox
 runs dry the last batch's purge would wait for new records: planning then returns a batch with no
@@ -24,27 +25,27 @@ ids, whose only effect is the purge of the batch before.
 
 from __future__ import annotations
 
-import time
-import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any
 
 import psycopg
+import structlog
 from psycopg import sql
 from pyspark.sql.datasource import DataSourceStreamReader, InputPartition
 from pyspark.sql.streaming.datasource import ReadLimit, ReadMaxRows, SupportsTriggerAvailableNow
-from pyspark.sql.types import ArrayType, BinaryType, LongType, StringType, StructField, StructType
+from pyspark.sql.types import ArrayType, BinaryType, IntegerType, LongType, StringType, StructField, StructType
 
 from harvester.core.identity import IdentityHeaders
-from harvester.core.protocols import FencedError, ShardCountError, StoreError
-from harvester.postgres.migrations import fence_table
-from harvester.postgres.store import PostgresStore
+from harvester.core.protocols import FencedError
+from harvester.core.records import Failure
+from harvester.spark.drain.leadership import Shards, retrying
 from harvester.spark.drain.options import DrainConfigError, DrainOptions
+from harvester.spark.drain.placement import Placement
 
-# What the source yields: the columns Spark's Kafka sink reads (topic, key, value, headers) and the
-# record's outbox id.
+# What the source yields: the columns Spark's Kafka sink reads (topic, key, value, headers, partition)
+# and the record's outbox id.
 DRAIN_SCHEMA = StructType(
     [
         StructField("topic", StringType(), False),
@@ -59,27 +60,14 @@ DRAIN_SCHEMA = StructType(
             False,
         ),
         StructField("id", LongType(), False),
+        # The partition a reaper would choose (harvester.spark.drain.placement); null without Kafka options.
+        StructField("partition", IntegerType(), True),
     ]
 )
 
 Offset = dict[str, Any]
-T = TypeVar("T")
 
-# A broken connection (a restarted or failed-over server, a terminated backend) is re-opened by the
-# store's next call: the driver retries a plan or a purge (both idempotent) a few times before the
-# query fails, as a reaper backs off and retries. A fence is final.
-_RETRY_PAUSES = (0.5, 2.0, 5.0)
-
-
-def _retrying(call: Callable[[], T]) -> T:
-    for pause in _RETRY_PAUSES:
-        try:
-            return call()
-        except FencedError:
-            raise
-        except StoreError:
-            time.sleep(pause)
-    return call()
+log = structlog.get_logger("harvester.spark.drain")
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,54 +81,8 @@ class ShardBatch(InputPartition):
     value_kind: str
 
 
-@dataclass(frozen=True, slots=True)
-class _Term:
-    """The driver's hold on the outbox: one store per shard, each under a term of its own."""
-
-    stores: tuple[PostgresStore, ...]
-    producer: str
-    value_kind: str
-
-    @classmethod
-    def take(cls, options: DrainOptions) -> _Term:
-        first = PostgresStore(
-            options.dsn,
-            options.table,
-            application_name="outbox-harvester-spark",
-            identity=IdentityHeaders(options.header_prefix),
-            producer_name=options.producer_name,
-            shards=options.shards,
-        )
-        try:
-            columns = first.prepare()
-            stores = (first, *(first.sibling(i) for i in range(1, options.shards)))
-            leader_id = uuid.uuid4()
-            for store in stores:
-                store.acquire(leader_id)
-        except ShardCountError as exc:
-            first.close()
-            recorded = _recorded_shards(options)
-            raise DrainConfigError(
-                f"option shards is {options.shards} but {options.table} is harvested with {recorded} shards: "
-                "use the number its reapers use (to change it, see docs/sharding.md)"
-            ) from exc
-        except BaseException:
-            first.close()
-            raise
-        return cls(stores, first.producer, columns.limits.value_kind)
-
-    def close(self) -> None:
-        for store in self.stores:
-            store.close()
-
-
-def _recorded_shards(options: DrainOptions) -> str:
-    """The number(s) of shards the outbox's fence rows record, for an error message."""
-    fence = fence_table(options.table)
-    query = sql.SQL("SELECT DISTINCT shards FROM {} WHERE outbox_table = %s ORDER BY 1").format(fence.ident)
-    with psycopg.connect(options.dsn) as conn:
-        found = [str(r[0]) for r in conn.execute(query, (options.table.qualified,))]
-    return " or ".join(found) or "another number of"
+_FIRST_ASSIGNMENT = 30.0
+"""Seconds ``Trigger.AvailableNow`` waits, in a leader group, for the query to lead a shard."""
 
 
 def _shard_offset(offset: Mapping[str, Any], shard: int) -> Offset:
@@ -152,40 +94,46 @@ class OutboxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     """The driver's side of the drain (planning and purging) and the executors' (reading).
 
     Spark builds a fresh reader to ship ``read`` to the executors, so the constructor only keeps
-    the options: the database is first touched when the driver plans."""
+    the options: the database (and the leader group) is first touched when the driver plans."""
 
     def __init__(self, options: DrainOptions) -> None:
         self.options = options
-        self._term: _Term | None = None
+        self._shards: Shards | None = None
         self._committed: dict[int, int] = {}  # shard -> the last batch number it purged
+        self._skipped: dict[int, int] = {}  # shard -> a replayed batch not delivered: another leads the shard
         self._until: int | None = None  # Trigger.AvailableNow: drain the ids up to this one, then stop
 
-    def _held(self) -> _Term:
-        if self._term is None:
-            self._term = _Term.take(self.options)
-        return self._term
+    def _held(self) -> Shards:
+        if self._shards is None:
+            self._shards = Shards(self.options)
+        return self._shards
 
     def initialOffset(self) -> Offset:  # noqa: N802
         """Nothing planned yet, in any shard."""
         return {"shards": self.options.shards}
 
     def prepareForTriggerAvailableNow(self) -> None:  # noqa: N802
-        """``Trigger.AvailableNow``: drain what the outbox holds now (up to its highest id), then stop."""
-        self._until = _retrying(self._held().stores[0].head_id)
+        """``Trigger.AvailableNow``: drain what the outbox holds now (up to its highest id), then stop;
+        in a leader group, in the shards the query leads once it leads any."""
+        shards = self._held()
+        self._until = retrying(shards.stores[0].head_id)
+        if self.options.elected:
+            shards.wait_for_any(_FIRST_ASSIGNMENT)
 
     def getDefaultReadLimit(self) -> ReadLimit:  # noqa: N802
         """At most ``maxRecordsPerTrigger`` records per micro-batch."""
         return ReadMaxRows(self.options.max_records)
 
     def latestOffset(self, start: Offset, limit: ReadLimit) -> Offset:  # noqa: N802
-        """Plan the next micro-batch: per shard, the next ids under the shard's fence."""
+        """Plan the next micro-batch: per shard led, the next ids under the shard's fence."""
         shards = self.options.shards
         if int(start.get("shards", shards)) != shards:
             raise DrainConfigError(
                 f"option shards is {shards} but the checkpoint was written with {start['shards']} shards: "
                 "start the query with a new checkpoint location to change it"
             )
-        term = self._held()
+        held = self._held()
+        led = held.lead()
         # A batch's ids are written into the checkpoint, so a batch is bounded even when the trigger
         # asks for everything available (``ReadAllAvailable``).
         total = self.options.max_records
@@ -193,27 +141,60 @@ class OutboxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             total = min(limit.max_rows, total)
         per_shard = max(1, total // shards)
         end: Offset = {"shards": shards}
-        for shard, store in enumerate(term.stores):
+        for shard, store in enumerate(held.stores):
             before = _shard_offset(start, shard)
-            ids = _retrying(partial(store.pending, before["ids"], per_shard))
-            if self._until is not None:
-                ids = [i for i in ids if i <= self._until]
-            purge_due = bool(before["ids"]) and self._committed.get(shard) != before["batch"]
+            batch = int(before["batch"])
+            ids: list[int] = []
+            if shard in led:
+                # The batch before may still be purged: skip its ids, unless it was not delivered.
+                skip = [] if self._skipped.get(shard) == batch else before["ids"]
+                try:
+                    ids = self._plan(shard, skip, per_shard)
+                except FencedError as exc:
+                    held.fenced(shard, exc)
+            purge_due = bool(before["ids"]) and self._committed.get(shard) != batch
             if ids or purge_due:
-                end[str(shard)] = {"epoch": store.epoch, "batch": int(before["batch"]) + 1, "ids": ids}
+                end[str(shard)] = {"epoch": store.epoch, "batch": batch + 1, "ids": ids}
+                if ids:
+                    held.planned(shard, batch + 1)
             elif str(shard) in start:
                 end[str(shard)] = before
         return end
 
+    def _plan(self, shard: int, skip: list[int], limit: int) -> list[int]:
+        """The ids of the next records of ``shard``; malformed ones (a row no message can be made
+        of, :mod:`harvester.postgres.rows`) are moved to the dead-letter table under the fence
+        instead, as a reaper does after its attempts (the drain has one: it would fail every time)."""
+        held = self._held()
+        store = held.stores[shard]
+        rows = retrying(partial(store.pending, skip, limit))
+        if self._until is not None:
+            rows = [(rid, why) for rid, why in rows if rid <= self._until]
+        bad = [Failure(rid, "", "malformed", why, 1, None) for rid, why in rows if why is not None]
+        if bad:
+            retrying(partial(store.dead_letter, bad, held.term(shard)))
+            for failure in bad:
+                log.error("dead_lettered", id=failure.id, reason=failure.reason, error=failure.error, shard=shard)
+        return [rid for rid, why in rows if why is None]
+
     def partitions(self, start: Offset, end: Offset) -> list[ShardBatch]:
-        """One input partition per shard that has records in this batch."""
+        """One input partition per shard that has records in this batch (and that this driver may
+        deliver: a replayed batch of a shard another member leads now is left to it)."""
         out: list[ShardBatch] = []
         for shard in range(self.options.shards):
             planned = _shard_offset(end, shard)
-            if planned["ids"] and planned["batch"] != _shard_offset(start, shard)["batch"]:
-                term = self._held()
+            batch = int(planned["batch"])
+            if not planned["ids"] or batch == _shard_offset(start, shard)["batch"]:
+                continue
+            held = self._held()
+            if held.deliverable(shard, batch):
+                # Spark runs a batch only after the one before completed, so that one's records are
+                # delivered: purge them if this driver has not (it died before the source's commit).
+                self._purge(shard, _shard_offset(start, shard))
                 ids = tuple(planned["ids"])
-                out.append(ShardBatch(shard, int(planned["epoch"]), ids, term.producer, term.value_kind))
+                out.append(ShardBatch(shard, int(planned["epoch"]), ids, held.producer, held.value_kind))
+            else:
+                self._skipped[shard] = batch
         return out
 
     def read(self, partition: InputPartition) -> Iterator[tuple[Any, ...]]:
@@ -221,6 +202,7 @@ class OutboxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         assert isinstance(partition, ShardBatch)
         names = IdentityHeaders(self.options.header_prefix)
         identity = [(names.epoch, str(partition.epoch).encode()), (names.producer, partition.producer.encode())]
+        placement = Placement(self.options.kafka) if self.options.elected else None
         value = "kafka_value::text" if partition.value_kind == "json" else "kafka_value"
         query = sql.SQL(
             "SELECT id, kafka_topic, kafka_key, " + value + ", kafka_header_keys, kafka_header_values"
@@ -240,19 +222,29 @@ class OutboxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 ]
                 headers += [(names.id, str(rid).encode()), *identity]
                 payload = raw.encode("utf-8") if isinstance(raw, str) else raw
-                yield topic, key, payload, headers, rid
+                yield topic, key, payload, headers, rid, placement.partition(topic, key) if placement else None
 
     def commit(self, end: Offset) -> None:
         """Purge the records of a batch the sink committed, under each shard's fence."""
-        term = self._held()
-        for shard, store in enumerate(term.stores):
+        held = self._held()
+        for shard in range(self.options.shards):
             planned = _shard_offset(end, shard)
-            if planned["ids"] and self._committed.get(shard) != planned["batch"]:
-                _retrying(partial(store.purge, planned["ids"]))
-            self._committed[shard] = int(planned["batch"])
+            self._purge(shard, planned)
+            held.committed(shard, int(planned["batch"]))
+
+    def _purge(self, shard: int, planned: Offset) -> None:
+        """Purge a delivered batch's records of ``shard`` once (not those of a replay left undelivered)."""
+        batch = int(planned["batch"])
+        if planned["ids"] and self._committed.get(shard) != batch and self._skipped.get(shard) != batch:
+            held = self._held()
+            try:
+                retrying(partial(held.stores[shard].purge, planned["ids"]))
+            except FencedError as exc:
+                held.fenced(shard, exc)  # in a leader group: the records are the new owner's
+        self._committed[shard] = batch
 
     def stop(self) -> None:
-        """Close the driver's connections."""
-        if self._term is not None:
-            self._term.close()
-            self._term = None
+        """Leave the leader group and close the driver's connections."""
+        if self._shards is not None:
+            self._shards.close()
+            self._shards = None
