@@ -1,0 +1,100 @@
+"""The drain's driver killed mid-run (SIGKILL of the whole driver: Python, its JVM and the source's
+Python runner) and restarted from the checkpoint: nothing lost, per-key order, and the only
+duplicates are records of the batch that was unfinished when it died."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections import Counter, defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from harvester.core.identity import Identity
+from harvester.postgres.identifiers import TableName
+from tests.engine.workload import wait_until
+from tests.spark_drain.conftest import preload, remaining
+from tests.support import ROOT, Services, consumed_headers, end_offsets, read_messages, text
+
+pytestmark = pytest.mark.integration
+
+
+def drain_job(spec: dict[str, Any]) -> subprocess.Popen[str]:
+    """A driver process of its own, in a session of its own so that it can be killed whole."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.spark_drain.drain_job", json.dumps(spec)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def unfinished(checkpoint: Path) -> list[int]:
+    """The ids of the batch the checkpoint's offset log planned and its commit log does not have."""
+    planned = {int(p.name) for p in (checkpoint / "offsets").iterdir() if p.name.isdigit()}
+    done = {int(p.name) for p in (checkpoint / "commits").iterdir() if p.name.isdigit()}
+    left = sorted(planned - done)
+    assert len(left) <= 1
+    if not left:
+        return []
+    offset = json.loads((checkpoint / "offsets" / str(left[0])).read_text().splitlines()[2])
+    return sorted(i for shard, part in offset.items() if shard.isdigit() for i in part["ids"])
+
+
+@pytest.mark.timeout(600)  # two drivers of their own, each starting a JVM
+def test_a_killed_driver_restarted_from_its_checkpoint_repeats_only_the_unfinished_batch(
+    services: Services,
+    pg: psycopg.Connection[Any],
+    outbox: TableName,
+    topics: Callable[..., str],
+    tmp_path: Path,
+) -> None:
+    topic = topics(partitions=2)
+    ids = preload(pg, outbox, topic, 3000, keys=30)
+    spec = {
+        "dsn": services.pg_dsn,
+        "table": outbox.qualified,
+        "shards": 2,
+        "max_records": 200,
+        "bootstrap": services.bootstrap,
+        "checkpoint": str(tmp_path / "cp"),
+    }
+    first = drain_job(spec)
+    try:
+        # Mid-run: some batches purged, most of the outbox left.
+        assert wait_until(lambda: len(remaining(pg, outbox)) <= len(ids) - 400 or first.poll() is not None, 300)
+        assert first.poll() is None, first.communicate()[0][-3000:]
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.communicate()
+    repeated = unfinished(tmp_path / "cp")
+    assert remaining(pg, outbox)  # killed before the end
+
+    second = drain_job({**spec, "available_now": True})
+    out, _ = second.communicate(timeout=600)
+    assert second.returncode == 0, out[-3000:]
+    assert remaining(pg, outbox) == []
+
+    total = end_offsets(services.bootstrap, topic, partitions=2)
+    messages = read_messages(services.bootstrap, [topic], total)
+    by_key: dict[str, list[int]] = defaultdict(list)
+    for msg in messages:
+        identity = Identity.from_headers(consumed_headers(msg))
+        assert identity is not None
+        by_key[text(msg.key())].append(identity.id)
+    every = [i for got in by_key.values() for i in got]
+    assert sorted(set(every)) == ids  # none lost
+    twice = {i for i, n in Counter(every).items() if n > 1}
+    assert twice <= set(repeated)  # duplicates: only records of the unfinished batch
+    for got in by_key.values():
+        firsts = list(dict.fromkeys(got))
+        assert firsts == sorted(firsts)  # per-key order, across the kill and the restart
