@@ -12,6 +12,7 @@ from psycopg import sql
 from pyspark.sql.streaming.datasource import ReadMaxRows
 
 from harvester.core.protocols import FencedError
+from harvester.postgres.catalog import OutboxMissingError
 from harvester.postgres.identifiers import TableName
 from harvester.postgres.migrations import dead_letter_table
 from harvester.postgres.rows import malformed
@@ -87,6 +88,9 @@ def test_configuration_mistakes_are_one_line_errors(
         three.latestOffset(three.initialOffset(), ReadMaxRows(10))
     with pytest.raises(DrainConfigError, match="checkpoint was written with 2 shards"):
         reader(services, outbox).latestOffset({"shards": 2}, ReadMaxRows(10))
+    gone = reader(services, TableName(outbox.schema, "nothing"))
+    with pytest.raises(OutboxMissingError, match=r"nothing\W* does not exist \(run 'reaper migrate'\)$"):
+        gone.latestOffset(gone.initialOffset(), ReadMaxRows(10))
 
 
 def test_malformed_records_are_dead_lettered_under_the_fence_and_left_out_of_the_plan(
