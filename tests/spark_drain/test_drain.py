@@ -1,4 +1,5 @@
-"""Draining an outbox with Spark micro-batches into Kafka through Spark's own Kafka sink."""
+"""Draining an outbox with Spark micro-batches into Kafka through Spark's own Kafka sink. (A live
+outbox, written while the query runs, is drained in test_leadership.py, with a reaper sharing it.)"""
 
 from __future__ import annotations
 
@@ -156,37 +157,3 @@ def test_a_second_copy_of_the_query_fences_the_first(
     messages = read_messages(services.bootstrap, [topic], len(ids))
     by_key = delivered(messages)
     assert sorted(set(i for got in by_key.values() for i in got)) == ids
-
-
-def test_drains_a_live_outbox_while_it_is_written(
-    services: Services,
-    pg: psycopg.Connection[Any],
-    outbox: TableName,
-    topics: Callable[..., str],
-    drained: Drain,
-    tmp_path: Path,
-) -> None:
-    topic = topics(partitions=2)
-    query = (
-        drained(shards="2", maxRecordsPerTrigger="100")
-        .selectExpr("topic", "key", "value", "headers")
-        .writeStream.format("kafka")
-        .option("kafka.bootstrap.servers", services.bootstrap)
-        .option("checkpointLocation", str(tmp_path / "cp"))
-        .trigger(processingTime="500 milliseconds")
-        .start()
-    )
-    ids: list[int] = []
-    try:
-        for _ in range(5):  # five transactions, written while the query runs
-            ids += preload(pg, outbox, topic, 200, keys=15)
-            query.awaitTermination(1)
-        while remaining(pg, outbox) and query.isActive:
-            query.awaitTermination(1)
-        assert query.exception() is None
-    finally:
-        query.stop()
-    assert remaining(pg, outbox) == []
-    by_key = delivered(read_messages(services.bootstrap, [topic], len(ids)))
-    assert sorted(i for got in by_key.values() for i in got) == sorted(ids)
-    assert all(got == sorted(got) for got in by_key.values())
