@@ -83,7 +83,8 @@ def spark_drain(
     if left != (0,):
         raise RuntimeError(f"the Spark drain left {left} records")
     conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(str(table.schema))))
-    for future in AdminClient({"bootstrap.servers": BOOTSTRAP}).delete_topics([topic]).values():
+    admin = AdminClient({"bootstrap.servers": BOOTSTRAP})  # kept until its futures resolve
+    for future in admin.delete_topics([topic]).values():
         future.result(30)
     return records / elapsed
 
