@@ -6,7 +6,8 @@ PostgreSQL adds the term's leader id, epoch and start, written by the leader whe
 With ``shards`` > 1 the holder of partition ``i`` leads shard ``i``: each member lists its shards,
 the fence row shown is the latest term of any shard, and every shard must have a leader.
 The outbox itself gives the backlog (an exact count), the oldest record's age and the records in
-flight (marked by a leader); the dead-letter table the dead letters waiting.
+flight (marked by a leader); the dead-letter table the dead letters waiting. With the log source,
+``pg_replication_slots`` gives the slot's lag and the WAL it retains.
 """
 
 from __future__ import annotations
@@ -59,6 +60,16 @@ class Heartbeat:
 
 
 @dataclass(frozen=True, slots=True)
+class Slot:
+    """The log source's replication slot: how far it is behind and what it keeps in the log."""
+
+    name: str
+    lag_bytes: int  # WAL written after the slot's confirmed position
+    retained_bytes: int  # WAL the server keeps for the slot (from its restart position)
+    streaming: bool  # a reader (the leader's walsender) is attached
+
+
+@dataclass(frozen=True, slots=True)
 class Status:
     """What ``reaper status`` reports."""
 
@@ -77,6 +88,7 @@ class Status:
     in_flight_records: int | None  # from the leaders' heartbeats: marks are kept in memory, not in the table
     dead_letters: int | None  # None without a dead-letter table
     shards: int = 1
+    slot: Slot | None = None  # the log source's slot; None with mark-purge/reset, or when it is missing
 
     def to_json(self) -> str:
         doc = asdict(self)
@@ -127,6 +139,12 @@ class Status:
             lines.append("dead letters: none (no dead-letter table)")
         else:
             lines.append(f"dead letters: {self.dead_letters} waiting")
+        if self.slot is not None:
+            slot = self.slot
+            lines.append(
+                f"log slot {slot.name}: lag {slot.lag_bytes} byte(s), retains {slot.retained_bytes} byte(s) of WAL, "
+                + ("streaming to the leader" if slot.streaming else "no reader attached")
+            )
         return "\n".join(lines)
 
 
@@ -169,7 +187,7 @@ def _report(settings: ReaperSettings, timeout: float) -> tuple[Status, bool]:
     leader = next((m.name for m in members if m.leads), None)
     shards = settings.harvest.shards
     every = {s for m in members for s in m.shards} >= set(range(shards))
-    term, backlog, oldest, dead = _database(settings, timeout)
+    term, backlog, oldest, dead, slot = _database(settings, timeout)
     # Only shards someone leads now: a gone leader's last heartbeat says nothing about the present.
     led = {s for m in members for s in m.shards}
     reported = [b.in_flight for shard, b in beats.items() if shard in led and b.in_flight is not None]
@@ -189,6 +207,7 @@ def _report(settings: ReaperSettings, timeout: float) -> tuple[Status, bool]:
         in_flight_records=sum(reported) if reported else None,
         dead_letters=dead,
         shards=shards,
+        slot=slot,
     )
     return report, leader is not None and every
 
@@ -282,8 +301,11 @@ def _last_heartbeats(settings: ReaperSettings, quiet: logging.Logger, deadline: 
         consumer.close()
 
 
-def _database(settings: ReaperSettings, timeout: float) -> tuple[Term | None, int, float | None, int | None]:
-    """The fence row, the outbox's backlog and oldest age, and the dead letters waiting."""
+def _database(
+    settings: ReaperSettings, timeout: float
+) -> tuple[Term | None, int, float | None, int | None, Slot | None]:
+    """The fence row, the outbox's backlog and oldest age, the dead letters waiting, and the log
+    source's slot."""
     import psycopg
     from psycopg import sql
 
@@ -327,7 +349,15 @@ def _database(settings: ReaperSettings, timeout: float) -> tuple[Term | None, in
             if has_dead:
                 row = conn.execute(sql.SQL("SELECT count(*) FROM {}").format(dead.ident)).fetchone()
                 dead_letters = int(row[0]) if row else 0
+            slot = _slot(conn, settings.harvest.slot) if settings.harvest.source == "log" else None
         except psycopg.Error as exc:
             raise FailError(f"PostgreSQL: reading {table} failed: {pg_reason(exc)}", code=1) from None
     oldest = float(counts[1]) if counts[1] is not None else None
-    return term, int(counts[0]), oldest, dead_letters
+    return term, int(counts[0]), oldest, dead_letters, slot
+
+
+def _slot(conn: Any, name: str) -> Slot | None:
+    from harvester.postgres.logical import slot_state
+
+    state = slot_state(conn, name)
+    return None if state is None else Slot(name, *state)

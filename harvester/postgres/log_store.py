@@ -1,26 +1,22 @@
 """The log source: the outbox's inserts read from a logical replication slot (``pgoutput`` over a
 publication of the table), in commit order, instead of marked in the table.
 
-Reading: ``pg_logical_slot_peek_binary_changes`` returns whole committed transactions from the
-slot's position on, without moving it. The store keeps the transactions it read, in commit order,
-until every record of each is done (acknowledged and deleted, or dead-lettered); then it advances
-the slot past the done prefix with ``pg_replication_slot_advance``. The advance and the deletes run
-under the epoch fence, so a fenced process moves neither the slot nor the table; a new leader starts
-reading where the slot stands: at least once, it republishes whatever the slot was not advanced
-past; exactly once, it first recovers the committed checkpoints (their ids count as done when the
-slot returns them), so nothing committed to Kafka is published again.
+Reading: the leader streams the slot (:mod:`harvester.postgres.replication`): the server decodes the
+log once, forward, and sends whole committed transactions in commit order. The store keeps the
+transactions it received, in commit order, until every record of each is done (acknowledged and
+deleted, or dead-lettered); then it confirms the done prefix to the server, which moves the slot's
+``confirmed_flush_lsn`` there. A confirmation is sent only after a fenced statement of the same
+round (the delete of the delivered rows, or an epoch check) found this store's epoch current, and a
+new leader, once it holds the newer epoch, terminates whatever walsender still reads the slot: a
+paused old leader that wakes moves neither the slot nor the table. A new leader streams from where
+the slot stands: at least once, it republishes whatever was not confirmed; exactly once, it first
+recovers the committed checkpoints (their ids count as done when the slot sends them), and a record
+whose row an earlier term deleted is skipped, so nothing committed to Kafka is published again.
 
 ``mark(leader_id, ...)`` keeps the engine's meaning: it hands out records not yet handed out under
-``leader_id``. A new leader id (a new term, or a forced remark after a failure) starts a new pass
-over the slot, which hands out every record of the unadvanced transactions that is not done yet.
-Within a pass a peek skips the transactions already handed out; while the slot has more than a mark
-batch of records to advance past, the next peek waits for their completion rather than read them all
-again.
-
-Why the SQL functions and not the streaming replication protocol: psycopg 3 does not speak the
-replication protocol, and the functions run on the store's ordinary connections (with the fence in
-the same statement as the advance). The price: each peek and advance decodes the log again from the
-slot's restart position (docs/log-source.md).
+``leader_id``. A new leader id (a new term, or a forced remark after a failure) starts a new pass,
+which hands out again every record of the received, unconfirmed transactions that is not done yet
+(from memory: the stream goes forward only).
 """
 
 from __future__ import annotations
@@ -42,12 +38,17 @@ from harvester.core.records import Failure, MarkedRecord
 from harvester.postgres import logical, pgoutput, rows
 from harvester.postgres.logical import LogSetup
 from harvester.postgres.migrations import fence_table
+from harvester.postgres.replication import SLOT_IN_USE, LogicalStream, StreamError
 from harvester.postgres.store import PostgresStore
 
-# Changes (messages) one peek returns at most; it always ends at a transaction's end.
-_PEEK_CHANGES = 20_000
-# An idle leader writes a keepalive transaction this often, so the slot moves on an idle outbox.
+# Messages one read takes from the stream at most (completions wait for the stream meanwhile).
+_READ_MESSAGES = 5_000
+# An idle leader confirms how far the server decoded this often, so the slot moves past what other
+# tables write while the outbox is idle.
 _KEEPALIVE_SECONDS = 10.0
+# Starting the stream while the slot's previous reader is still exiting: tries, and the pause between.
+_START_TRIES = 50
+_START_PAUSE = 0.1
 # Text forms the decoding session writes values in: fixed, whatever the server's defaults are.
 _SESSION = "-c DateStyle=ISO -c TimeZone=UTC -c bytea_output=hex"
 
@@ -55,21 +56,17 @@ _SESSION = "-c DateStyle=ISO -c TimeZone=UTC -c bytea_output=hex"
 @dataclass(slots=True, eq=False)
 class _Transaction:
     end_lsn: int
-    size: int  # the outbox inserts it holds
+    columns: _Columns | None
+    inserts: list[bytes]  # its outbox Insert messages, kept until all are done (a new pass re-reads them)
     done: set[int] = field(default_factory=set)  # ids acknowledged (or dead-lettered)
 
     @property
+    def size(self) -> int:
+        return len(self.inserts)
+
+    @property
     def settled(self) -> bool:
-        return len(self.done) >= self.size
-
-
-@dataclass(slots=True, eq=False)
-class _Segment:
-    """Consecutive buffered inserts of one transaction."""
-
-    txn: _Transaction
-    columns: _Columns
-    left: int
+        return len(self.done) >= len(self.inserts)
 
 
 class _Columns:
@@ -92,20 +89,22 @@ class LogStore(PostgresStore):
         super().__init__(dsn, setup.table, **options)
         self._setup = setup
         self._options = f"{self._options} {_SESSION}"
-        self._slot_lock = threading.Lock()  # one reader of the slot at a time in this process
+        self._conninfo = psycopg.conninfo.make_conninfo(
+            dsn, connect_timeout=5, application_name=self._app, options=self._options
+        )
+        self._slot_lock = threading.Lock()  # guards the stream (mark thread reads, completions confirm)
+        self._stream: LogicalStream | None = None
+        self._open: list[bytes] | None = None  # inserts of the transaction being received (mark thread)
         self._state = threading.Lock()  # guards everything below (mark and completion threads)
-        self._pass: UUID | None = None  # the leader id of the current pass over the slot
-        self._buffer: deque[bytes] = deque()  # Insert messages read in this pass, not yet handed out
-        self._segments: deque[_Segment] = deque()  # ... and whose they are
-        self._read_upto = 0  # end LSN of the last transaction read in this pass
-        self._transactions: deque[_Transaction] = deque()  # read, not yet advanced past
-        self._by_end: dict[int, _Transaction] = {}
+        self._pass: UUID | None = None  # the leader id of the current pass
+        self._buffer: deque[tuple[_Transaction, bytes]] = deque()  # received, not handed out in this pass
+        self._received_upto = 0  # end LSN of the last transaction received in this term
+        self._transactions: deque[_Transaction] = deque()  # received, not yet confirmed past
         self._of_id: dict[int, _Transaction] = {}
-        self._unsettled = 0  # records of self._transactions, which every peek returns again
         # Ids done although this term never handed them out (committed checkpoints a new term
-        # recovers; completions of the previous term): skipped when the slot returns them.
+        # recovers; completions of the previous term): skipped when the slot sends them.
         self._recovered: set[int] = set()
-        self._advanced = 0  # where this term last moved the slot to
+        self._advanced = 0  # the position confirmed to the server (or to confirm on the next stream)
         self._settled_upto = 0  # the end of the last transaction this term forgot as settled
         self._term_lsn = 0  # the end of the log when this term began
         self._present: sql.Composed | None = None
@@ -113,18 +112,14 @@ class LogStore(PostgresStore):
         # whose position is not stored yet.
         self._batches: deque[tuple[int, int]] = deque()
         self._columns: _Columns | None = None  # from the outbox's latest Relation message
-        self._deferred = threading.Event()  # clear while a peek waits for completions
-        self._deferred.set()
-        self._defer_below = 0  # ... until at most this many records are unsettled
-        self._oid = 0  # the outbox table's oid, as Relation and Insert messages name it
+        self._oid = b""  # the outbox table's oid, as Relation and Insert messages name it
         self._next_keepalive = 0.0  # monotonic time (mark thread only)
-        self._peek: sql.Composed | None = None
-        self._advance: sql.Composed | None = None
+        self._takeover: sql.Composed | None = None
 
     def prepare(self) -> Any:
         """As :meth:`PostgresStore.prepare`, and check that the slot and publication can be read."""
         columns = super().prepare()
-        if self._peek is None:
+        if self._takeover is None:
             try:
                 problems = logical.missing(self._conn(), self._setup)
             except psycopg.Error as exc:
@@ -132,16 +127,15 @@ class LogStore(PostgresStore):
             if problems:
                 raise StoreError(f"log source: {problems[0]}")
             row = self._run("SELECT to_regclass(%s)::oid", (self._table.quoted,))
-            self._oid = int(row[0][0])
-            self._peek = sql.SQL(
-                "SELECT data FROM pg_logical_slot_peek_binary_changes(%s, NULL, %s,"
-                " 'proto_version', '1', 'publication_names', %s, 'messages', 'true')"
-            ).format()
+            self._oid = int(row[0][0]).to_bytes(4, "big")
             self._present = sql.SQL("SELECT id FROM {} WHERE id = ANY(%s::bigint[])").format(self._table.ident)
-            # The fence row stays share-locked while the slot moves: a newer epoch's bump waits for it.
-            self._advance = sql.SQL(
-                "WITH fence AS (SELECT 1 FROM {f} WHERE outbox_table = %s AND shard = %s AND epoch = %s FOR SHARE)"
-                " SELECT pg_replication_slot_advance(s.slot_name, greatest(%s::pg_lsn, s.confirmed_flush_lsn))"
+            # Under the current epoch only: where the slot stands, and its other reader (a paused
+            # old leader's walsender) terminated; PostgreSQL 14+ waits until it is gone, so no
+            # confirmation it had not yet processed can move the slot afterwards.
+            wait = ", 5000" if self._conn().info.server_version >= 140000 else ""
+            self._takeover = sql.SQL(
+                "WITH fence AS (SELECT 1 FROM {f} WHERE outbox_table = %s AND shard = %s AND epoch = %s)"
+                " SELECT s.confirmed_flush_lsn::text, pg_terminate_backend(s.active_pid" + wait + ")"
                 " FROM fence, pg_replication_slots s WHERE s.slot_name = %s"
             ).format(f=fence_table(self._table).ident)
         return columns
@@ -154,43 +148,70 @@ class LogStore(PostgresStore):
     # ------------------------------------------------------------------ terms and reading
 
     def acquire(self, leader_id: UUID) -> int:
-        """Bump the fence epoch; the term reads from the slot's position as it is now."""
+        """Bump the fence epoch, then take the slot over: the term streams from where it stands."""
         epoch = super().acquire(leader_id)
         # A previous leader deleted rows only before this bump: only transactions that committed
         # before it can hold records it delivered.
         row = self._run("SELECT pg_current_wal_lsn()::text", ())
         self._term_lsn = pgoutput.lsn_value(str(row[0][0]))
+        with self._slot_lock:
+            self._close_stream()
+            self._take_over()
         with self._state:
             self._pass = None
             self._buffer.clear()
-            self._segments.clear()
+            self._received_upto = 0
             self._transactions.clear()
-            self._by_end.clear()
             self._of_id.clear()
-            self._unsettled = 0
             self._settled_upto = 0
             self._batches.clear()
-        self._deferred.set()
         return epoch
+
+    def _take_over(self) -> int:
+        """Terminate the slot's other reader under the fence; the slot's confirmed position."""
+        assert self._takeover is not None
+        found = self._run(self._takeover, (*self._fence, self._epoch, self._setup.slot))
+        if not found:
+            self._check_epoch()
+            raise StoreError(f"replication slot {self._setup.slot} does not exist")
+        return pgoutput.lsn_value(str(found[0][0]))
+
+    def _start(self) -> LogicalStream:
+        """A stream from the slot's position, once its previous reader has let go (caller holds
+        ``_slot_lock``)."""
+        for tries in range(_START_TRIES, 0, -1):
+            confirmed = self._take_over()
+            try:
+                stream = LogicalStream(self._conninfo, self._setup.slot, self._setup.publication, confirmed)
+            except StreamError as exc:
+                if exc.sqlstate != SLOT_IN_USE or tries == 1:
+                    raise
+                time.sleep(_START_PAUSE)
+                continue
+            self._open = None
+            self._advanced = max(self._advanced, confirmed)
+            if self._advanced > confirmed:  # done before the previous stream could confirm it
+                stream.confirm(self._advanced)
+            return stream
+        raise AssertionError("unreachable")
+
+    def _close_stream(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
 
     def mark(self, leader_id: UUID, limit: int) -> list[MarkedRecord]:
         """Up to ``limit`` records in commit order, not yet handed out under ``leader_id``."""
         with self._state:
             settled = self._settled()
-        if settled:  # moving the slot failed after the last completion: again, before reading
+        if settled:  # confirming failed after the last completion: again, before reading
             self._advance_to(settled)
         with self._state:
             if self._pass != leader_id:
-                self._pass, self._read_upto = leader_id, 0
-                self._buffer.clear()
-                self._segments.clear()
-            elif not self._buffer and self._unsettled > limit:
-                # Most of what a peek would return is handed out already: wait for completions.
-                self._defer_below = limit
-                self._deferred.clear()
-                return []
+                self._pass = leader_id
+                self._buffer = deque((txn, data) for txn in self._transactions for data in txn.inserts)
         if not self._buffer:
-            self._read(leader_id)
+            self._read()
         out = self._hand_out(leader_id, limit)
         with self._state:
             settled = self._settled()
@@ -204,19 +225,18 @@ class LogStore(PostgresStore):
     def _hand_out(self, leader_id: UUID, limit: int) -> list[MarkedRecord]:
         """Decode the next ``limit`` buffered inserts: only as they go out, so a large transaction
         waits in the buffer as bytes, not as a crowd of objects for the garbage collector."""
-        taken: list[tuple[_Segment, bytes]] = []
+        taken: list[tuple[_Transaction, bytes]] = []
         with self._state:
             if self._pass != leader_id:
                 return []
             while len(taken) < limit and self._buffer:
-                segment = self._segments[0]
-                taken.append((segment, self._buffer.popleft()))
-                segment.left -= 1
-                if not segment.left:
-                    self._segments.popleft()
+                taken.append(self._buffer.popleft())
         names, kind = self._names, self._ready().columns.limits.value_kind
         identity = ((names.epoch, str(self._epoch).encode()), (names.producer, self._ready().producer))
-        records = [(seg.txn, _record(pgoutput.insert_values(data), seg.columns, kind)) for seg, data in taken]
+        records: list[tuple[_Transaction, MarkedRecord]] = []
+        for txn, data in taken:
+            assert txn.columns is not None  # checked as the transaction came in
+            records.append((txn, _record(pgoutput.insert_values(data), txn.columns, kind)))
         # A record of a transaction an earlier term read may have been delivered and its row
         # deleted: the table says so (publishing it again would be a duplicate the de-duplicating
         # reader cannot be sure to catch, its key having moved on).
@@ -240,56 +260,63 @@ class LogStore(PostgresStore):
         return {int(row[0]) for row in self._run(self._present, (ids,))}
 
     def _keepalive(self) -> None:
-        """Write a transaction the slot sees (an empty logical message): when it has been read, the
-        slot advances past it, and so past whatever other tables wrote meanwhile, which an idle
-        outbox would otherwise keep in the log."""
+        """Confirm how far the server decoded, all received being done: the slot moves past what
+        other tables wrote meanwhile, which an idle outbox would otherwise keep in the log."""
         self._next_keepalive = time.monotonic() + _KEEPALIVE_SECONDS
-        self._run("SELECT pg_logical_emit_message(true, 'outbox-harvester', '')", ())
+        stream = self._stream
+        if stream is not None and stream.server_end > self._advanced:
+            self._advance_to(stream.server_end)
 
-    def _read(self, leader_id: UUID) -> None:
-        assert self._peek is not None
-        setup = self._setup
-        with self._slot_lock:
-            rows = self._run(self._peek, (setup.slot, _PEEK_CHANGES, setup.publication))
-        oid = self._oid.to_bytes(4, "big")
-        with self._state:
-            if self._pass != leader_id:
+    def _read(self) -> None:
+        """Receive what the stream has, until a transaction with outbox inserts is complete or
+        nothing more has arrived."""
+        while True:
+            with self._slot_lock:
+                if self._stream is None:
+                    self._stream = self._start()
+                try:
+                    messages = self._stream.read(_READ_MESSAGES)
+                except StreamError:
+                    self._close_stream()
+                    raise
+                drained = self._stream.drained
+            self._receive(messages)
+            if self._buffer or drained:
                 return
-            self._read_upto = max(self._read_upto, self._settled_upto)  # settled: never again
-            inserts: list[bytes] = []
-            skipping = False  # through a transaction this pass handed out already
-            for (data,) in rows:
+
+    def _receive(self, messages: list[bytes]) -> None:
+        oid, inserts = self._oid, self._open
+        with self._state:
+            for data in messages:
                 if data[:1] == b"I":
-                    if not skipping and data[1:5] == oid:
+                    if inserts is not None and data[1:5] == oid:
                         inserts.append(data)
                     continue
                 message = pgoutput.parse(data)
                 if isinstance(message, pgoutput.Begin):
-                    inserts = []
-                    skipping = message.final_lsn < self._read_upto
-                elif isinstance(message, pgoutput.Relation) and message.oid == self._oid:
+                    # A restarted stream sends again what this term received already: skipped.
+                    inserts = [] if message.final_lsn >= self._received_upto else None
+                elif isinstance(message, pgoutput.Relation) and message.oid == int.from_bytes(oid, "big"):
                     self._columns = _Columns(message)
-                elif isinstance(message, pgoutput.Commit) and message.end_lsn > self._read_upto:
-                    self._read_upto = message.end_lsn
-                    txn = self._by_end.get(message.end_lsn)
-                    if txn is None:
-                        txn = _Transaction(message.end_lsn, len(inserts))
-                        self._unsettled += txn.size
-                        self._transactions.append(txn)
-                        self._by_end[txn.end_lsn] = txn
-                    if inserts:
-                        if self._columns is None:
+                elif isinstance(message, pgoutput.Commit):
+                    if inserts is not None and message.end_lsn > self._received_upto:
+                        if inserts and self._columns is None:
                             raise StoreError("the slot sent inserts of the outbox before its relation")
-                        self._segments.append(_Segment(txn, self._columns, len(inserts)))
-                        self._buffer.extend(inserts)
+                        self._received_upto = message.end_lsn
+                        txn = _Transaction(message.end_lsn, self._columns, inserts)
+                        self._transactions.append(txn)
+                        self._buffer.extend((txn, d) for d in inserts)
+                    inserts = None
+        self._open = inserts
 
     # ------------------------------------------------------------------ completion
 
     def purge_checkpointed(self, ids: Sequence[int], position: int) -> None:
-        """Exactly-once: advance the slot past every transaction whose records are all done (one
-        fenced statement), then delete the rows and move the checkpoint position (a second one),
-        but only past checkpoints whose transactions the slot is past: a checkpoint the position
-        has passed is never recovered again, so the slot must not return its records any more.
+        """Exactly-once: delete the rows and move the checkpoint position (one fenced statement),
+        then confirm every transaction whose records are all done. The position moves only past
+        checkpoints whose transactions are confirmed by then: a checkpoint the position has passed
+        is never recovered again (should the confirmation be lost, their rows are gone, which a
+        new term's reader checks).
 
         A purge of ids this term did not hand out (the recovery of committed checkpoints) deletes
         their rows and remembers them as done; it leaves the position where it is."""
@@ -297,16 +324,17 @@ class LogStore(PostgresStore):
             ends = [txn.end_lsn for rid in ids if (txn := self._of_id.get(rid)) is not None]
             if ends:
                 self._batches.append((position, max(ends)))
-        self._done(ids)
-        safe = 0
-        with self._state:
-            while self._batches and self._batches[0][1] <= self._advanced:
+            target = self._completed(ids)
+            reach, safe = max(target, self._advanced), 0
+            while self._batches and self._batches[0][1] <= reach:
                 safe = self._batches.popleft()[0]
         super().purge_checkpointed(ids, safe)
+        if target:
+            self._confirm(target)
 
     def purge(self, ids: Sequence[int]) -> None:
-        """Delete delivered records (one fenced statement), then advance the slot past every
-        transaction whose records are all done (a second one)."""
+        """Delete delivered records (one fenced statement), then confirm every transaction whose
+        records are all done."""
         super().purge(ids)
         self._done(ids)
 
@@ -316,59 +344,72 @@ class LogStore(PostgresStore):
         self._done([f.id for f in failures])
 
     def reset(self, ids: Sequence[int]) -> None:
-        """Nothing in the table: the records stay in the slot and the next pass reads them again."""
+        """Nothing in the table: the records stay in memory and the next pass hands them out again."""
 
     def fail(self, failures: Sequence[Failure]) -> None:
         """Nothing in the table (attempts are counted in memory, see :attr:`tracks_attempts`)."""
 
     def _done(self, ids: Sequence[int]) -> None:
+        """After a fenced statement about ``ids`` succeeded: they are done."""
         with self._state:
-            for rid in ids:
-                txn = self._of_id.pop(rid, None)
-                if txn is not None:
-                    txn.done.add(rid)
-                else:
-                    self._recovered.add(rid)
-            target = self._settled()
-            if self._unsettled <= self._defer_below:
-                self._deferred.set()
+            target = self._completed(ids)
         if target:
-            self._advance_to(target)
+            self._confirm(target)
+
+    def _completed(self, ids: Sequence[int]) -> int:
+        for rid in ids:
+            txn = self._of_id.pop(rid, None)
+            if txn is not None:
+                txn.done.add(rid)
+            else:
+                self._recovered.add(rid)
+        return self._settled()
 
     def _settled(self) -> int:
         """Forget the leading transactions whose records are all done; where the slot should move
         to, if it is not there yet (else 0; caller holds ``_state``). A forgotten transaction is
-        never handed out again, even if moving the slot past it failed: the next call retries."""
+        never handed out again, even if confirming it failed: the next call retries."""
         while self._transactions and self._transactions[0].settled:
-            txn = self._transactions.popleft()
-            del self._by_end[txn.end_lsn]
-            self._unsettled -= txn.size
-            self._settled_upto = txn.end_lsn
+            self._settled_upto = self._transactions.popleft().end_lsn
         return self._settled_upto if self._settled_upto > self._advanced else 0
 
     def _advance_to(self, lsn: int) -> None:
-        assert self._advance is not None
-        params = (*self._fence, self._epoch, pgoutput.lsn_text(lsn), self._setup.slot)
+        """Confirm ``lsn`` after checking, in a fenced statement, that the epoch is still ours."""
+        self._check_epoch()
+        self._confirm(lsn)
+
+    def _confirm(self, lsn: int) -> None:
+        """Report everything before ``lsn`` consumed; call only right after a fenced statement
+        found the epoch current. Without a stream, the next one reports it when it starts."""
         with self._slot_lock:
-            rows = self._run(self._advance, params)
-        if not rows:
-            self._check_epoch()
-            raise StoreError(f"replication slot {self._setup.slot} does not exist")
-        with self._state:
             self._advanced = max(self._advanced, lsn)
+            if self._stream is not None:
+                try:
+                    self._stream.confirm(self._advanced)
+                except StreamError:
+                    self._close_stream()
+                    raise
 
     def wait_for_insert(self, timeout: float) -> bool:
-        """After a deferred peek, until records complete; otherwise as the mark-purge store waits."""
-        if not self._deferred.is_set():
-            return self._deferred.wait(timeout)
-        return super().wait_for_insert(timeout)
+        """Until the stream has something to read (or, before it started, as the mark-purge store)."""
+        stream = self._stream
+        if stream is None:
+            return super().wait_for_insert(timeout)
+        return stream.wait(timeout)
 
     def slot_bytes(self) -> tuple[int, int] | None:
         """(WAL bytes not consumed by the slot, WAL bytes it retains), or None without the slot."""
         try:
-            return logical.slot_bytes(self._conn(), self._setup.slot)
+            state = logical.slot_state(self._conn(), self._setup.slot)
         except psycopg.Error as exc:
             raise StoreError(f"reading the slot failed: {exc.sqlstate or type(exc).__name__}") from exc
+        return None if state is None else state[:2]
+
+    def close(self) -> None:
+        """Stop streaming and close every connection."""
+        with self._slot_lock:
+            self._close_stream()
+        super().close()
 
 
 def _record(values: tuple[bytes | None, ...], c: _Columns, kind: str) -> MarkedRecord:

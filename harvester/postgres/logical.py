@@ -89,11 +89,12 @@ def create(conn: psycopg.Connection[Any], setup: LogSetup) -> list[str]:
     return created
 
 
-def slot_bytes(conn: psycopg.Connection[Any], slot: str) -> tuple[int, int] | None:
-    """(bytes of WAL not yet consumed by the slot, bytes of WAL the slot retains), or None if absent."""
+def slot_state(conn: psycopg.Connection[Any], slot: str) -> tuple[int, int, bool] | None:
+    """(bytes of WAL not yet consumed by the slot, bytes of WAL the slot retains, whether a reader is
+    attached), or None if the slot is absent."""
     row = conn.execute(
         "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn),"
-        " pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn) FROM pg_replication_slots WHERE slot_name = %s",
+        " pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn), active FROM pg_replication_slots WHERE slot_name = %s",
         (slot,),
     ).fetchone()
-    return None if row is None else (int(row[0] or 0), int(row[1] or 0))
+    return None if row is None else (int(row[0] or 0), int(row[1] or 0), bool(row[2]))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -66,12 +67,24 @@ def log_outbox(logical_dsn: str) -> Iterator[TableName]:
         logical.create(conn, setup)
     yield table
     with psycopg.connect(logical_dsn, autocommit=True) as conn:
-        conn.execute(
-            "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = %s AND NOT active",
-            (setup.slot,),
-        )
+        drop_slot(conn, setup.slot)
         conn.execute(sql.SQL("DROP PUBLICATION IF EXISTS {}").format(sql.Identifier(setup.publication)))
         conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(schema)))
+
+
+def drop_slot(conn: psycopg.Connection[Any], slot: str) -> None:
+    """Drop ``slot``, first ending its reader (a stream a stopped harvester closed may still be exiting)."""
+    for _ in range(100):
+        row = conn.execute(
+            "SELECT active, pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE slot_name = %s", (slot,)
+        ).fetchone()
+        if row is None:
+            return
+        if not row[0]:
+            conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"replication slot {slot} stayed active")
 
 
 @pytest.fixture

@@ -4,19 +4,21 @@ and a new leader resumes at the slot's position with nothing lost."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
 from collections.abc import Callable
 from typing import Any
-from uuid import uuid4
+from uuid import UUID, uuid4
 
 import psycopg
 import pytest
 from psycopg import sql
 
 from harvester import HarvesterConfig, OutboxRecord, Stasher
-from harvester.core.protocols import FencedError
+from harvester.core.protocols import FencedError, StoreError
+from harvester.core.records import MarkedRecord
 from harvester.postgres.identifiers import TableName
 from harvester.postgres.log_store import LogStore
 from harvester.postgres.logical import LogSetup
@@ -104,7 +106,29 @@ def test_a_late_transaction_is_published_in_commit_order(
     assert verdict.lost == [] and verdict.out_of_order == [] and verdict.duplicates == 0
 
 
+def mark_all(store: LogStore, leader: UUID, count: int) -> list[MarkedRecord]:
+    """Mark until ``count`` records came (the stream delivers them as the server decodes them)."""
+    marked: list[MarkedRecord] = []
+    for _ in range(200):
+        marked += store.mark(leader, 100)
+        if len(marked) >= count:
+            break
+        store.wait_for_insert(0.1)
+    return marked
+
+
+def slot_reader(dsn: str, table: TableName) -> int | None:
+    """The pid of the walsender streaming the outbox's slot, if any."""
+    slot = HarvesterConfig(outbox_table=table.qualified).slot
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT active_pid FROM pg_replication_slots WHERE slot_name = %s", (slot,)).fetchone()
+    return None if row is None or row[0] is None else int(row[0])
+
+
 def test_a_fenced_reader_moves_neither_the_slot_nor_the_table(logical_dsn: str, log_outbox: TableName) -> None:
+    """A paused old leader that wakes after a new one took over: its deletes and its slot moves
+    are refused by the fence, its stream was ended by the takeover (even a confirmation sent with
+    no check at all moves nothing), and it cannot stream again."""
     config = HarvesterConfig(outbox_table=log_outbox.qualified)
     setup = LogSetup(log_outbox, config.slot, config.publication)
     insert(logical_dsn, log_outbox, [("t", f"k{i}", f"k{i}:0") for i in range(20)])
@@ -114,21 +138,37 @@ def test_a_fenced_reader_moves_neither_the_slot_nor_the_table(logical_dsn: str, 
         new.prepare()
         old_leader = uuid4()
         old.acquire(old_leader)
-        records = old.mark(old_leader, 100)
+        records = mark_all(old, old_leader, 20)
         assert len(records) == 20
+        zombie_reader = slot_reader(logical_dsn, log_outbox)
+        assert zombie_reader is not None
         position = slot_position(logical_dsn, log_outbox)
         new_leader = uuid4()
         new.acquire(new_leader)  # the old reader is paused past its term: a newer epoch takes over
+        assert slot_reader(logical_dsn, log_outbox) != zombie_reader  # the takeover ended its stream
         with pytest.raises(FencedError):
             old.purge([r.id for r in records])
         with pytest.raises(FencedError):
             old._advance_to(1 << 40)  # any target: the fence refuses first
+        with contextlib.suppress(StoreError):
+            old._confirm(1 << 40)  # as if it had checked the epoch just before the takeover
+        insert(logical_dsn, log_outbox, [("t", "k", "k:1")])
+        refused = None
+        for _ in range(3):  # its stream is gone; starting another one is fenced
+            try:
+                old.mark(old_leader, 100)
+            except FencedError as exc:
+                refused = exc
+                break
+            except StoreError:
+                continue
+        assert refused is not None
         assert slot_position(logical_dsn, log_outbox) == position
         with psycopg.connect(logical_dsn, autocommit=True) as conn:
             left = conn.execute(sql.SQL("SELECT count(*) FROM {}").format(log_outbox.ident)).fetchone()
-        assert left == (20,)
-        # The new leader reads the same records from the slot it found unmoved.
-        assert [r.id for r in new.mark(new_leader, 100)] == [r.id for r in records]
+        assert left == (21,)
+        # The new leader reads the same records from the slot it found unmoved, then the new one.
+        assert [r.id for r in mark_all(new, new_leader, 21)] == [r.id for r in records] + [records[-1].id + 1]
     finally:
         old.close()
         new.close()
@@ -224,7 +264,7 @@ def test_a_new_pass_hands_out_what_is_not_done_and_the_slot_moves_when_all_is(
         store.prepare()
         first = uuid4()
         store.acquire(first)
-        records = store.mark(first, 100)
+        records = mark_all(store, first, 10)
         assert len(records) == 10
         position = slot_position(logical_dsn, log_outbox)
         store.purge([r.id for r in records[:4]])

@@ -3,6 +3,7 @@ missing, with the fix; ``hold_key`` with the log source is refused in one line."
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -64,6 +65,21 @@ def test_migrate_creates_publication_and_slot_and_check_agrees(
     assert "log source: created" not in capsys.readouterr().out
     assert main(["check", "-f", path]) == 0, capsys.readouterr().out
     assert f"log source: slot {config.slot}, publication {config.publication}: ready" in capsys.readouterr().out
+
+    # 'reaper status' shows the slot: behind by the row written since, and nobody streaming it.
+    with psycopg.connect(logical_dsn, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL("INSERT INTO {} (kafka_topic, kafka_key, kafka_value) VALUES ('t', 'k', 'v')").format(
+                fresh_table.ident
+            )
+        )
+    assert main(["status", "-f", path, "--json"]) == 1  # nobody leads
+    slot = json.loads(capsys.readouterr().out)["slot"]
+    assert slot["name"] == config.slot and slot["streaming"] is False
+    assert 0 < slot["lag_bytes"] <= slot["retained_bytes"]
+    assert main(["status", "-f", path]) == 1
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith(f"log slot {config.slot}: lag "))
+    assert line.endswith("byte(s) of WAL, no reader attached")
 
     with psycopg.connect(logical_dsn, autocommit=True) as conn:
         conn.execute(sql.SQL("DROP PUBLICATION {}").format(sql.Identifier(config.publication)))

@@ -1,0 +1,148 @@
+"""A logical replication stream: PostgreSQL's streaming replication protocol, spoken over psycopg's
+libpq layer (``psycopg.pq``), which can hold a connection in COPY BOTH mode.
+
+``START_REPLICATION SLOT ... LOGICAL`` makes the server's walsender decode the log once, forward,
+from the slot's position, and send each change of the committed transactions as an XLogData
+message ('w'), in commit order. Now and then it sends a primary keepalive ('k') with the position its
+decoding reached; it asks for an answer when it has heard nothing from us for half its
+``wal_sender_timeout``. The client's standby status update ('r') reports how far it has consumed:
+the flush position it names becomes the slot's ``confirmed_flush_lsn``, where the next stream starts
+(PostgreSQL's "Streaming Replication Protocol" and "Logical Streaming Replication Protocol").
+
+The stream is not thread-safe: its owner serializes reads and confirmations.
+"""
+
+from __future__ import annotations
+
+import select
+import struct
+import time
+from typing import Final
+
+import psycopg
+from psycopg import pq
+
+from harvester.core.protocols import StoreError
+
+_XLOG_HEAD: Final = 25  # 'w', start LSN, end LSN, send time
+_KEEPALIVE = struct.Struct("!QQB")  # end of WAL (for a logical walsender: how far it decoded), time, reply?
+_STATUS = struct.Struct("!cQQQQB")  # 'r', written, flushed, applied, client time, reply?
+_EPOCH_2000 = 946_684_800  # the protocol's clock starts at 2000-01-01 (in microseconds)
+SLOT_IN_USE: Final = "55006"  # the slot is active for another walsender
+
+
+class StreamError(StoreError):
+    """The stream could not start or broke; ``sqlstate`` when the server said why."""
+
+    def __init__(self, message: str, sqlstate: str | None = None) -> None:
+        super().__init__(message)
+        self.sqlstate = sqlstate
+
+
+def _literal(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
+
+
+def _ident(text: str) -> str:
+    return '"' + text.replace('"', '""') + '"'
+
+
+class LogicalStream:
+    """The changes of one logical slot, read through a ``pgoutput`` publication."""
+
+    def __init__(self, conninfo: str, slot: str, publication: str, flushed: int) -> None:
+        """Connect as a replication client and stream from the slot's confirmed position, which is
+        ``flushed`` (answers to keepalives report it until :meth:`confirm` moves it)."""
+        self.server_end = 0  # how far the walsender's decoding reached, per its latest keepalive
+        self._flushed = flushed  # the flush position reported last
+        self.drained = True  # the last read took everything that had arrived
+        self._conn = pq.PGconn.connect(psycopg.conninfo.make_conninfo(conninfo, replication="database").encode())
+        try:
+            if self._conn.status != pq.ConnStatus.OK:
+                raise StreamError(f"cannot connect for replication: {self._error()}")
+            # 0/0: the server starts at the slot's confirmed_flush_lsn (a lower start is ignored).
+            command = (
+                f"START_REPLICATION SLOT {_ident(slot)} LOGICAL 0/0"
+                f" (proto_version '1', publication_names {_literal(_ident(publication))})"
+            )
+            result = self._conn.exec_(command.encode())
+            if result.status != pq.ExecStatus.COPY_BOTH:
+                sqlstate = result.error_field(pq.DiagnosticField.SQLSTATE)
+                message = result.error_field(pq.DiagnosticField.MESSAGE_PRIMARY)
+                raise StreamError(
+                    f"starting replication from slot {slot} failed: "
+                    + (message.decode(errors="replace") if message else self._error()),
+                    sqlstate.decode() if sqlstate else None,
+                )
+            self._conn.nonblocking = 1
+        except BaseException:
+            self._conn.finish()
+            raise
+
+    def _error(self) -> str:
+        lines = self._conn.get_error_message().strip().splitlines()
+        return lines[0] if lines else "connection lost"
+
+    def read(self, limit: int) -> list[bytes]:
+        """Up to ``limit`` pgoutput messages that have arrived, without waiting; keepalives are
+        answered when the server asks."""
+        out: list[bytes] = []
+        conn = self._conn
+        self.drained = False
+        try:
+            consumed = False
+            while len(out) < limit:
+                size, data = conn.get_copy_data(1)
+                if size == 0:
+                    if consumed:
+                        self.drained = True
+                        break
+                    conn.consume_input()
+                    consumed = True
+                    continue
+                if size < 0:
+                    raise StreamError(f"the replication stream ended: {self._result_error()}")
+                kind = data[0]
+                if kind == 0x77:  # 'w'
+                    out.append(bytes(data[_XLOG_HEAD:]))
+                elif kind == 0x6B:  # 'k'
+                    end, _, reply = _KEEPALIVE.unpack_from(data, 1)
+                    self.server_end = max(self.server_end, end)
+                    if reply:
+                        self.confirm(self._flushed)
+        except psycopg.OperationalError as exc:
+            raise StreamError(f"the replication stream broke: {str(exc).strip()}") from exc
+        return out
+
+    def _result_error(self) -> str:
+        result = self._conn.get_result()
+        if result is None:
+            return "no reason given"
+        message = result.error_field(pq.DiagnosticField.MESSAGE_PRIMARY)
+        return message.decode(errors="replace") if message else "no reason given"
+
+    def wait(self, timeout: float) -> bool:
+        """Block until data arrives (True) or ``timeout`` passes (False)."""
+        if not self.drained:
+            return True  # libpq holds messages the last read left
+        try:
+            ready, _, _ = select.select([self._conn.socket], [], [], timeout)
+        except (OSError, psycopg.OperationalError):
+            return True  # the next read says what broke
+        return bool(ready)
+
+    def confirm(self, lsn: int) -> None:
+        """Report everything before ``lsn`` consumed (never less than reported before: a lower flush
+        position would move the slot back on older servers)."""
+        self._flushed = max(self._flushed, lsn)
+        now = int((time.time() - _EPOCH_2000) * 1_000_000)
+        message = _STATUS.pack(b"r", self._flushed, self._flushed, self._flushed, now, 0)
+        try:
+            self._conn.put_copy_data(message)
+            while self._conn.flush():
+                select.select([], [self._conn.socket], [], 1.0)
+        except psycopg.OperationalError as exc:
+            raise StreamError(f"confirming to the replication stream failed: {str(exc).strip()}") from exc
+
+    def close(self) -> None:
+        self._conn.finish()
