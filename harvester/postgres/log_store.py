@@ -26,7 +26,6 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import Any
 from uuid import UUID
 
@@ -35,7 +34,8 @@ from psycopg import sql
 
 from harvester.core.protocols import StoreError
 from harvester.core.records import Failure, MarkedRecord
-from harvester.postgres import logical, pgoutput, rows
+from harvester.postgres import logical, pgoutput
+from harvester.postgres.log_records import Columns, outbox_record
 from harvester.postgres.logical import LogSetup
 from harvester.postgres.migrations import fence_table
 from harvester.postgres.replication import SLOT_IN_USE, LogicalStream, StreamError
@@ -45,7 +45,10 @@ from harvester.postgres.store import PostgresStore
 _READ_MESSAGES = 5_000
 # An idle leader confirms how far the server decoded this often, so the slot moves past what other
 # tables write while the outbox is idle.
-_KEEPALIVE_SECONDS = 10.0
+_IDLE_CONFIRM_SECONDS = 10.0
+# A status update at least this often, whatever else happens (the server's wal_sender_timeout is
+# 60 s by default).
+_STATUS_SECONDS = 10.0
 # Starting the stream while the slot's previous reader is still exiting: tries, and the pause between.
 _START_TRIES = 50
 _START_PAUSE = 0.1
@@ -56,7 +59,7 @@ _SESSION = "-c DateStyle=ISO -c TimeZone=UTC -c bytea_output=hex"
 @dataclass(slots=True, eq=False)
 class _Transaction:
     end_lsn: int
-    columns: _Columns | None
+    columns: Columns | None
     inserts: list[bytes]  # its outbox Insert messages, kept until all are done (a new pass re-reads them)
     done: set[int] = field(default_factory=set)  # ids acknowledged (or dead-lettered)
 
@@ -67,19 +70,6 @@ class _Transaction:
     @property
     def settled(self) -> bool:
         return len(self.done) >= len(self.inserts)
-
-
-class _Columns:
-    """Where the outbox's columns are in a Relation message's tuple."""
-
-    def __init__(self, relation: pgoutput.Relation) -> None:
-        index = {name: i for i, name in enumerate(relation.columns)}
-        try:
-            self.id, self.time, self.topic, self.key, self.value, self.hkeys, self.hvalues = (
-                index[c] for c in logical.PUBLISHED
-            )
-        except KeyError as exc:
-            raise StoreError(f"the published outbox has no column {exc.args[0]}") from None
 
 
 class LogStore(PostgresStore):
@@ -111,9 +101,9 @@ class LogStore(PostgresStore):
         # Exactly-once: (checkpoint position, end LSN of its last transaction) of purged batches
         # whose position is not stored yet.
         self._batches: deque[tuple[int, int]] = deque()
-        self._columns: _Columns | None = None  # from the outbox's latest Relation message
+        self._columns: Columns | None = None  # from the outbox's latest Relation message
         self._oid = b""  # the outbox table's oid, as Relation and Insert messages name it
-        self._next_keepalive = 0.0  # monotonic time (mark thread only)
+        self._next_idle_confirm = 0.0  # monotonic time (mark thread only)
         self._takeover: sql.Composed | None = None
 
     def prepare(self) -> Any:
@@ -210,33 +200,40 @@ class LogStore(PostgresStore):
             if self._pass != leader_id:
                 self._pass = leader_id
                 self._buffer = deque((txn, data) for txn in self._transactions for data in txn.inserts)
-        if not self._buffer:
+        if self._buffer:
+            self._report_alive()
+        else:
             self._read()
         out = self._hand_out(leader_id, limit)
         with self._state:
             settled = self._settled()
-            keepalive = not out and not self._transactions and time.monotonic() > self._next_keepalive
+            idle = not out and not self._transactions and time.monotonic() > self._next_idle_confirm
         if settled and not out:
             self._advance_to(settled)
-        if keepalive:
-            self._keepalive()
+        if idle:
+            self._confirm_idle()
         return out
 
     def _hand_out(self, leader_id: UUID, limit: int) -> list[MarkedRecord]:
-        """Decode the next ``limit`` buffered inserts: only as they go out, so a large transaction
-        waits in the buffer as bytes, not as a crowd of objects for the garbage collector."""
-        taken: list[tuple[_Transaction, bytes]] = []
-        with self._state:
-            if self._pass != leader_id:
-                return []
-            while len(taken) < limit and self._buffer:
-                taken.append(self._buffer.popleft())
+        """Up to ``limit`` buffered inserts not done yet, decoded only as they go out, so a large
+        transaction waits in the buffer as bytes, not as a crowd of objects for the garbage
+        collector. (A new pass over a large transaction skips its done records here.)"""
+        out: list[MarkedRecord] = []
+        while len(out) < limit:
+            with self._state:
+                if self._pass != leader_id or not self._buffer:
+                    break
+                taken = [self._buffer.popleft() for _ in range(min(limit - len(out), len(self._buffer)))]
+            out += self._fresh(taken)
+        return out
+
+    def _fresh(self, taken: list[tuple[_Transaction, bytes]]) -> list[MarkedRecord]:
         names, kind = self._names, self._ready().columns.limits.value_kind
         identity = ((names.epoch, str(self._epoch).encode()), (names.producer, self._ready().producer))
         records: list[tuple[_Transaction, MarkedRecord]] = []
         for txn, data in taken:
             assert txn.columns is not None  # checked as the transaction came in
-            records.append((txn, _record(pgoutput.insert_values(data), txn.columns, kind)))
+            records.append((txn, outbox_record(pgoutput.insert_values(data), txn.columns, kind)))
         # A record of a transaction an earlier term read may have been delivered and its row
         # deleted: the table says so (publishing it again would be a duplicate the de-duplicating
         # reader cannot be sure to catch, its key having moved on).
@@ -259,17 +256,27 @@ class LogStore(PostgresStore):
         assert self._present is not None
         return {int(row[0]) for row in self._run(self._present, (ids,))}
 
-    def _keepalive(self) -> None:
+    def _confirm_idle(self) -> None:
         """Confirm how far the server decoded, all received being done: the slot moves past what
         other tables wrote meanwhile, which an idle outbox would otherwise keep in the log."""
-        self._next_keepalive = time.monotonic() + _KEEPALIVE_SECONDS
+        self._next_idle_confirm = time.monotonic() + _IDLE_CONFIRM_SECONDS
         stream = self._stream
         if stream is not None and stream.server_end > self._advanced:
             self._advance_to(stream.server_end)
 
+    def _report_alive(self) -> None:
+        """While the buffer drains, nothing is read: tell the server the stream is still wanted."""
+        with self._slot_lock:
+            if self._stream is not None:
+                try:
+                    self._stream.keep_alive(_STATUS_SECONDS)
+                except StreamError:
+                    self._close_stream()  # the next read starts another
+
     def _read(self) -> None:
         """Receive what the stream has, until a transaction with outbox inserts is complete or
         nothing more has arrived."""
+        restarted = False
         while True:
             with self._slot_lock:
                 if self._stream is None:
@@ -277,8 +284,14 @@ class LogStore(PostgresStore):
                 try:
                     messages = self._stream.read(_READ_MESSAGES)
                 except StreamError:
+                    # Broken (the server's wal_sender_timeout while nobody read, a restart): once
+                    # more from the slot's position, skipping what was received; then the engine's
+                    # retry.
                     self._close_stream()
-                    raise
+                    if restarted:
+                        raise
+                    restarted = True
+                    continue
                 drained = self._stream.drained
             self._receive(messages)
             if self._buffer or drained:
@@ -297,7 +310,7 @@ class LogStore(PostgresStore):
                     # A restarted stream sends again what this term received already: skipped.
                     inserts = [] if message.final_lsn >= self._received_upto else None
                 elif isinstance(message, pgoutput.Relation) and message.oid == int.from_bytes(oid, "big"):
-                    self._columns = _Columns(message)
+                    self._columns = Columns(message)
                 elif isinstance(message, pgoutput.Commit):
                     if inserts is not None and message.end_lsn > self._received_upto:
                         if inserts and self._columns is None:
@@ -380,7 +393,8 @@ class LogStore(PostgresStore):
 
     def _confirm(self, lsn: int) -> None:
         """Report everything before ``lsn`` consumed; call only right after a fenced statement
-        found the epoch current. Without a stream, the next one reports it when it starts."""
+        found the epoch current. Without a stream (or when it broke), the next one reports it when
+        it starts: the records are done either way, so no error reaches the caller."""
         with self._slot_lock:
             self._advanced = max(self._advanced, lsn)
             if self._stream is not None:
@@ -388,7 +402,6 @@ class LogStore(PostgresStore):
                     self._stream.confirm(self._advanced)
                 except StreamError:
                     self._close_stream()
-                    raise
 
     def wait_for_insert(self, timeout: float) -> bool:
         """Until the stream has something to read (or, before it started, as the mark-purge store)."""
@@ -410,33 +423,3 @@ class LogStore(PostgresStore):
         with self._slot_lock:
             self._close_stream()
         super().close()
-
-
-def _record(values: tuple[bytes | None, ...], c: _Columns, kind: str) -> MarkedRecord:
-    """A decoded insert as the engine publishes it, before the identity headers."""
-    raw = values[c.value]
-    # A textual value's text form is the bytes Kafka carries; bytea's is hex (\x...).
-    value = bytes.fromhex(raw[2:].decode()) if raw is not None and kind == "bytes" else raw
-    raw_keys, raw_values = values[c.hkeys], values[c.hvalues]
-    headers: list[tuple[str, str | bytes | None]] = []
-    why = None
-    if raw_keys != b"{}" or raw_values != b"{}":
-        hkeys = pgoutput.text_array(None if raw_keys is None else raw_keys.decode())
-        hvalues = pgoutput.text_array(None if raw_values is None else raw_values.decode())
-        why = rows.malformed("", hkeys, hvalues)
-        headers = [
-            (k or "", v.encode() if v is not None else b"") for k, v in zip(hkeys or (), hvalues or (), strict=False)
-        ]
-    key = values[c.key]
-    if key is None:
-        why = rows.malformed(None, [], [])
-    created = values[c.time]
-    return MarkedRecord(
-        int(values[c.id] or 0),
-        datetime.fromisoformat(created.decode()) if created else datetime.now(UTC),
-        (values[c.topic] or b"").decode(),
-        key.decode() if key is not None else "",
-        value,
-        headers,
-        malformed=why,
-    )

@@ -56,6 +56,7 @@ class LogicalStream:
         self.server_end = 0  # how far the walsender's decoding reached, per its latest keepalive
         self._flushed = flushed  # the flush position reported last
         self.drained = True  # the last read took everything that had arrived
+        self._reported = time.monotonic()  # when the last status update went out
         self._conn = pq.PGconn.connect(psycopg.conninfo.make_conninfo(conninfo, replication="database").encode())
         try:
             if self._conn.status != pq.ConnStatus.OK:
@@ -131,12 +132,20 @@ class LogicalStream:
             return True  # the next read says what broke
         return bool(ready)
 
+    def keep_alive(self, every: float) -> None:
+        """Report the same position again if nothing was reported for ``every`` seconds: the server
+        ends a stream that stays silent for its ``wal_sender_timeout``, and a reader busy with a
+        large transaction neither reads (so answers no keepalive) nor confirms for a while."""
+        if time.monotonic() - self._reported > every:
+            self.confirm(self._flushed)
+
     def confirm(self, lsn: int) -> None:
         """Report everything before ``lsn`` consumed (never less than reported before: a lower flush
         position would move the slot back on older servers)."""
         self._flushed = max(self._flushed, lsn)
         now = int((time.time() - _EPOCH_2000) * 1_000_000)
         message = _STATUS.pack(b"r", self._flushed, self._flushed, self._flushed, now, 0)
+        self._reported = time.monotonic()
         try:
             self._conn.put_copy_data(message)
             while self._conn.flush():
