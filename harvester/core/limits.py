@@ -117,7 +117,7 @@ class Limits(BaseModel):
         default=100_000,
         ge=0,
         description="Vacuum the outbox after this many purged records while a backlog drains (0: leave it to "
-        "autovacuum); needs the table's owner.",
+        "autovacuum); needs the table's owner. Mark-purge/reset only: the log source reads no rows.",
     )
 
     @property

@@ -275,3 +275,31 @@ def test_a_new_pass_hands_out_what_is_not_done_and_the_slot_moves_when_all_is(
         assert store.mark(uuid4(), 100) == []  # a new pass: nothing left in the slot
     finally:
         store.close()
+
+
+def test_a_stream_the_server_ended_starts_again_without_repeating_what_was_received(
+    logical_dsn: str, log_outbox: TableName
+) -> None:
+    """The server ends the stream (as its wal_sender_timeout or a restart would): the next mark
+    starts another from the slot's position, which skips the transactions already received and
+    hands out the new ones."""
+    config = HarvesterConfig(outbox_table=log_outbox.qualified)
+    insert(logical_dsn, log_outbox, [("t", f"k{i}", f"k{i}:0") for i in range(5)])
+    store = LogStore(logical_dsn, LogSetup(log_outbox, config.slot, config.publication))
+    try:
+        store.prepare()
+        leader = uuid4()
+        store.acquire(leader)
+        first = mark_all(store, leader, 5)
+        reader = slot_reader(logical_dsn, log_outbox)
+        with psycopg.connect(logical_dsn, autocommit=True) as conn:
+            conn.execute("SELECT pg_terminate_backend(%s, 5000)", (reader,))
+        insert(logical_dsn, log_outbox, [("t", f"k{i}", f"k{i}:1") for i in range(5)])
+        second = mark_all(store, leader, 5)
+        assert [r.id for r in second] == [r.id + 5 for r in first]
+        assert slot_reader(logical_dsn, log_outbox) not in (None, reader)
+        position = slot_position(logical_dsn, log_outbox)
+        store.purge([r.id for r in first + second])  # ... and the new stream confirms them
+        assert wait_until(lambda: slot_position(logical_dsn, log_outbox) != position)
+    finally:
+        store.close()
