@@ -46,9 +46,13 @@ _READ_MESSAGES = 5_000
 # An idle leader confirms how far the server decoded this often, so the slot moves past what other
 # tables write while the outbox is idle.
 _IDLE_CONFIRM_SECONDS = 10.0
-# A status update at least this often, whatever else happens (the server's wal_sender_timeout is
-# 60 s by default).
+# Read on while fewer records than this wait in the buffer, and at least this often in any case.
+_READ_AHEAD = 20_000
+_READ_SECONDS = 1.0
+# A status update at least this often, whatever else happens, within the walsender's timeout, which
+# the stream sets (PostgreSQL 12+; the default is 60 s).
 _STATUS_SECONDS = 10.0
+_SENDER_TIMEOUT = "30s"
 # Starting the stream while the slot's previous reader is still exiting: tries, and the pause between.
 _START_TRIES = 50
 _START_PAUSE = 0.1
@@ -106,6 +110,7 @@ class LogStore(PostgresStore):
         self._columns: Columns | None = None  # from the outbox's latest Relation message
         self._oid = b""  # the outbox table's oid, as Relation and Insert messages name it
         self._next_idle_confirm = 0.0  # monotonic time (mark thread only)
+        self._next_read = 0.0  # ... and the next read while records wait in the buffer
         self._takeover: sql.Composed | None = None
 
     def prepare(self) -> Any:
@@ -124,7 +129,14 @@ class LogStore(PostgresStore):
             # Under the current epoch only: where the slot stands, and its other reader (a paused
             # old leader's walsender) terminated; PostgreSQL 14+ waits until it is gone, so no
             # confirmation it had not yet processed can move the slot afterwards.
-            wait = ", 5000" if self._conn().info.server_version >= 140000 else ""
+            version = self._conn().info.server_version
+            if version >= 120000:
+                # A leader that reads nothing for this long (its in-flight window stuck while the
+                # database shuts down) lets its walsender go, so the shutdown can finish; the stream
+                # starts again on the next read.
+                options = f"{self._options} -c wal_sender_timeout={_SENDER_TIMEOUT}"
+                self._conninfo = psycopg.conninfo.make_conninfo(self._conninfo, options=options)
+            wait = ", 5000" if version >= 140000 else ""
             self._takeover = sql.SQL(
                 "WITH fence AS (SELECT 1 FROM {f} WHERE outbox_table = %s AND shard = %s AND epoch = %s)"
                 " SELECT s.confirmed_flush_lsn::text, pg_terminate_backend(s.active_pid" + wait + ")"
@@ -202,10 +214,11 @@ class LogStore(PostgresStore):
             if self._pass != leader_id:
                 self._pass = leader_id
                 self._buffer = deque((txn, data) for txn in self._transactions for data in txn.inserts)
-        if self._buffer:
-            self._report_alive()
-        else:
+        if not self._buffer:
             self._read()
+        elif len(self._buffer) < _READ_AHEAD or time.monotonic() > self._next_read:
+            self._read_some()  # ahead while records go out; and the server's keepalives answered
+        self._report_alive()
         out = self._hand_out(leader_id, limit)
         with self._state:
             settled = self._settled()
@@ -267,13 +280,24 @@ class LogStore(PostgresStore):
             self._advance_to(stream.server_end)
 
     def _report_alive(self) -> None:
-        """While the buffer drains, nothing is read: tell the server the stream is still wanted."""
+        """Tell the server the stream is still wanted, however long the buffer takes to drain."""
         with self._slot_lock:
             if self._stream is not None:
                 try:
                     self._stream.keep_alive(_STATUS_SECONDS)
                 except StreamError:
                     self._close_stream()  # the next read starts another
+
+    def _read_some(self) -> None:
+        with self._slot_lock:
+            stream = self._stream
+            self._next_read = time.monotonic() + _READ_SECONDS
+            try:
+                messages = stream.read(_READ_MESSAGES) if stream is not None else []
+            except StreamError:
+                self._close_stream()  # the next read starts another
+                return
+        self._receive(messages)
 
     def _read(self) -> None:
         """Receive what the stream has, until a transaction with outbox inserts is complete or
@@ -283,6 +307,7 @@ class LogStore(PostgresStore):
             with self._slot_lock:
                 if self._stream is None:
                     self._stream = self._start()
+                self._next_read = time.monotonic() + _READ_SECONDS
                 try:
                     messages = self._stream.read(_READ_MESSAGES)
                 except StreamError:

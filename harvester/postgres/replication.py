@@ -110,7 +110,7 @@ class LogicalStream:
                     end, _, reply = _KEEPALIVE.unpack_from(data, 1)
                     self.server_end = max(self.server_end, end)
                     if reply:
-                        self.confirm(self._flushed)
+                        self._report()
         except psycopg.OperationalError as exc:
             raise StreamError(f"the replication stream broke: {str(exc).strip()}") from exc
         return out
@@ -133,25 +133,33 @@ class LogicalStream:
         return bool(ready)
 
     def keep_alive(self, every: float) -> None:
-        """Report the same position again if nothing was reported for ``every`` seconds: the server
-        ends a stream that stays silent for its ``wal_sender_timeout``, and a reader busy with a
-        large transaction neither reads (so answers no keepalive) nor confirms for a while."""
+        """Tell the server the stream is still wanted if nothing was sent for ``every`` seconds: it
+        ends a stream that stays silent for its ``wal_sender_timeout``."""
         if time.monotonic() - self._reported > every:
-            self.confirm(self._flushed)
+            self._report()
 
     def confirm(self, lsn: int) -> None:
-        """Report everything before ``lsn`` consumed (never less than reported before: a lower flush
-        position would move the slot back on older servers)."""
+        """Report everything before ``lsn`` consumed, which moves the slot (never less than reported
+        before: a lower flush position would move it back on older servers)."""
         self._flushed = max(self._flushed, lsn)
+        self._send(self._flushed, self._flushed)
+
+    def _report(self) -> None:
+        """Say how far the stream was received, with no flush position (the slot stays where it
+        is). A walsender that shuts down waits until its client reports all it sent: this lets a
+        fast shutdown of the server finish while records are still in flight."""
+        self._send(max(self.server_end, self._flushed), 0)
+
+    def _send(self, written: int, flushed: int) -> None:
         now = int((time.time() - _EPOCH_2000) * 1_000_000)
-        message = _STATUS.pack(b"r", self._flushed, self._flushed, self._flushed, now, 0)
+        message = _STATUS.pack(b"r", written, flushed, flushed, now, 0)
         self._reported = time.monotonic()
         try:
             self._conn.put_copy_data(message)
             while self._conn.flush():
                 select.select([], [self._conn.socket], [], 1.0)
         except psycopg.OperationalError as exc:
-            raise StreamError(f"confirming to the replication stream failed: {str(exc).strip()}") from exc
+            raise StreamError(f"writing to the replication stream failed: {str(exc).strip()}") from exc
 
     def close(self) -> None:
         self._conn.finish()
