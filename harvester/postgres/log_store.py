@@ -56,6 +56,14 @@ _SENDER_TIMEOUT = "30s"
 # Starting the stream while the slot's previous reader is still exiting: tries, and the pause between.
 _START_TRIES = 50
 _START_PAUSE = 0.1
+# Transaction ids visible to a new snapshot, of those given (32-bit xids, the current epoch's or the
+# previous one's, made 64-bit against the snapshot's xmax).
+_INVISIBLE = (
+    "SELECT count(*) FROM txid_current_snapshot() AS s, unnest(%s::bigint[]) AS x WHERE NOT txid_visible_in_snapshot("
+    "txid_snapshot_xmax(s) - ((txid_snapshot_xmax(s) - x) %% 4294967296 + 4294967296) %% 4294967296, s)"
+)
+# A transaction the stream sent that is not visible yet is checked again this long after.
+_VISIBLE_PAUSE = 0.005
 # Text forms the decoding session writes values in: fixed, whatever the server's defaults are.
 _SESSION = "-c DateStyle=ISO -c TimeZone=UTC -c bytea_output=hex"
 
@@ -63,9 +71,11 @@ _SESSION = "-c DateStyle=ISO -c TimeZone=UTC -c bytea_output=hex"
 @dataclass(slots=True, eq=False)
 class _Transaction:
     end_lsn: int
+    xid: int
     columns: Columns | None
     inserts: list[bytes]  # its outbox Insert messages, kept until all are done (a new pass re-reads them)
     done: set[int] = field(default_factory=set)  # ids acknowledged (or dead-lettered)
+    visible: bool = False  # its rows were found visible to new snapshots (see LogStore._visible)
 
     @property
     def size(self) -> int:
@@ -91,6 +101,7 @@ class LogStore(PostgresStore):
         self._slot_lock = threading.Lock()  # guards the stream (mark thread reads, completions confirm)
         self._stream: LogicalStream | None = None
         self._open: list[bytes] | None = None  # inserts of the transaction being received (mark thread)
+        self._open_xid = 0  # ... and its xid
         self._state = threading.Lock()  # guards everything below (mark and completion threads)
         self._pass: UUID | None = None  # the leader id of the current pass
         self._buffer: deque[tuple[_Transaction, bytes]] = deque()  # received, not handed out in this pass
@@ -239,8 +250,29 @@ class LogStore(PostgresStore):
                 if self._pass != leader_id or not self._buffer:
                     break
                 taken = [self._buffer.popleft() for _ in range(min(limit - len(out), len(self._buffer)))]
+            if not self._visible({txn for txn, _ in taken if not txn.visible}):
+                with self._state:
+                    if self._pass == leader_id:
+                        self._buffer.extendleft(reversed(taken))
+                break
             out += self._fresh(taken)
         return out
+
+    def _visible(self, transactions: set[_Transaction]) -> bool:
+        """Whether the rows of ``transactions`` are visible to new snapshots. The walsender sends a
+        transaction once its commit record is flushed, a moment before the committing session makes
+        it visible: a purge in that moment would delete none of its rows, yet count its records
+        done, and the slot would move past rows left in the table for good."""
+        if not transactions:
+            return True
+        xids = [txn.xid for txn in transactions]
+        for pause in (0.0, _VISIBLE_PAUSE, _VISIBLE_PAUSE * 4):
+            time.sleep(pause)
+            if not int(self._run(_INVISIBLE, (xids,))[0][0]):
+                for txn in transactions:
+                    txn.visible = True
+                return True
+        return False
 
     def _fresh(self, taken: list[tuple[_Transaction, bytes]]) -> list[MarkedRecord]:
         names, kind = self._names, self._ready().columns.limits.value_kind
@@ -325,7 +357,7 @@ class LogStore(PostgresStore):
                 return
 
     def _receive(self, messages: list[bytes]) -> None:
-        oid, inserts = self._oid, self._open
+        oid, inserts, xid = self._oid, self._open, self._open_xid
         with self._state:
             for data in messages:
                 if data[:1] == b"I":
@@ -336,6 +368,7 @@ class LogStore(PostgresStore):
                 if isinstance(message, pgoutput.Begin):
                     # A restarted stream sends again what this term received already: skipped.
                     inserts = [] if message.final_lsn >= self._received_upto else None
+                    xid = message.xid
                 elif isinstance(message, pgoutput.Relation) and message.oid == int.from_bytes(oid, "big"):
                     self._columns = Columns(message)
                 elif isinstance(message, pgoutput.Commit):
@@ -343,11 +376,11 @@ class LogStore(PostgresStore):
                         if inserts and self._columns is None:
                             raise StoreError("the slot sent inserts of the outbox before its relation")
                         self._received_upto = message.end_lsn
-                        txn = _Transaction(message.end_lsn, self._columns, inserts)
+                        txn = _Transaction(message.end_lsn, xid, self._columns, inserts)
                         self._transactions.append(txn)
                         self._buffer.extend((txn, d) for d in inserts)
                     inserts = None
-        self._open = inserts
+        self._open, self._open_xid = inserts, xid
 
     # ------------------------------------------------------------------ completion
 

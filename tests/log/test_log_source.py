@@ -303,3 +303,40 @@ def test_a_stream_the_server_ended_starts_again_without_repeating_what_was_recei
         assert wait_until(lambda: slot_position(logical_dsn, log_outbox) != position)
     finally:
         store.close()
+
+
+def test_a_transaction_goes_out_only_once_its_rows_are_visible(logical_dsn: str, log_outbox: TableName) -> None:
+    """The walsender sends a transaction once its commit record is flushed, a moment before the
+    committing session makes it visible. Handed out in that moment, its records could be
+    acknowledged and purged before the delete can see their rows: nothing deleted, yet counted
+    done, and the slot confirmed past rows left in the table for good (a chaos run lost five
+    records so). The stream's transaction is given the xid of one still running, as it would be
+    in that moment: nothing goes out until that transaction is visible."""
+    config = HarvesterConfig(outbox_table=log_outbox.qualified)
+    store = LogStore(logical_dsn, LogSetup(log_outbox, config.slot, config.publication))
+    try:
+        store.prepare()
+        leader = uuid4()
+        store.acquire(leader)
+        insert(logical_dsn, log_outbox, [("t", "k", "k:0")])
+
+        def received() -> bool:
+            store._read()  # without handing anything out
+            return bool(store._transactions)
+
+        assert wait_until(received)
+        with psycopg.connect(logical_dsn) as running:
+            row = running.execute("SELECT pg_current_xact_id()::text").fetchone()
+            assert row is not None
+            store._transactions[0].xid = int(row[0]) % 2**32
+            assert store.mark(leader, 10) == []
+            assert store.mark(leader, 10) == []
+            running.commit()
+        records = mark_all(store, leader, 1)
+        assert [r.value for r in records] == [b"k:0"]
+        store.purge([r.id for r in records])
+        with psycopg.connect(logical_dsn, autocommit=True) as conn:
+            left = conn.execute(sql.SQL("SELECT count(*) FROM {}").format(log_outbox.ident)).fetchone()
+        assert left == (0,)
+    finally:
+        store.close()
