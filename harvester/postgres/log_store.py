@@ -56,8 +56,8 @@ _SENDER_TIMEOUT = "30s"
 # Starting the stream while the slot's previous reader is still exiting: tries, and the pause between.
 _START_TRIES = 50
 _START_PAUSE = 0.1
-# Transaction ids visible to a new snapshot, of those given (32-bit xids, the current epoch's or the
-# previous one's, made 64-bit against the snapshot's xmax).
+# How many of the given transactions a new snapshot does not see yet (their 32-bit xids made 64-bit
+# against the snapshot's xmax: a decoded transaction is at most one wraparound behind it).
 _INVISIBLE = (
     "SELECT count(*) FROM txid_current_snapshot() AS s, unnest(%s::bigint[]) AS x WHERE NOT txid_visible_in_snapshot("
     "txid_snapshot_xmax(s) - ((txid_snapshot_xmax(s) - x) %% 4294967296 + 4294967296) %% 4294967296, s)"
