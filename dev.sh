@@ -42,7 +42,7 @@ case "${1:-}" in
     echo "== pytest"
     # Two workers: most of the suite's time is spent waiting on services (fault windows, failovers);
     # tests that share a fixed resource stay in one worker (see tests/conftest.py).
-    set +e; "$PY" -m pytest -n "${TEST_WORKERS:-2}" --dist loadgroup "$@"; rc=$?; set -e
+    set +e; "$PY" -m pytest -n "${TEST_WORKERS:-2}" "$@"; rc=$?; set -e
     # Exit 5 means pytest collected nothing: this suite always has tests, so that is a failure.
     if [ $rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi
     exit $rc ;;

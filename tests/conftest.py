@@ -23,22 +23,42 @@ from tests.support import (
     unique,
 )
 
-# Tests that share something fixed run in one pytest-xdist worker, one after another: private
-# services on fixed ports (chaos, the fault cluster, the Spark cluster, the restartable broker), the
-# reaper's default HTTP port and tables. Everything else (own schema, own topics) runs anywhere.
-_SERIAL_DIRECTORIES = ("chaos", "compat", "faults", "spark", "spark_drain", "reaper")
+# `./dev.sh test` runs two pytest-xdist workers. Tests that share something fixed (private services
+# on fixed ports or directories, the Spark cluster, the restartable broker, the reaper's default HTTP
+# port) form one group, run by one worker one after another; every other test (its own schema, its
+# own topics) is a group of its own. The longest groups go first, so that no worker is left alone
+# with one at the end. (xdist's own `loadgroup` marks do not reach its scheduler under pytest 9.)
+_GROUPS = (  # path prefix -> group, longest first
+    ("tests/spark", "spark"),  # tests/spark and tests/spark_drain: one Spark cluster, fixed ports
+    ("tests/chaos/test_chaos.py", "chaos"),
+    ("tests/faults/", "faults"),
+    ("tests/reaper/", "reaper"),
+    ("tests/compat/", "compat"),
+    ("tests/deadletter/test_poison.py", "private_kafka"),  # these three use the private_kafka broker
+    ("tests/engine/test_failures.py", "private_kafka"),
+    ("tests/leader/test_failover.py", "private_kafka"),
+)
+
+
+def _group(nodeid: str) -> tuple[int, str]:
+    for rank, (prefix, group) in enumerate(_GROUPS):
+        if nodeid.startswith(prefix):
+            return rank, group
+    return len(_GROUPS), nodeid
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        directory = item.path.parent.name
-        if directory in _SERIAL_DIRECTORIES:
-            group = "spark" if directory.startswith("spark") else directory
-        elif "private_kafka" in getattr(item, "fixturenames", ()):
-            group = "private_kafka"
-        else:
-            continue
-        item.add_marker(pytest.mark.xdist_group(group))
+    items.sort(key=lambda item: _group(item.nodeid)[0])  # stable: the groups' own order is kept
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Groups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _group(nodeid)[1]
+
+    return Groups(config, log)
 
 
 @pytest.fixture(scope="session")
