@@ -97,21 +97,19 @@ class KafkaCluster:
 
     def internal_leader(self, topic: str, key: str) -> int:
         """The node leading the partition of ``topic`` (an internal one) that holds ``key``."""
-        partitions = self.admin.list_topics(topic, timeout=10).topics[topic].partitions
-        return int(partitions[java_hash(key) % len(partitions)].leader)
+        deadline = time.monotonic() + 30
+        while True:  # no leader (-1) while one is being elected after a broker died
+            partitions = self.admin.list_topics(topic, timeout=10).topics[topic].partitions
+            leader = int(partitions[java_hash(key) % len(partitions)].leader)
+            if leader >= 0 or time.monotonic() > deadline:
+                return leader
+            time.sleep(0.5)
 
     def group_coordinator(self, group: str) -> int:
-        """The node coordinating consumer group ``group``. Right after a broker restart the group's
-        coordinator may be moving (NOT_COORDINATOR, COORDINATOR_NOT_AVAILABLE): ask again."""
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                described = self.admin.describe_consumer_groups([group])[group].result(30)
-                return int(described.coordinator.id)
-            except KafkaException:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(1)
+        """The node coordinating consumer group ``group``: the leader of the ``__consumer_offsets``
+        partition that holds it. (Describing the group failed with NOT_COORDINATOR for over a minute
+        after broker restarts in the soak.)"""
+        return self.internal_leader("__consumer_offsets", group)
 
     def transaction_coordinator(self, transactional_id: str) -> int:
         """The node coordinating ``transactional_id`` (once a producer initialised transactions)."""
