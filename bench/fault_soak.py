@@ -105,7 +105,9 @@ class Soak:
     def replace_crashed(self) -> None:
         for slot in self.slots:
             if slot.proc is not None and slot.proc.proc.poll() is not None:
-                self.crashes.append(f"{slot.proc.name} exited with {slot.proc.proc.returncode}")
+                # The last lines say why (an abort's cause is often librdkafka's own line, so all kept).
+                tail = "".join(list(slot.proc.log)[-15:]).rstrip()
+                self.crashes.append(f"{slot.proc.name} exited with {slot.proc.proc.returncode}:\n{tail}")
                 self.sc.group.running.remove(slot.proc)
                 self.spawn(slot)
 
