@@ -10,7 +10,6 @@ loopback port) serves these tests instead, and stops at the end of the session.
 from __future__ import annotations
 
 import os
-import socket
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -23,13 +22,7 @@ from harvester import HarvesterConfig, Limits
 from harvester.postgres import logical
 from harvester.postgres.identifiers import TableName
 from harvester.postgres.migrations import migrate
-from tests.support import HarvesterFactory, PrivatePostgres, Services, harvesters, unique
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tests.support import HarvesterFactory, PrivatePostgres, Services, free_ports, harvesters, unique
 
 
 def _logical(dsn: str) -> bool:
@@ -47,7 +40,7 @@ def logical_dsn(services: Services) -> Iterator[str]:
     if _logical(services.pg_dsn):
         yield services.pg_dsn
         return
-    private = PrivatePostgres("logical", _free_port())
+    private = PrivatePostgres("logical", free_ports(1))
     private.start()
     try:
         yield private.dsn

@@ -8,7 +8,6 @@ from __future__ import annotations
 import glob
 import json
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -27,6 +26,7 @@ from tests.support import (
     PrivatePostgres,
     Services,
     delete_topics,
+    free_ports,
     reaper_environment,
     run_reaper,
     unique,
@@ -60,19 +60,13 @@ def error_lines(stderr: str) -> list[str]:
 # ------------------------------------------------------------------ 1. run: libpq's reason, no password
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def password_pg() -> Iterator[PrivatePostgres]:
     """A PostgreSQL of its own that checks passwords (scram-sha-256 over TCP): the shared test
     cluster trusts every loopback connection, so a wrong password could not be refused there."""
     if not glob.glob("/usr/lib/postgresql/*/bin/initdb"):
         pytest.skip("PostgreSQL server binaries are not installed")
-    pg = PrivatePostgres("auth", _free_port())
+    pg = PrivatePostgres("auth", free_ports(1))
     pg.start()
     try:
         # The postgres role stays trusted (services.sh creates roles through it); everyone else,
@@ -128,7 +122,7 @@ def test_run_redacts_the_password_from_libpq_s_reason(services: Services, tmp_pa
 
 
 def test_run_with_a_wrong_port_says_why(services: Services, tmp_path: Path) -> None:
-    dsn = make_conninfo(services.pg_dsn, host="127.0.0.1", port=str(_free_port()), password=SECRET)
+    dsn = make_conninfo(services.pg_dsn, host="127.0.0.1", port=str(free_ports(1)), password=SECRET)
     done = run_reaper("run", "-f", write_config(tmp_path, dsn, "outbox", services.bootstrap, unique("lead")))
     assert done.returncode == 2, done.stderr
     (line,) = error_lines(done.stderr)
@@ -215,7 +209,7 @@ def test_migrate_says_it_created_the_schema(
 def test_run_with_kafka_unreachable_names_the_cause_and_bootstrap_servers(services: Services, tmp_path: Path) -> None:
     """One section, and two (a list): the same wait and the same line, naming the section in a list.
     Both run at once, so the test waits out run's 30 s once."""
-    port = _free_port()
+    port = free_ports(1)
     one = write_config(tmp_path, services.pg_dsn, "outbox", f"127.0.0.1:{port}", unique("lead"))
     two = tmp_path / "two.yaml"
     sections = [

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import re
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -27,9 +26,9 @@ from psycopg import sql
 from harvester.core.shards import shard_of
 from harvester.postgres.identifiers import TableName
 from tests.reaper.test_cli_reasons import error_lines
-from tests.reaper.test_e2e import free_port, outbox_count, wait_for
+from tests.reaper.test_e2e import outbox_count, wait_for
 from tests.reaper.test_http_port import Process
-from tests.support import PrivateKafka, PrivatePostgres, Services, create_topics, run_reaper, unique
+from tests.support import PrivateKafka, PrivatePostgres, Services, create_topics, free_ports, run_reaper, unique
 
 pytestmark = pytest.mark.integration
 
@@ -207,7 +206,7 @@ def test_a_dead_letter_too_wide_for_its_table_stalls_its_outbox_visibly_and_stop
 @pytest.fixture
 def private_pg() -> Iterator[PrivatePostgres]:
     """A PostgreSQL of this test's own, which it stops and starts (never the shared one)."""
-    pg = PrivatePostgres("stall", free_port())
+    pg = PrivatePostgres("stall", free_ports(1))
     pg.start()
     try:
         yield pg
@@ -273,23 +272,10 @@ def test_postgres_down_backs_off_says_why_and_recovers(
 # ------------------------------------------------------------------ Kafka down at SIGTERM
 
 
-def _port_pair() -> int:
-    """A free port whose successor is free too (a private broker's controller listens there)."""
-    for _ in range(50):
-        port = free_port()
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-        return port
-    raise AssertionError("no two adjacent free ports")
-
-
 @pytest.fixture
 def kafka_to_stop() -> Iterator[PrivateKafka]:
     """A broker of this test's own, which it stops (never the shared one)."""
-    broker = PrivateKafka("stall", _port_pair())
+    broker = PrivateKafka("stall", free_ports(2))
     broker.start()
     try:
         yield broker
