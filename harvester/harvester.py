@@ -10,8 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any
 from uuid import UUID
 
 import psycopg
@@ -20,77 +19,26 @@ from confluent_kafka.admin import AdminClient
 from prometheus_client import CollectorRegistry
 
 from harvester.config import HarvesterConfig
-from harvester.core.at_least_once import at_least_once
-from harvester.core.dispatch import DispatcherFactory
 from harvester.core.engine import Engine
 from harvester.core.events import Event, MeterRead
-from harvester.core.exactly_once import exactly_once
 from harvester.core.identity import IdentityHeaders
 from harvester.core.metrics import HarvesterMetrics, ShardLabels
-from harvester.core.protocols import BatchScope, DeliveryCallback, Elector, StoreError
+from harvester.core.protocols import Elector
 from harvester.core.retries import Stall
-from harvester.kafka.publisher import KafkaPublisher, producer_config
-from harvester.kafka.topics import ensure_topic, require_partitions
-from harvester.kafka.transactions import KafkaTransactionalPublisher
+from harvester.electors import ShardedElector, neli_elector
+from harvester.meter import Meter
+from harvester.pipelines import Pipeline, build_engine
 from harvester.postgres.log_store import LogStore
 from harvester.postgres.logical import LogSetup
 from harvester.postgres.store import PostgresStore
 
 if TYPE_CHECKING:
-    from leader import ElectorConfig, LeaderEvent, LeaderStatus
+    from leader import LeaderEvent
 
 log = structlog.get_logger("harvester")
 
 _STOP_RESERVE = 2.0
 """Seconds of a stop's budget kept from the drain for leaving the group and closing the producer."""
-
-
-def elector_config(config: HarvesterConfig) -> ElectorConfig:
-    """The NELI settings ``config`` implies; raises ``pydantic.ValidationError`` when its limits do
-    not fit together (no I/O: ``reaper check`` runs it too)."""
-    from leader import ElectorConfig
-
-    limits = config.limits
-    return ElectorConfig(
-        kafka_config=dict(config.base_kafka_config),
-        group_id=config.group_id,
-        topic=config.topic,
-        heartbeat_timeout=limits.heartbeat_timeout.total_seconds(),
-        min_poll_interval=limits.min_poll_interval.total_seconds(),
-        max_poll_interval=limits.max_poll_interval.total_seconds(),
-        name=config.name,
-        partitions=config.shards,
-    )
-
-
-def neli_elector(
-    config: HarvesterConfig,
-    report: Callable[[int], Mapping[str, int]] | None = None,
-    healthy: Callable[[], bool] | None = None,
-) -> Elector:
-    """The default elector: Fast NELI over the configured leader group and topic; its heartbeats
-    carry ``report`` of their shard, and it steps down while ``healthy`` says no."""
-    from leader import NeliElector
-
-    return NeliElector(elector_config(config), report=report, healthy=healthy)
-
-
-@runtime_checkable
-class ShardedElector(Elector, Protocol):
-    """An elector of several shards (NELI over a topic of several partitions)."""
-
-    def status_of(self, shard: int) -> LeaderStatus:
-        """The view of shard ``shard``'s leadership."""
-        ...
-
-
-@dataclass(slots=True)
-class _Pipeline:
-    """One shard's MP/R pipeline."""
-
-    store: PostgresStore
-    metrics: HarvesterMetrics
-    engine: Engine | None = None
 
 
 class Harvester:
@@ -138,7 +86,7 @@ class Harvester:
             if config.source == "log"
             else PostgresStore(config.data_source, config.table, **options)
         )
-        self._pipelines = [_Pipeline(store, per_shard[0])]  # the other shards' are built by start()
+        self._pipelines = [Pipeline(store, per_shard[0])]  # the other shards' are built by start()
         self._elector = (
             elector if elector is not None else neli_elector(config, self._heartbeat_report, self.database_reachable)
         )
@@ -148,7 +96,8 @@ class Harvester:
         self._started = threading.Event()
         self._stopping = threading.Event()
         self._stopped = threading.Event()
-        self._meter = threading.Thread(target=self._meter_loop, name="harvester-meter", daemon=True)
+        interval = config.limits.min_metrics_interval.total_seconds()
+        self._meter = Meter(store, per_shard, lambda: self._engines, self._emit_event, interval, self._stopped)
 
     @property
     def registry(self) -> CollectorRegistry:
@@ -173,23 +122,17 @@ class Harvester:
             self._log.warning("attempts_in_memory", hint="run 'reaper migrate' so attempt counts survive failover")
         cfg = self.config
         self._pipelines += [
-            _Pipeline(first.sibling(i), metrics) for i, metrics in enumerate(self._shard_metrics[1:], start=1)
+            Pipeline(first.sibling(i), metrics) for i, metrics in enumerate(self._shard_metrics[1:], start=1)
         ]
-        tracing = _tracing()
         for shard, pipeline in enumerate(self._pipelines):
-            pipeline.engine = Engine(
-                pipeline.store,
-                self._dispatcher(pipeline.store, shard),
-                cfg.limits,
-                pipeline.metrics,
-                self._emit_event,
-                listen_notify=cfg.listen_notify,
+            pipeline.engine = build_engine(
+                cfg,
+                pipeline,
+                shard,
+                emit=self._emit_event,
                 still_leader=self._leader_check(shard),
-                shard=shard if cfg.shards > 1 else None,
                 labels=self._labels,
                 on_fatal=self._fatal,
-                outbox=cfg.table.qualified,
-                **tracing,
             )
         for pipeline in self._pipelines:
             assert pipeline.engine is not None
@@ -211,24 +154,6 @@ class Harvester:
         engine = self._pipelines[event.shard].engine if event.shard < len(self._pipelines) else None
         if engine is not None:
             engine.on_leader_event(event)
-
-    def _dispatcher(self, store: PostgresStore, shard: int) -> DispatcherFactory:
-        """The configured delivery mode's dispatcher, over one shard's store and Kafka."""
-        cfg = self.config
-        kafka = producer_config(cfg.base_kafka_config, cfg.producer_kafka_config)
-        if cfg.delivery == "exactly_once":
-            ensure_topic(cfg.base_kafka_config, cfg.checkpoints, partitions=cfg.shards)
-            if cfg.shards > 1:
-                require_partitions(cfg.base_kafka_config, cfg.checkpoints, cfg.shards)
-            # One shard keeps the group's transactional id of before sharding; several fence per shard.
-            transactional_id = f"{cfg.group_id}.harvester" + (f".{shard}" if cfg.shards > 1 else "")
-            transactions = KafkaTransactionalPublisher(kafka, transactional_id, cfg.checkpoints, shard)
-            return exactly_once(store, transactions)
-
-        def publisher(callback: DeliveryCallback) -> KafkaPublisher:
-            return KafkaPublisher(kafka, callback)
-
-        return at_least_once(store, publisher)
 
     def _fatal(self, error: Exception) -> None:
         """A pipeline cannot go on (the group disagrees on the number of shards): stop everything;
@@ -374,45 +299,6 @@ class Harvester:
         self._log.info(type(event).__name__, **{k: str(v) for k, v in _fields(event).items()})
         if self._on_event is not None:
             self._on_event(event)
-
-    def _meter_loop(self) -> None:
-        interval = self.config.limits.min_metrics_interval.total_seconds()
-        while not self._stopped.wait(interval):
-            try:
-                backlog, age = self._pipelines[0].store.head()  # the whole outbox, every shard
-            except StoreError:
-                continue
-            self.metrics.backlog.set(backlog)
-            self.metrics.oldest_age.set(age or 0.0)
-            store = self._pipelines[0].store
-            if isinstance(store, LogStore):
-                try:
-                    slot = store.slot_bytes()
-                except StoreError:
-                    slot = None
-                if slot is not None:
-                    self.metrics.slot_lag.set(slot[0])
-                    self.metrics.slot_retained.set(slot[1])
-            engines, shards = self._engines, self.shard_metrics
-            stats = {
-                "backlog": float(backlog),
-                "oldest_age_seconds": age or 0.0,
-                "in_flight_records": float(sum(e.in_flight_records for e in engines)),
-                "queued_records": float(sum(e.queued_records for e in engines)),
-                "published": sum(m.published._value.get() for m in shards),
-                "purged": sum(m.purged._value.get() for m in shards),
-                "reset": sum(m.reset._value.get() for m in shards),
-            }
-            self._emit_event(MeterRead(stats))
-
-
-def _tracing() -> dict[str, BatchScope]:
-    """The OpenTelemetry publish span when the ``otel`` extra is installed; nothing otherwise."""
-    try:
-        from harvester.otel import publish_span
-    except ImportError:
-        return {}
-    return {"batch_scope": publish_span}
 
 
 def _fields(event: Event) -> dict[str, Any]:

@@ -46,7 +46,7 @@ def validate_election(settings: ReaperSettings) -> None:
     names; ``run`` and ``check`` both call this, so they refuse the same files."""
     from pydantic import ValidationError
 
-    from harvester.harvester import elector_config
+    from harvester.electors import elector_config
 
     try:
         elector_config(settings.harvest)

@@ -154,14 +154,14 @@ import asyncio, json, sys
 sys.modules["opentelemetry"] = None  # as if the otel extra were not installed
 import psycopg
 from harvester import AsyncStasher, OutboxRecord, Stasher
-from harvester.harvester import _tracing
+from harvester.pipelines import tracing
 with psycopg.connect({services.pg_dsn!r}) as conn:
     Stasher({outbox.qualified!r}).stash(conn, OutboxRecord.of("t", "sync", "1"))
 async def main():
     async with await psycopg.AsyncConnection.connect({services.pg_dsn!r}) as conn:
         await AsyncStasher({outbox.qualified!r}).stash(conn, OutboxRecord.of("t", "async", "2"))
 asyncio.run(main())
-print(json.dumps([_tracing() == {{}}, sorted(m for m in sys.modules if "opentelemetry" in m or m == "harvester.otel")]))
+print(json.dumps([tracing() == {{}}, sorted(m for m in sys.modules if "opentelemetry" in m or m == "harvester.otel")]))
 """
     out = subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True, text=True).stdout
     assert json.loads(out.splitlines()[-1]) == [True, ["opentelemetry"]]  # only the hiding entry
