@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from leader.config import ElectorConfig
-    from leader.election import LeaderTopicError, NeliElector
+    from leader.election import NeliElector
     from leader.events import LeaderAcquired, LeaderEvent, LeaderFenced, LeaderRevoked, LeaderStatus
+    from leader.topic import LeaderTopicError
 
 _EXPORTS = {
     "ElectorConfig": "leader.config",
@@ -21,7 +22,7 @@ _EXPORTS = {
     "LeaderFenced": "leader.events",
     "LeaderRevoked": "leader.events",
     "LeaderStatus": "leader.events",
-    "LeaderTopicError": "leader.election",
+    "LeaderTopicError": "leader.topic",
     "NeliElector": "leader.election",
 }
 

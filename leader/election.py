@@ -16,29 +16,19 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
 from uuid import UUID
 
 import structlog
 from confluent_kafka import OFFSET_END, Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
-from harvester.kafka.topics import ensure_topic
+from leader.clients import common_config, consumer_config, producer_config
 from leader.config import ElectorConfig
 from leader.events import LeaderEvent, LeaderStatus
 from leader.state import NeliState, decode_heartbeat, encode_heartbeat
+from leader.topic import ensure_leader_topic
 
 log = structlog.get_logger("leader")
-
-_HOUR_MS = str(3_600_000)
-
-
-class LeaderTopicError(RuntimeError):
-    """The leader topic is missing and could not (or must not) be created."""
-
-
-def _ms(seconds: float) -> int:
-    return max(1, round(seconds * 1000))
 
 
 class NeliElector:
@@ -104,14 +94,14 @@ class NeliElector:
     def start(self, on_event: Callable[[LeaderEvent], None]) -> None:
         """Ensure the leader topic exists, join the group and start the election thread.
 
-        Raises :class:`LeaderTopicError` when the topic is absent and cannot be created.
+        Raises :class:`leader.topic.LeaderTopicError` when the topic is absent and cannot be created.
         """
         if self._thread is not None:
             raise RuntimeError("elector already started")
-        self._ensure_topic()
+        ensure_leader_topic(self._config, common_config(self._config))
         self._on_event = on_event
-        self._consumer = Consumer(self._consumer_config())
-        self._producer = Producer(self._producer_config())
+        self._consumer = Consumer(consumer_config(self._config, self._on_commit))
+        self._producer = Producer(producer_config(self._config))
         self._subscribe()
         self._thread = threading.Thread(target=self._run, name=f"neli-{self._config.group_id}", daemon=True)
         self._thread.start()
@@ -126,86 +116,6 @@ class NeliElector:
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join()
-
-    # -- configuration -------------------------------------------------------------------------------
-
-    def _common(self) -> dict[str, Any]:
-        conf = {"client.id": f"neli-{self._config.name}", **self._config.kafka_config}
-        conf.setdefault("error_cb", _log_kafka_error)
-        return conf
-
-    def _consumer_config(self) -> dict[str, Any]:
-        c = self._config
-        return {
-            **self._common(),
-            "group.id": c.group_id,
-            # The classic protocol lets the client choose session and heartbeat timing (KIP-848 does not).
-            "group.protocol": "classic",
-            "session.timeout.ms": _ms(c.session_timeout),
-            "heartbeat.interval.ms": _ms(c.group_heartbeat_interval),
-            "max.poll.interval.ms": _ms(c.max_poll_interval),
-            # Sticky: a standby joining or leaving does not take partition 0 away from the leader.
-            "partition.assignment.strategy": "cooperative-sticky",
-            # Offsets are the elector's business; these win over a base config shared with other clients.
-            "enable.auto.commit": False,
-            "enable.auto.offset.store": False,
-            "auto.offset.reset": "latest",
-            "on_commit": self._on_commit,
-        }
-
-    def _producer_config(self) -> dict[str, Any]:
-        return {
-            **self._common(),
-            # Set after kafka_config: a heartbeat must be durable and prompt whatever the shared base says.
-            "acks": "all",
-            "linger.ms": 0,
-            # A heartbeat older than the timeout proves nothing; do not let it linger in the queue.
-            "message.timeout.ms": _ms(self._config.heartbeat_timeout),
-        }
-
-    def _ensure_topic(self) -> None:
-        c = self._config
-        if not c.create_topic:
-            self._require_topic()
-            return
-        try:
-            # Heartbeats are worthless after seconds; keep an hour for inspection.
-            hour = {"retention.ms": _HOUR_MS, "segment.ms": _HOUR_MS}
-            created = ensure_topic(
-                self._common(), c.topic, partitions=c.partitions, config=hour, timeout=c.startup_timeout
-            )
-        except KafkaException as e:
-            err: KafkaError = e.args[0]
-            raise LeaderTopicError(
-                f"leader topic {c.topic!r} does not exist and could not be created ({err.str()}); "
-                f"create it with {_partitions(c.partitions)}, or allow this client to create topics"
-            ) from e
-        if created:
-            log.info("leader_topic_created", topic=c.topic, partitions=c.partitions)
-        else:
-            self._require_topic()
-
-    def _require_topic(self) -> None:
-        c = self._config
-        try:
-            meta = AdminClient(self._common()).list_topics(topic=c.topic, timeout=c.startup_timeout)
-        except KafkaException as e:
-            raise LeaderTopicError(f"cannot look up leader topic {c.topic!r}: {e.args[0].str()}") from e
-        found = meta.topics.get(c.topic)
-        if found is None or found.error is not None:
-            raise LeaderTopicError(
-                f"leader topic {c.topic!r} does not exist and create_topic is off; "
-                f"create it ({_partitions(c.partitions)})"
-            )
-        # One partition per shard: with fewer, some shard would have no leader; with more (and
-        # shards), a member could be given only partitions that lead nothing.
-        have = len(found.partitions)
-        if have < c.partitions or (c.partitions > 1 and have != c.partitions):
-            raise LeaderTopicError(
-                f"leader topic {c.topic!r} has {have} partition{'s' if have != 1 else ''} but {c.partitions} "
-                f"shard{'s' if c.partitions != 1 else ''} need {_partitions(c.partitions)}: "
-                "use another leader topic (see docs/sharding.md)"
-            )
 
     # -- election thread -----------------------------------------------------------------------------
 
@@ -277,7 +187,7 @@ class NeliElector:
     def _others_in_group(self) -> bool:
         """Whether the group has a member besides this one (True when that cannot be told)."""
         if self._admin is None:
-            self._admin = AdminClient(self._common())
+            self._admin = AdminClient(common_config(self._config))
         timeout = self._config.heartbeat_interval
         try:
             found = self._admin.describe_consumer_groups([self._config.group_id], request_timeout=timeout)
@@ -414,12 +324,3 @@ class NeliElector:
             self._on_event(event)
         except Exception:
             log.exception("leader_event_handler_failed", kind=type(event).__name__)
-
-
-def _partitions(count: int) -> str:
-    return "one partition" if count == 1 else f"{count} partitions"
-
-
-def _log_kafka_error(err: KafkaError) -> None:
-    # librdkafka retries everything but fatal errors by itself (and logs to stderr): keep those quiet.
-    (log.error if err.fatal() else log.info)("kafka_error", error=str(err))

@@ -208,7 +208,7 @@ def start_error(exc: Exception) -> FailError:
     """Why ``Harvester.start()`` failed, as a one-line error naming the setting to look at."""
     from harvester.kafka.topics import TopicError
     from harvester.postgres.store import OutboxMissingError, ShardCountError, StoreError
-    from leader.election import LeaderTopicError
+    from leader.topic import LeaderTopicError
 
     if isinstance(exc, ShardCountError):  # it names the setting and both numbers
         return FailError(str(exc))

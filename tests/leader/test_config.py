@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from leader import ElectorConfig, NeliElector
+from leader import ElectorConfig
+from leader.clients import consumer_config, producer_config
 
 pytestmark = pytest.mark.unit
 
@@ -42,7 +43,6 @@ def test_inconsistent_settings_are_rejected(fields: dict[str, object], message: 
 def test_shared_client_properties_are_accepted() -> None:
     # A base config shared with the publisher may carry producer settings; the elector overrides its own.
     c = ElectorConfig(group_id="g", kafka_config={"bootstrap.servers": "b:9092", "acks": "1", "enable.auto.commit": 1})
-    elector = NeliElector(c)
-    assert elector._producer_config()["acks"] == "all"
-    assert elector._consumer_config()["enable.auto.commit"] is False
-    assert elector._consumer_config()["bootstrap.servers"] == "b:9092"
+    assert producer_config(c)["acks"] == "all"
+    assert consumer_config(c, lambda err, partitions: None)["enable.auto.commit"] is False
+    assert consumer_config(c, lambda err, partitions: None)["bootstrap.servers"] == "b:9092"
