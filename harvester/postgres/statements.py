@@ -1,6 +1,7 @@
 """The SQL of mark-purge/reset over one outbox table, built once from the table's shape.
 
-Every statement first share-locks the fence row at this process's epoch (the ``fence`` CTE):
+Every statement first share-locks the fence row at this process's epoch (the ``fence`` CTE; the
+statements on the fence rows themselves are :mod:`harvester.postgres.fencing`'s):
 after a newer epoch commits, the CTE is empty, nothing changes and the mark returns nothing. That
 is the "no change past a fence" guarantee (tested in ``tests/fence``).
 
@@ -41,10 +42,6 @@ class Statements:
     purge: sql.Composed
     fail: sql.Composed | None  # None without the attempt columns: a failure is a reset then
     dead_letter: sql.Composed
-    recorded: sql.Composed
-    acquire: sql.Composed
-    epoch: sql.Composed
-    checkpoint_position: sql.Composed
     purge_checkpointed: sql.Composed
     head: sql.Composed
 
@@ -103,9 +100,9 @@ class Statements:
                 _GUARD + "SELECT id, {bad} FROM {t} WHERE EXISTS (SELECT 1 FROM fence)"
                 " AND {own}id <> " + _SKIP + "{held} ORDER BY {order} LIMIT %s"
             ).format(t=t, f=f, own=own, held=held, order=order, bad=MALFORMED_SQL),
-            purge=sql.SQL(
-                _GUARD + "DELETE FROM {t} WHERE EXISTS (SELECT 1 FROM fence) AND id = " + _IDS
-            ).format(t=t, f=f),
+            purge=sql.SQL(_GUARD + "DELETE FROM {t} WHERE EXISTS (SELECT 1 FROM fence) AND id = " + _IDS).format(
+                t=t, f=f
+            ),
             fail=fail,
             dead_letter=sql.SQL(
                 _GUARD + ", moved AS (DELETE FROM {t} WHERE EXISTS (SELECT 1 FROM fence)"
@@ -118,20 +115,6 @@ class Statements:
                 " FROM moved m JOIN unnest(%s::bigint[], %s::text[], %s::text[], %s::int[], %s::timestamptz[])"
                 " AS u(id, reason, err, attempts, first) ON u.id = m.id ON CONFLICT (id) DO NOTHING"
             ).format(t=t, d=dead, f=f),
-            recorded=sql.SQL("SELECT DISTINCT shards FROM {} WHERE outbox_table = %s ORDER BY shards").format(f),
-            # The epoch of a new term is one above every shard's of the outbox (under a lock per
-            # outbox), so no two terms of an outbox share an epoch: a reader tells shards' terms
-            # apart, and a key that moves to another shard (N changed) moves to higher epochs.
-            acquire=sql.SQL(
-                "INSERT INTO {f} AS x (outbox_table, shard, shards, epoch, leader_id)"
-                " SELECT %s, %s, %s, 1 + coalesce(max(epoch), 0), %s FROM {f} WHERE outbox_table = %s"
-                " ON CONFLICT (outbox_table, shard) DO UPDATE SET epoch = excluded.epoch,"
-                " leader_id = excluded.leader_id, acquired_at = now() RETURNING epoch"
-            ).format(f=f),
-            epoch=sql.SQL("SELECT epoch FROM {} WHERE outbox_table = %s AND shard = %s").format(f),
-            checkpoint_position=sql.SQL(
-                "SELECT checkpoint_position FROM {} WHERE outbox_table = %s AND shard = %s"
-            ).format(f),
             # FOR UPDATE: the row lock also orders this against a newer leader's bump.
             purge_checkpointed=sql.SQL(
                 "WITH fence AS (SELECT 1 FROM {f} WHERE outbox_table = %s AND shard = %s AND epoch = %s"

@@ -29,13 +29,14 @@ from harvester.core.protocols import FencedError, ShardCountError, StoreError
 from harvester.core.records import Failure, MarkedRecord
 from harvester.postgres import catalog, migrations
 from harvester.postgres.catalog import OutboxColumns, OutboxMissingError
-from harvester.postgres.connections import PooledConnections, dsn_options, error_text
+from harvester.postgres.connections import dsn_options, error_text
 from harvester.postgres.deadline import Deadlines, limit_statements, tcp_settings
+from harvester.postgres.fencing import Fenced, FenceStatements
 from harvester.postgres.identifiers import TableName
 from harvester.postgres.marks import HandedOut
 from harvester.postgres.migrations import notify_channel
 from harvester.postgres.rows import malformed as rows_malformed
-from harvester.postgres.sharding import SHARD_PLANNER_OPTIONS, mismatch
+from harvester.postgres.sharding import SHARD_PLANNER_OPTIONS
 from harvester.postgres.statements import Statements
 from harvester.postgres.vacuum import Vacuumer
 
@@ -51,7 +52,7 @@ class _Prepared:
     producer: bytes  # the identity headers' producer name
 
 
-class PostgresStore(PooledConnections):
+class PostgresStore(Fenced):
     """The store roles of :mod:`harvester.core.protocols` over one outbox table, or over shard
     ``shard`` of its ``shards`` (:mod:`harvester.postgres.sharding`): then it marks only that
     shard's rows and runs under that shard's fence row."""
@@ -75,7 +76,8 @@ class PostgresStore(PooledConnections):
         self._dsn = dsn
         self._shard = shard
         self._shards = shards
-        self._fence = (table.qualified, shard)  # the fence row: the first parameters of every guard
+        self._fence = (table.qualified, shard)
+        self._fencing = FenceStatements.build(table)
         self._table = table
         self._names = identity or IdentityHeaders()
         self._producer_name = producer_name
@@ -156,16 +158,6 @@ class PostgresStore(PooledConnections):
         self._prepared = _Prepared(columns, statements, producer.encode("utf-8"))
         return columns
 
-    def _check_shards(self, conn: psycopg.Connection[Any]) -> None:
-        fence = migrations.fence_table(self._table)
-        rows = conn.execute(
-            sql.SQL("SELECT DISTINCT shards FROM {} WHERE outbox_table = %s").format(fence.ident),
-            (self._table.qualified,),
-        ).fetchall()
-        other = sorted({int(r[0]) for r in rows} - {self._shards})
-        if other:
-            raise ShardCountError(mismatch(self._table, self._shards, other[0]))
-
     def sibling(self, shard: int) -> PostgresStore:
         """A store of another shard of the same outbox, sharing what :meth:`prepare` learnt (so it
         needs no catalog query) but no connection."""
@@ -201,45 +193,7 @@ class PostgresStore(PooledConnections):
         """Whether the table has the optional attempt columns (``reaper migrate`` adds them)."""
         return self._ready().columns.tracks_attempts
 
-    # ------------------------------------------------------------------ fencing
-
-    @property
-    def epoch(self) -> int:
-        """The epoch this store's statements run under (0 before :meth:`acquire`)."""
-        return self._epoch
-
-    def acquire(self, leader_id: UUID) -> int:
-        """Bump the fence epoch of this store's shard and run under the new epoch.
-
-        Raises :class:`ShardCountError` when a shard's fence records another number of shards."""
-        statements = self._ready().statements
-        q = self._table.qualified
-        conn = self._conn()
-        try:
-            with conn.transaction():
-                # One acquisition of the outbox at a time: each takes an epoch above all others.
-                conn.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (f"harvester_fence {q}",))
-                other = sorted({int(r[0]) for r in conn.execute(statements.recorded, (q,))} - {self._shards})
-                if other:
-                    raise ShardCountError(mismatch(self._table, self._shards, other[0]))
-                row = conn.execute(statements.acquire, (q, self._shard, self._shards, leader_id, q)).fetchone()
-        except psycopg.Error as exc:
-            raise self._failed(conn, exc) from exc
-        assert row is not None
-        self._epoch = int(row[0])
-        return self._epoch
-
-    def _check_epoch(self) -> None:
-        """Raise :class:`FencedError` if a newer epoch superseded ours (called on short results only)."""
-        rows = self._run(self._ready().statements.epoch, self._fence)
-        current = int(rows[0][0]) if rows else 0
-        if current != self._epoch:
-            raise FencedError(f"fenced: epoch {self._epoch} superseded by {current}")
-
-    def checkpoint_position(self) -> int:
-        """Where exactly-once recovery starts reading the checkpoint topic."""
-        rows = self._run(self._ready().statements.checkpoint_position, self._fence)
-        return int(rows[0][0]) if rows else 0
+    # ------------------------------------------------------------------ fenced changes
 
     def purge_checkpointed(self, ids: Sequence[int], position: int) -> None:
         """Purge records of committed transactions and advance the checkpoint position, atomically."""
