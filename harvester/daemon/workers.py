@@ -12,7 +12,8 @@ The supervisor restarts a worker that ends (with a back-off, saying why), forwar
 enforces ``shutdown.timeout`` over the whole stop, and serves the HTTP endpoint: each worker listens
 on a free port of the loopback (written to a file of the supervisor's temporary directory once it
 started), and the supervisor's ``/healthz`` and ``/readyz`` ask every worker, ``/metrics`` merges
-every worker's series with a ``worker`` label.
+every worker's series with a ``worker`` label, and adds its own count of each worker's restarts
+(``harvester_worker_restarts_total``).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from pathlib import Path
 
 import structlog
 from prometheus_client import CollectorRegistry
-from prometheus_client.metrics_core import Metric
+from prometheus_client.metrics_core import CounterMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
@@ -114,7 +115,7 @@ class Worker:
         # once; a second signal straight to a worker would cut its graceful stop short.
         self.proc = subprocess.Popen(self._command, start_new_session=True)
         self._since = time.monotonic()
-        log.info("worker_started", worker=self.index, pid=self.proc.pid)
+        log.info("worker_started", worker=self.index, pid=self.proc.pid, restarts=self.restarts)
 
     def tend(self) -> None:
         """Start this worker again when it ended and its back-off passed; learn its port."""
@@ -191,7 +192,8 @@ def _ints(value: object) -> list[int]:
 
 
 class WorkerMetrics(Collector):
-    """Every worker's series, scraped when the supervisor is, with a ``worker`` label."""
+    """Every worker's series, scraped when the supervisor is, with a ``worker`` label; and the
+    supervisor's count of each worker's restarts, which no worker can report (it starts at 0 again)."""
 
     def __init__(self, workers: list[Worker]) -> None:
         self._workers = workers
@@ -209,6 +211,11 @@ class WorkerMetrics(Collector):
                 for s in family.samples:
                     out.add_sample(s.name, {"worker": str(w.index), **s.labels}, s.value, s.timestamp, s.exemplar)
         yield from merged.values()
+        about = "Times the supervisor started a worker again after it ended."
+        restarts = CounterMetricFamily("harvester_worker_restarts", about, labels=["worker"])
+        for w in self._workers:
+            restarts.add_metric([str(w.index)], w.restarts)
+        yield restarts
 
 
 def supervise(settings: ReaperSettings, file: str | None, count: int) -> int:

@@ -120,18 +120,22 @@ def test_two_workers_share_the_shards_survive_a_kill_and_stop_on_sigterm(
         ).fetchall()
         assert sorted(int(str(s)) for s, _ in fence) == [0, 1, 2, 3]
 
-        def purged() -> dict[str, float]:
+        def by_worker(name: str) -> dict[str, float]:
             found: dict[str, float] = {}
             for family in text_string_to_metric_families(sup.get("/metrics")[1]):
                 for sample in family.samples:
-                    if sample.name == "harvester_records_purged_total":
+                    if sample.name == name:
                         worker = sample.labels["worker"]
                         found[worker] = found.get(worker, 0.0) + sample.value
             return found
 
+        def purged() -> dict[str, float]:
+            return by_worker("harvester_records_purged_total")
+
         # Both workers' series, merged by the supervisor (counters are published every second).
         wait_for("every purge counted", lambda: sum(purged().values()) == 240)
         assert set(purged()) == {"0", "1"}
+        assert by_worker("harvester_worker_restarts_total") == {"0": 0.0, "1": 0.0}
 
         victim = sup.workers()["0"]["pid"]
         assert isinstance(victim, int)
@@ -141,6 +145,7 @@ def test_two_workers_share_the_shards_survive_a_kill_and_stop_on_sigterm(
         wait_for("the shards led again by both", both_lead, timeout=90)
         wait_for("the outbox drained again", lambda: outbox_count(pg, table) == 0)
         assert sup.get("/healthz")[0] == 200
+        assert by_worker("harvester_worker_restarts_total") == {"0": 1.0, "1": 0.0}
 
         verdict = check(read_messages(services.bootstrap, [topic], 480, timeout=60), {f"k{k}": 40 for k in range(KEYS)})
         assert not verdict.lost and not verdict.out_of_order and not verdict.unexpected, verdict
@@ -149,6 +154,7 @@ def test_two_workers_share_the_shards_survive_a_kill_and_stop_on_sigterm(
         assert sup.proc.wait(60) == 0, sup.log.read_text()
         log = sup.log.read_text()
         assert '"event": "worker_ended"' in log and "SIGKILL" in log
+        assert '"restarts": 1' in log  # worker 0's second start
         assert log.count('"event": "reaper_stopped"') == 3  # both workers and the supervisor
         assert '"instance": "sup-w0"' in log and '"instance": "sup-w1"' in log
     finally:
