@@ -6,8 +6,9 @@ elector, engines, metrics in a private registry) and a thread of its own that wa
 its health. The two cases differ only in what follows when an outbox cannot start or ends by itself.
 Alone, the process exits with the reason (an orchestrator restarts it; an operator reads one line).
 Among several, the outbox is ``supervised``: logged and started again in the background with a
-back-off, until the reaper stops, so that nothing one outbox does blocks another. They share only
-the process, the HTTP endpoint and the log.
+back-off, until the reaper stops, so that nothing one outbox does blocks another; that includes its
+Kafka being unreachable when ``run`` started (each attempt then first looks for Kafka, so the reason
+logged is the connection's). They share only the process, the HTTP endpoint and the log.
 
 Metrics: :class:`OutboxLabels` exports each outbox's registry, with an ``outbox`` label (the
 section's table) when there are several. :class:`Probes` answers ``/healthz`` (threads alive, and
@@ -28,6 +29,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from harvester.daemon import logs
+from harvester.daemon.check import reach_kafka
 from harvester.daemon.errors import FailError
 from harvester.daemon.settings import ReaperSettings
 
@@ -44,6 +46,8 @@ to :data:`LAST_RETRY`."""
 LAST_RETRY = 30.0
 HEALTH_INTERVAL = 5.0
 """Seconds between two health checks of a running outbox (each bounded to about 4 s)."""
+KAFKA_ATTEMPT = 2.0
+"""Bound on the look for Kafka that precedes each start of an outbox whose Kafka was unreachable."""
 
 
 class Outbox:
@@ -57,12 +61,15 @@ class Outbox:
         *,
         supervised: bool,
         on_event: Callable[[Event], None] | None = None,
+        kafka_unreachable: str | None = None,
     ) -> None:
         self.settings = settings
         self.name = settings.harvest.table.qualified
         self.registry = CollectorRegistry()
-        self.state = "starting"  # starting, running, retrying
-        self.error: str | None = None
+        self.state = "starting" if kafka_unreachable is None else "retrying"  # or running
+        self.error: str | None = kafka_unreachable
+        # Why its Kafka was not reached, until it is (``run`` waited for it in vain).
+        self._kafka_down = kafka_unreachable
         self.ended = threading.Event()
         """Set when an outbox that is not supervised ended by itself; :attr:`failure` says why."""
         self.failure: str | None = None
@@ -110,6 +117,10 @@ class Outbox:
 
     def _attempt(self) -> Harvester:
         """Build and start a harvester; :class:`FailError` naming the setting when it cannot start."""
+        if self._kafka_down is not None:
+            # The connection's cause in one line, rather than the leader topic's time-out after it.
+            reach_kafka(self.settings, KAFKA_ATTEMPT)
+            self._kafka_down = None
         harvester = self._build()
         try:
             harvester.start()
@@ -129,10 +140,14 @@ class Outbox:
 
     def _supervise(self) -> None:
         delay = FIRST_RETRY
+        failed = self._kafka_down  # run() waited for this outbox's Kafka in vain: said at once
         while not self._stop.is_set():
             try:
+                if failed is not None:
+                    raise FailError(failed)
                 harvester = self._attempt()
             except FailError as exc:
+                failed = None
                 self._not_running("outbox_start_failed", str(exc), delay)
             else:
                 delay = FIRST_RETRY
@@ -260,6 +275,10 @@ class Probes:
             if stall is not None:
                 stalls.append(stall)
         details: dict[str, object] = {"threads_alive": alive}
+        # Outboxes retried in the background: named, but no reason to restart the process.
+        retrying = {o.name: o.error for o in self._outboxes if o.state == "retrying"}
+        if retrying:
+            details["retrying"] = retrying
         worst = max(stalls, key=lambda stall: stall.seconds, default=None)
         if worst is not None:
             details["stalled"] = {

@@ -1,8 +1,10 @@
 """``reaper run``: the harvester as a daemon, with its HTTP endpoints, until a signal.
 
-One path for every file: validate each harvest section, wait (bounded) for each section's Kafka, start
-one :class:`~harvester.daemon.outboxes.Outbox` per section, serve ``/metrics``, ``/healthz`` and
-``/readyz`` over all of them, and on SIGTERM stop them all by one deadline, ``shutdown.timeout``."""
+One path for every file: validate each harvest section, wait (bounded) for each section's Kafka (a
+lone section not reached ends the process; one of several is retried in the background while the
+others run), start one :class:`~harvester.daemon.outboxes.Outbox` per section, serve ``/metrics``,
+``/healthz`` and ``/readyz`` over all of them, and on SIGTERM stop them all by one deadline,
+``shutdown.timeout``."""
 
 from __future__ import annotations
 
@@ -77,16 +79,21 @@ def run(settings: ReaperSettings, version: str, announce: Callable[[int | None],
         if defaults:
             where = {"outbox": section.harvest.table.qualified} if several else {}
             log.warning("connection_defaults", settings=defaults, hint=_SET_THEM, **where)
-    reached: list[object] = []
+    waits: list[tuple[dict[str, Any], str | None]] = []  # each Kafka config, and why it was not reached
+    unreachable: list[str | None] = []  # by section
     for index, section in enumerate(sections):  # one wait per Kafka cluster, at most KAFKA_START_TIMEOUT
         kafka = dict(section.harvest.base_kafka_config)
-        if kafka not in reached:
-            with in_section(index if several else None):
-                reach_kafka(section, KAFKA_START_TIMEOUT, say_waiting=True)
-            reached.append(kafka)
+        known = [why for config, why in waits if config == kafka]
+        if not known:
+            known = [_wait_for_kafka(section, index if several else None)]
+            waits.append((kafka, known[0]))
+        unreachable.append(known[0])
     stop = threading.Event()
     on_event = None if several else leader_in_logs  # several terms run at once: no one leader id
-    outboxes = [Outbox(section, stop, supervised=several, on_event=on_event) for section in sections]
+    outboxes = [
+        Outbox(section, stop, supervised=several, on_event=on_event, kafka_unreachable=why)
+        for section, why in zip(sections, unreachable, strict=True)
+    ]
     registry = CollectorRegistry()
     info = Gauge("reaper_info", "Always 1; labels describe this reaper.", ["version", "instance"], registry=registry)
     info.labels(version=version, instance=settings.harvest.name).set(1)
@@ -123,6 +130,19 @@ def run(settings: ReaperSettings, version: str, announce: Callable[[int | None],
         return _stop_all(outboxes, timeout, server)
     finally:
         signals.restore()
+
+
+def _wait_for_kafka(section: ReaperSettings, index: int | None) -> str | None:
+    """Wait for ``section``'s Kafka; why it was not reached, or None. A lone section (``index``
+    None) that does not reach it ends the process: :class:`FailError`."""
+    try:
+        with in_section(index):
+            reach_kafka(section, KAFKA_START_TIMEOUT, say_waiting=True)
+    except FailError as exc:
+        if index is None:
+            raise
+        return str(exc)
+    return None
 
 
 def validate(settings: ReaperSettings) -> None:

@@ -10,6 +10,8 @@ import json
 import signal
 import subprocess
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +21,7 @@ from confluent_kafka.admin import AdminClient
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
+from harvester import migrate
 from harvester.postgres.identifiers import TableName
 from tests.support import (
     REAPER,
@@ -207,42 +210,103 @@ def test_migrate_says_it_created_the_schema(
 
 
 def test_run_with_kafka_unreachable_names_the_cause_and_bootstrap_servers(services: Services, tmp_path: Path) -> None:
-    """One section, and two (a list): the same wait and the same line, naming the section in a list.
-    Both run at once, so the test waits out run's 30 s once."""
+    """One section: run waits its 30 s for Kafka, then exits 2 in one line naming the cause and the
+    setting. Two (a list), the second's Kafka unreachable: the same wait and warning, but then the
+    first runs and leads while the second is retried in the background, named with its cause on
+    /healthz, /readyz and in the log; SIGTERM stops both with exit 0. Both run at once, so the test
+    waits out run's 30 s once."""
     port = free_ports(1)
     one = write_config(tmp_path, services.pg_dsn, "outbox", f"127.0.0.1:{port}", unique("lead"))
+    schema, group = unique("kafka_down"), unique("lead")
+    with psycopg.connect(services.pg_dsn, autocommit=True) as pg:
+        migrate(pg, TableName(schema, "outbox"))
     two = tmp_path / "two.yaml"
     sections = [
-        f"  - dataSource: {json.dumps(services.pg_dsn)}\n    outboxTable: {table}\n"
+        f"  - dataSource: {json.dumps(services.pg_dsn)}\n    outboxTable: {table}\n    leaderGroupID: {lead}\n"
         f"    baseKafkaConfig: {{bootstrap.servers: '{servers}'}}\n"
-        for table, servers in (("a_outbox", services.bootstrap), ("b_outbox", f"127.0.0.1:{port}"))
+        for table, lead, servers in (
+            (f"{schema}.outbox", group, services.bootstrap),
+            ("b_outbox", unique("lead"), f"127.0.0.1:{port}"),
+        )
     ]
-    two.write_text("harvest:\n" + "".join(sections) + "http:\n  port: 0\n")
-    runs = [
-        subprocess.Popen(
-            [*REAPER, "run", "-f", str(path)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
+    two.write_text("harvest:\n" + "".join(sections) + "http:\n  port: 0\nlogging: {format: json}\n")
+    two_log = tmp_path / "two.log"
+    with two_log.open("w") as sink:
+        several = subprocess.Popen(
+            [*REAPER, "run", "-f", str(two)],
+            stdout=subprocess.DEVNULL,
+            stderr=sink,
             stdin=subprocess.DEVNULL,
-            text=True,
             env=reaper_environment(),
             cwd=ROOT,
         )
-        for path in (one, two)
-    ]
-    for run, section in zip(runs, ("harvest", "harvest[1]"), strict=True):
-        _, stderr = run.communicate(timeout=90)
-        assert run.returncode == 2, stderr
+    alone = subprocess.Popen(
+        [*REAPER, "run", "-f", one],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        env=reaper_environment(),
+        cwd=ROOT,
+    )
+    reason = f"Kafka unreachable at 127.0.0.1:{port} (harvest.baseKafkaConfig: bootstrap.servers): "
+    cause = f"Connect to ipv4#127.0.0.1:{port} failed: Connection refused"
+    try:
+        _, stderr = alone.communicate(timeout=90)
+        assert alone.returncode == 2, stderr
         (line,) = error_lines(stderr)
-        assert line == (
-            f"reaper: error: Kafka unreachable at 127.0.0.1:{port} ({section}.baseKafkaConfig: bootstrap.servers): "
-            f"Connect to ipv4#127.0.0.1:{port} failed: Connection refused"
-        )
+        assert line == f"reaper: error: {reason}{cause}"
         records = [json.loads(r) for r in stderr.splitlines() if r.startswith("{")]
         # One warning while it retries (bounded: run's documented 30 s), no librdkafka line repeated.
         assert [r["event"] for r in records if r["level"] != "info"] == ["kafka_unreachable"]
         assert not [r for r in records if r.get("logger") == "rdkafka"]
         assert "KafkaError{" not in stderr and "leaderTopic" not in stderr
+
+        def logged() -> list[dict[str, object]]:
+            return [json.loads(r) for r in two_log.read_text().splitlines() if r.startswith("{")]
+
+        def probe(path: str) -> tuple[int, dict[str, object]]:
+            started = next(r for r in logged() if r["event"] == "reaper_started")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{started['http_port']}{path}", timeout=5) as resp:
+                    return int(resp.status), json.loads(resp.read())
+            except urllib.error.HTTPError as err:
+                return int(err.code), json.loads(err.read())
+
+        def outboxes() -> dict[str, dict[str, object]]:
+            return probe("/readyz")[1]["outboxes"]  # type: ignore[return-value]
+
+        def first_leads() -> bool:
+            if not any(r["event"] == "reaper_started" for r in logged()):
+                return False
+            return bool(outboxes().get(first, {}).get("is_leader"))
+
+        first, second = f"{schema}.outbox", "b_outbox"
+        deadline = time.monotonic() + 60
+        while not first_leads():
+            assert several.poll() is None and time.monotonic() < deadline, two_log.read_text()
+            time.sleep(0.5)
+        status, health = probe("/healthz")
+        assert status == 200, health  # an outbox retried is no reason to restart the process
+        retrying = health["retrying"]
+        assert isinstance(retrying, dict) and list(retrying) == [second] and retrying[second].endswith(cause)
+        ready = outboxes()
+        assert ready[second]["state"] == "retrying" and str(ready[second]["error"]).endswith(cause)
+        assert ready[first]["state"] == "running"
+        failed = [r for r in logged() if r["event"] == "outbox_start_failed"]
+        assert failed and {r["outbox"] for r in failed} == {second} and str(failed[0]["error"]).endswith(cause)
+        several.send_signal(signal.SIGTERM)
+        assert several.wait(60) == 0, two_log.read_text()
+        assert error_lines(two_log.read_text()) == []
+        assert [r["event"] for r in logged() if r["level"] == "warning"] == ["kafka_unreachable"]
+    finally:
+        for proc in (alone, several):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        delete_topics(services.bootstrap, [f"{group}.neli"])
+        with psycopg.connect(services.pg_dsn, autocommit=True) as pg:
+            pg.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
 
 
 def test_check_names_a_sasl_handshake_failure(services: Services, tmp_path: Path) -> None:
