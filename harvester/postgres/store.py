@@ -37,7 +37,7 @@ from harvester.postgres.marks import HandedOut
 from harvester.postgres.migrations import notify_channel
 from harvester.postgres.rows import malformed as rows_malformed
 from harvester.postgres.sharding import SHARD_PLANNER_OPTIONS
-from harvester.postgres.statements import Statements
+from harvester.postgres.statements import Statements, id_array
 from harvester.postgres.vacuum import Vacuumer
 
 __all__ = ["FencedError", "OutboxMissingError", "PostgresStore", "ShardCountError", "StoreError"]
@@ -197,7 +197,7 @@ class PostgresStore(Fenced):
 
     def purge_checkpointed(self, ids: Sequence[int], position: int) -> None:
         """Purge records of committed transactions and advance the checkpoint position, atomically."""
-        params = (*self._fence, self._epoch, list(ids), position, *self._fence)
+        params = (*self._fence, self._epoch, id_array(ids), position, *self._fence)
         cur = self._execute(self._ready().statements.purge_checkpointed, params)
         if cur.rowcount == 0:
             raise FencedError(f"fenced: epoch {self._epoch} superseded")
@@ -219,7 +219,7 @@ class PostgresStore(Fenced):
         names = self._names
         skip = self._handed.exclude(leader_id)
         own = (self._shard, self._shard + 1) if self._shards > 1 else ()
-        rows = self._run(prepared.statements.mark, (*self._fence, self._epoch, *own, skip, limit))
+        rows = self._run(prepared.statements.mark, (*self._fence, self._epoch, *own, id_array(skip), limit))
         if not rows:
             self._check_epoch()
             return []
@@ -245,7 +245,7 @@ class PostgresStore(Fenced):
         as the Spark drain does in its offsets). Raises :class:`FencedError` when a newer epoch
         superseded ours."""
         own = (self._shard, self._shard + 1) if self._shards > 1 else ()
-        rows = self._run(self._ready().statements.pending, (*self._fence, self._epoch, *own, list(skip), limit))
+        rows = self._run(self._ready().statements.pending, (*self._fence, self._epoch, *own, id_array(skip), limit))
         if not rows:
             self._check_epoch()
         return sorted((int(r[0]), r[1]) for r in rows)
@@ -264,7 +264,7 @@ class PostgresStore(Fenced):
         """Delete delivered records in one statement (idempotent)."""
         if not ids:
             return
-        cur = self._execute(self._ready().statements.purge, (*self._fence, self._epoch, list(ids)))
+        cur = self._execute(self._ready().statements.purge, (*self._fence, self._epoch, id_array(ids)))
         if cur.rowcount < len(ids):
             # Fenced, a retry of a purge that already committed, or rows a trigger kept: as with a
             # mark written into the rows, they stay marked until the leader id is refreshed.
