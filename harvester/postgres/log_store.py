@@ -25,7 +25,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 from uuid import UUID
 
@@ -35,7 +34,8 @@ from psycopg import sql
 from harvester.core.protocols import StoreError
 from harvester.core.records import Failure, MarkedRecord
 from harvester.postgres import logical, pgoutput
-from harvester.postgres.log_records import Columns, outbox_record
+from harvester.postgres.log_records import outbox_record
+from harvester.postgres.log_transactions import Taken, Transaction, Transactions
 from harvester.postgres.logical import LogSetup
 from harvester.postgres.migrations import fence_table
 from harvester.postgres.replication import SLOT_IN_USE, LogicalStream, StreamError
@@ -68,24 +68,6 @@ _VISIBLE_PAUSE = 0.005
 _SESSION = "-c DateStyle=ISO -c TimeZone=UTC -c bytea_output=hex"
 
 
-@dataclass(slots=True, eq=False)
-class _Transaction:
-    end_lsn: int
-    xid: int
-    columns: Columns | None
-    inserts: list[bytes]  # its outbox Insert messages, kept until all are done (a new pass re-reads them)
-    done: set[int] = field(default_factory=set)  # ids acknowledged (or dead-lettered)
-    visible: bool = False  # its rows were found visible to new snapshots (see LogStore._visible)
-
-    @property
-    def size(self) -> int:
-        return len(self.inserts)
-
-    @property
-    def settled(self) -> bool:
-        return len(self.done) >= len(self.inserts)
-
-
 class LogStore(PostgresStore):
     """:class:`PostgresStore` whose records come from a logical replication slot."""
 
@@ -100,26 +82,14 @@ class LogStore(PostgresStore):
         )
         self._slot_lock = threading.Lock()  # guards the stream (mark thread reads, completions confirm)
         self._stream: LogicalStream | None = None
-        self._open: list[bytes] | None = None  # inserts of the transaction being received (mark thread)
-        self._open_xid = 0  # ... and its xid
         self._state = threading.Lock()  # guards everything below (mark and completion threads)
-        self._pass: UUID | None = None  # the leader id of the current pass
-        self._buffer: deque[tuple[_Transaction, bytes]] = deque()  # received, not handed out in this pass
-        self._received_upto = 0  # end LSN of the last transaction received in this term
-        self._transactions: deque[_Transaction] = deque()  # received, not yet confirmed past
-        self._of_id: dict[int, _Transaction] = {}
-        # Ids done although this term never handed them out (committed checkpoints a new term
-        # recovers; completions of the previous term): skipped when the slot sends them.
-        self._recovered: set[int] = set()
+        self._txns = Transactions(b"I", b"", 1)  # the outbox's oid is known once prepared
         self._advanced = 0  # the position confirmed to the server (or to confirm on the next stream)
-        self._settled_upto = 0  # the end of the last transaction this term forgot as settled
         self._term_lsn = 0  # the end of the log when this term began
         self._present: sql.Composed | None = None
         # Exactly-once: (checkpoint position, end LSN of its last transaction) of purged batches
         # whose position is not stored yet.
         self._batches: deque[tuple[int, int]] = deque()
-        self._columns: Columns | None = None  # from the outbox's latest Relation message
-        self._oid = b""  # the outbox table's oid, as Relation and Insert messages name it
         self._next_idle_confirm = 0.0  # monotonic time (mark thread only)
         self._next_read = 0.0  # ... and the next read while records wait in the buffer
         self._takeover: sql.Composed | None = None
@@ -135,7 +105,8 @@ class LogStore(PostgresStore):
             if problems:
                 raise StoreError(f"log source: {problems[0]}")
             row = self._run("SELECT to_regclass(%s)::oid", (self._table.quoted,))
-            self._oid = int(row[0][0]).to_bytes(4, "big")
+            oid = int(row[0][0])
+            self._txns = Transactions(b"I", oid.to_bytes(4, "big"), 1, oid)
             self._present = sql.SQL("SELECT id FROM {} WHERE id = ANY(%s::bigint[])").format(self._table.ident)
             # Under the current epoch only: where the slot stands, and its other reader (a paused
             # old leader's walsender) terminated; PostgreSQL 14+ waits until it is gone, so no
@@ -173,12 +144,7 @@ class LogStore(PostgresStore):
             self._close_stream()
             self._take_over()
         with self._state:
-            self._pass = None
-            self._buffer.clear()
-            self._received_upto = 0
-            self._transactions.clear()
-            self._of_id.clear()
-            self._settled_upto = 0
+            self._txns.new_term()
             self._batches.clear()
         return epoch
 
@@ -203,7 +169,8 @@ class LogStore(PostgresStore):
                     raise
                 time.sleep(_START_PAUSE)
                 continue
-            self._open = None
+            with self._state:
+                self._txns.stream_started()
             self._advanced = max(self._advanced, confirmed)
             if self._advanced > confirmed:  # done before the previous stream could confirm it
                 stream.confirm(self._advanced)
@@ -218,22 +185,21 @@ class LogStore(PostgresStore):
     def mark(self, leader_id: UUID, limit: int) -> list[MarkedRecord]:
         """Up to ``limit`` records in commit order, not yet handed out under ``leader_id``."""
         with self._state:
-            settled = self._settled()
+            settled = self._txns.settled(self._advanced)
         if settled:  # confirming failed after the last completion: again, before reading
             self._advance_to(settled)
         with self._state:
-            if self._pass != leader_id:
-                self._pass = leader_id
-                self._buffer = deque((txn, data) for txn in self._transactions for data in txn.inserts)
-        if not self._buffer:
+            self._txns.start_pass(leader_id)
+            waiting = self._txns.waiting
+        if not waiting:
             self._read()
-        elif len(self._buffer) < _READ_AHEAD or time.monotonic() > self._next_read:
+        elif waiting < _READ_AHEAD or time.monotonic() > self._next_read:
             self._read_some()  # ahead while records go out; and the server's keepalives answered
         self._report_alive()
         out = self._hand_out(leader_id, limit)
         with self._state:
-            settled = self._settled()
-            idle = not out and not self._transactions and time.monotonic() > self._next_idle_confirm
+            settled = self._txns.settled(self._advanced)
+            idle = not out and not self._txns.kept and time.monotonic() > self._next_idle_confirm
         if settled and not out:
             self._advance_to(settled)
         if idle:
@@ -247,18 +213,17 @@ class LogStore(PostgresStore):
         out: list[MarkedRecord] = []
         while len(out) < limit:
             with self._state:
-                if self._pass != leader_id or not self._buffer:
-                    break
-                taken = [self._buffer.popleft() for _ in range(min(limit - len(out), len(self._buffer)))]
+                taken = self._txns.take(leader_id, limit - len(out))
+            if not taken:
+                break
             if not self._visible({txn for txn, _ in taken if not txn.visible}):
                 with self._state:
-                    if self._pass == leader_id:
-                        self._buffer.extendleft(reversed(taken))
+                    self._txns.put_back(leader_id, taken)
                 break
             out += self._fresh(taken)
         return out
 
-    def _visible(self, transactions: set[_Transaction]) -> bool:
+    def _visible(self, transactions: set[Transaction]) -> bool:
         """Whether the rows of ``transactions`` are visible to new snapshots. The walsender sends a
         transaction once its commit record is flushed, a moment before the committing session makes
         it visible: a purge in that moment would delete none of its rows, yet count its records
@@ -274,10 +239,10 @@ class LogStore(PostgresStore):
                 return True
         return False
 
-    def _fresh(self, taken: list[tuple[_Transaction, bytes]]) -> list[MarkedRecord]:
+    def _fresh(self, taken: Taken) -> list[MarkedRecord]:
         names, kind = self._names, self._ready().columns.limits.value_kind
         identity = ((names.epoch, str(self._epoch).encode()), (names.producer, self._ready().producer))
-        records: list[tuple[_Transaction, MarkedRecord]] = []
+        records: list[tuple[Transaction, MarkedRecord]] = []
         for txn, data in taken:
             assert txn.columns is not None  # checked as the transaction came in
             records.append((txn, outbox_record(pgoutput.insert_values(data), txn.columns, kind)))
@@ -289,14 +254,11 @@ class LogStore(PostgresStore):
         out: list[MarkedRecord] = []
         with self._state:
             for txn, record in records:
-                if record.id in self._recovered or record.id in gone:
-                    self._recovered.discard(record.id)
+                if record.id in gone:
                     txn.done.add(record.id)
-                if record.id in txn.done:
-                    continue  # done in an earlier pass, waiting for the rest of its transaction
-                record.headers += ((names.id, str(record.id).encode()), *identity)
-                self._of_id[record.id] = txn
-                out.append(record)
+                if self._txns.handed_out(txn, record.id):
+                    record.headers += ((names.id, str(record.id).encode()), *identity)
+                    out.append(record)
         return out
 
     def _existing(self, ids: list[int]) -> set[int]:
@@ -353,34 +315,13 @@ class LogStore(PostgresStore):
                     continue
                 drained = self._stream.drained
             self._receive(messages)
-            if self._buffer or drained:
-                return
+            with self._state:
+                if self._txns.waiting or drained:
+                    return
 
     def _receive(self, messages: list[bytes]) -> None:
-        oid, inserts, xid = self._oid, self._open, self._open_xid
         with self._state:
-            for data in messages:
-                if data[:1] == b"I":
-                    if inserts is not None and data[1:5] == oid:
-                        inserts.append(data)
-                    continue
-                message = pgoutput.parse(data)
-                if isinstance(message, pgoutput.Begin):
-                    # A restarted stream sends again what this term received already: skipped.
-                    inserts = [] if message.final_lsn >= self._received_upto else None
-                    xid = message.xid
-                elif isinstance(message, pgoutput.Relation) and message.oid == int.from_bytes(oid, "big"):
-                    self._columns = Columns(message)
-                elif isinstance(message, pgoutput.Commit):
-                    if inserts is not None and message.end_lsn > self._received_upto:
-                        if inserts and self._columns is None:
-                            raise StoreError("the slot sent inserts of the outbox before its relation")
-                        self._received_upto = message.end_lsn
-                        txn = _Transaction(message.end_lsn, xid, self._columns, inserts)
-                        self._transactions.append(txn)
-                        self._buffer.extend((txn, d) for d in inserts)
-                    inserts = None
-        self._open, self._open_xid = inserts, xid
+            self._txns.receive(messages)
 
     # ------------------------------------------------------------------ completion
 
@@ -394,10 +335,10 @@ class LogStore(PostgresStore):
         A purge of ids this term did not hand out (the recovery of committed checkpoints) deletes
         their rows and remembers them as done; it leaves the position where it is."""
         with self._state:
-            ends = [txn.end_lsn for rid in ids if (txn := self._of_id.get(rid)) is not None]
+            ends = [end for rid in ids if (end := self._txns.end_of(rid)) is not None]
             if ends:
                 self._batches.append((position, max(ends)))
-            target = self._completed(ids)
+            target = self._txns.completed(ids, self._advanced)
             reach, safe = max(target, self._advanced), 0
             while self._batches and self._batches[0][1] <= reach:
                 safe = self._batches.popleft()[0]
@@ -425,26 +366,9 @@ class LogStore(PostgresStore):
     def _done(self, ids: Sequence[int]) -> None:
         """After a fenced statement about ``ids`` succeeded: they are done."""
         with self._state:
-            target = self._completed(ids)
+            target = self._txns.completed(ids, self._advanced)
         if target:
             self._confirm(target)
-
-    def _completed(self, ids: Sequence[int]) -> int:
-        for rid in ids:
-            txn = self._of_id.pop(rid, None)
-            if txn is not None:
-                txn.done.add(rid)
-            else:
-                self._recovered.add(rid)
-        return self._settled()
-
-    def _settled(self) -> int:
-        """Forget the leading transactions whose records are all done; where the slot should move
-        to, if it is not there yet (else 0; caller holds ``_state``). A forgotten transaction is
-        never handed out again, even if confirming it failed: the next call retries."""
-        while self._transactions and self._transactions[0].settled:
-            self._settled_upto = self._transactions.popleft().end_lsn
-        return self._settled_upto if self._settled_upto > self._advanced else 0
 
     def _advance_to(self, lsn: int) -> None:
         """Confirm ``lsn`` after checking, in a fenced statement, that the epoch is still ours."""

@@ -322,13 +322,13 @@ def test_a_transaction_goes_out_only_once_its_rows_are_visible(logical_dsn: str,
 
         def received() -> bool:
             store._read()  # without handing anything out
-            return bool(store._transactions)
+            return bool(store._txns.kept)
 
         assert wait_until(received)
         with psycopg.connect(logical_dsn) as running:
             row = running.execute("SELECT pg_current_xact_id()::text").fetchone()
             assert row is not None
-            store._transactions[0].xid = int(row[0]) % 2**32
+            store._txns.kept[0].xid = int(row[0]) % 2**32
             assert store.mark(leader, 10) == []
             assert store.mark(leader, 10) == []
             running.commit()
