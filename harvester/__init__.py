@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from harvester.client.async_stasher import AsyncStasher
     from harvester.client.dedup import DedupReader, DedupState
+    from harvester.client.message_stasher import AsyncMessageStasher, MessageStasher
     from harvester.client.stasher import Stasher, stash
     from harvester.config import HarvesterConfig
     from harvester.core.engine import Engine
@@ -34,6 +35,7 @@ __version__ = "0.1.0"
 
 # Public name -> the module that defines it.
 _EXPORTS = {
+    "AsyncMessageStasher": "harvester.client.message_stasher",
     "AsyncStasher": "harvester.client.async_stasher",
     "ColumnLimits": "harvester.core.records",
     "DedupReader": "harvester.client.dedup",
@@ -49,6 +51,7 @@ _EXPORTS = {
     "LeaderRevoked": "harvester.core.events",
     "Limits": "harvester.core.limits",
     "MarkedRecord": "harvester.core.records",
+    "MessageStasher": "harvester.client.message_stasher",
     "MeterRead": "harvester.core.events",
     "OutboxMissingError": "harvester.postgres.catalog",
     "OutboxRecord": "harvester.core.records",
@@ -62,6 +65,7 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "AsyncMessageStasher",
     "AsyncStasher",
     "ColumnLimits",
     "DedupReader",
@@ -77,6 +81,7 @@ __all__ = [
     "LeaderRevoked",
     "Limits",
     "MarkedRecord",
+    "MessageStasher",
     "MeterRead",
     "OutboxMissingError",
     "OutboxRecord",

@@ -16,6 +16,7 @@ from pydantic import AliasChoices, BaseModel, Field, field_validator, model_vali
 
 from harvester.core.limits import BOTH_SPELLINGS, Limits
 from harvester.postgres.identifiers import TableName
+from harvester.postgres.message_format import default_prefix
 
 # PostgreSQL's rule for replication slot names; publications follow it too here, for symmetry.
 _SLOT = re.compile(r"^[a-z0-9_]{1,63}$")
@@ -94,6 +95,15 @@ class HarvesterConfig(BaseModel):
     log_publication: str | None = Field(
         default=None, description="Publication of the log source; default the slot's name."
     )
+    log_messages: bool = Field(
+        default=False,
+        description="With source log: a table-less outbox; the stashers write logical decoding messages "
+        "(pg_logical_emit_message) instead of rows, and the log source reads those (PostgreSQL 14+).",
+    )
+    log_prefix: str | None = Field(
+        default=None,
+        description="The table-less outbox's message prefix; default 'harvester:<schema>.<table>'.",
+    )
     limits: Limits = Field(default_factory=Limits)
 
     @field_validator("log_slot", "log_publication")
@@ -107,6 +117,10 @@ class HarvesterConfig(BaseModel):
     def _log_source(self) -> HarvesterConfig:
         if self.source == "log" and self.shards > 1:
             raise ValueError("source 'log' reads one replication slot: it does not support shards > 1")
+        if self.log_messages and self.source != "log":
+            raise ValueError("logMessages (a table-less outbox) needs source 'log'")
+        if self.log_prefix is not None and not self.log_prefix:
+            raise ValueError("logPrefix must not be empty")
         if self.source == "log" and self.dead_letter_policy == "hold_key":
             raise ValueError("source 'log' does not support deadLetterPolicy 'hold_key': use release")
         return self
@@ -116,6 +130,13 @@ class HarvesterConfig(BaseModel):
         """The log source's replication slot."""
         default = re.sub(r"[^a-z0-9_]", "_", f"harvester_{self.table.qualified}".lower())
         return self.log_slot or default[:63]
+
+    @property
+    def prefix(self) -> str | None:
+        """The table-less outbox's message prefix (None when the outbox is a table)."""
+        if not self.log_messages:
+            return None
+        return self.log_prefix or default_prefix(self.table)
 
     @property
     def publication(self) -> str:

@@ -30,6 +30,7 @@ from harvester.meter import Meter
 from harvester.pipelines import Pipeline, build_engine
 from harvester.postgres.log_store import LogStore
 from harvester.postgres.logical import LogSetup
+from harvester.postgres.message_store import MessageStore
 from harvester.postgres.store import PostgresStore
 
 if TYPE_CHECKING:
@@ -81,10 +82,13 @@ class Harvester:
             "statement_timeout": config.limits.statement_timeout.total_seconds(),
             "shards": shards,
         }
+        setup = LogSetup(config.table, config.slot, config.publication, config.prefix)
         store = (
-            LogStore(config.data_source, LogSetup(config.table, config.slot, config.publication), **options)
-            if config.source == "log"
-            else PostgresStore(config.data_source, config.table, **options)
+            PostgresStore(config.data_source, config.table, **options)
+            if config.source != "log"
+            else MessageStore(config.data_source, setup, **options)
+            if config.log_messages
+            else LogStore(config.data_source, setup, **options)
         )
         self._pipelines = [Pipeline(store, per_shard[0])]  # the other shards' are built by start()
         self._elector = (

@@ -101,6 +101,13 @@ def _check_postgres(settings: ReaperSettings, timeout: float) -> list[str]:
             f"postgres: reachable; server {info.parameter_status('server_version')}, "
             f"host {info.host}:{info.port}, database {info.dbname}, user {info.user}"
         )
+        if settings.harvest.log_messages:
+            applied = migrations.applied(conn, table)
+            print(
+                f"table-less outbox {table} (messages with prefix {settings.harvest.prefix}):"
+                f" no table needed; migrations applied: {', '.join(applied) or 'none'}"
+            )
+            return _check_log_source(conn, settings)
         try:
             columns = catalog.read(conn, table)
         except catalog.OutboxMissingError:
@@ -130,7 +137,9 @@ def _check_log_source(conn: Any, settings: ReaperSettings) -> list[str]:
     harvest = settings.harvest
     if harvest.source != "log":
         return []
-    problems = logical.missing(conn, logical.LogSetup(harvest.table, harvest.slot, harvest.publication))
+    problems = logical.missing(
+        conn, logical.LogSetup(harvest.table, harvest.slot, harvest.publication, harvest.prefix)
+    )
     state = "ready" if not problems else "not ready"
     print(f"log source: slot {harvest.slot}, publication {harvest.publication}: {state}")
     return [f"log source: {p}" for p in problems]

@@ -211,6 +211,8 @@ def _migrate(settings: ReaperSettings) -> int:
     from harvester.postgres.widen import widen
 
     table, shards = settings.harvest.table, settings.harvest.shards
+    if settings.harvest.log_messages:
+        return _migrate_tableless(settings)
     with connect_pg(settings, 10) as conn:
         try:
             # migrate() creates a missing schema silently; look first, so the output can say so.
@@ -238,6 +240,25 @@ def _migrate(settings: ReaperSettings) -> int:
     return 1 if left else 0
 
 
+def _migrate_tableless(settings: ReaperSettings) -> int:
+    """A table-less outbox: its fence and dead-letter tables (no outbox table), publication and slot."""
+    import psycopg
+
+    from harvester.postgres.migrations import ensure
+
+    table = settings.harvest.table
+    with connect_pg(settings, 10) as conn:
+        try:
+            applied = ensure(conn, table, "fence") + ensure(conn, table, "dead_letter", value_type="BYTEA")
+            created = _log_source(conn, settings)
+        except psycopg.Error as exc:
+            raise FailError(f"migrating {table} failed: {pg_reason(exc)}", code=1) from None
+    print(f"table-less outbox {table}: " + (f"applied {', '.join(applied)}" if applied else "up to date"))
+    for name in created:
+        print(f"log source: created {name}")
+    return 0
+
+
 def _log_source(conn: psycopg.Connection[Any], settings: ReaperSettings) -> list[str]:
     """With ``source: log``, create the publication and the slot (after saying what the server lacks)."""
     from harvester.postgres import logical
@@ -245,7 +266,7 @@ def _log_source(conn: psycopg.Connection[Any], settings: ReaperSettings) -> list
     harvest = settings.harvest
     if harvest.source != "log":
         return []
-    setup = logical.LogSetup(harvest.table, harvest.slot, harvest.publication)
+    setup = logical.LogSetup(harvest.table, harvest.slot, harvest.publication, harvest.prefix)
     blocking = [p for p in logical.missing(conn, setup) if "reaper migrate" not in p]
     if blocking:
         raise FailError(f"log source: {blocking[0]}", code=1)

@@ -104,10 +104,7 @@ class LogStore(PostgresStore):
                 raise StoreError(f"checking the log source failed: {exc.sqlstate or type(exc).__name__}") from exc
             if problems:
                 raise StoreError(f"log source: {problems[0]}")
-            row = self._run("SELECT to_regclass(%s)::oid", (self._table.quoted,))
-            oid = int(row[0][0])
-            self._txns = Transactions(b"I", oid.to_bytes(4, "big"), 1, oid)
-            self._present = sql.SQL("SELECT id FROM {} WHERE id = ANY(%s::bigint[])").format(self._table.ident)
+            self._txns = self._outbox_messages()
             # Under the current epoch only: where the slot stands, and its other reader (a paused
             # old leader's walsender) terminated; PostgreSQL 14+ waits until it is gone, so no
             # confirmation it had not yet processed can move the slot afterwards.
@@ -125,6 +122,13 @@ class LogStore(PostgresStore):
                 " FROM fence, pg_replication_slots s WHERE s.slot_name = %s"
             ).format(f=fence_table(self._table).ident)
         return columns
+
+    def _outbox_messages(self) -> Transactions:
+        """The bookkeeping of the outbox's messages in the stream: Inserts naming its table."""
+        row = self._run("SELECT to_regclass(%s)::oid", (self._table.quoted,))
+        oid = int(row[0][0])
+        self._present = sql.SQL("SELECT id FROM {} WHERE id = ANY(%s::bigint[])").format(self._table.ident)
+        return Transactions(b"I", oid.to_bytes(4, "big"), 1, oid)
 
     @property
     def tracks_attempts(self) -> bool:
@@ -163,7 +167,13 @@ class LogStore(PostgresStore):
         for tries in range(_START_TRIES, 0, -1):
             confirmed = self._take_over()
             try:
-                stream = LogicalStream(self._conninfo, self._setup.slot, self._setup.publication, confirmed)
+                stream = LogicalStream(
+                    self._conninfo,
+                    self._setup.slot,
+                    self._setup.publication,
+                    confirmed,
+                    messages=self._setup.prefix is not None,
+                )
             except StreamError as exc:
                 if exc.sqlstate != SLOT_IN_USE or tries == 1:
                     raise
@@ -240,17 +250,10 @@ class LogStore(PostgresStore):
         return False
 
     def _fresh(self, taken: Taken) -> list[MarkedRecord]:
-        names, kind = self._names, self._ready().columns.limits.value_kind
+        names = self._names
         identity = ((names.epoch, str(self._epoch).encode()), (names.producer, self._ready().producer))
-        records: list[tuple[Transaction, MarkedRecord]] = []
-        for txn, data in taken:
-            assert txn.columns is not None  # checked as the transaction came in
-            records.append((txn, outbox_record(pgoutput.insert_values(data), txn.columns, kind)))
-        # A record of a transaction an earlier term read may have been delivered and its row
-        # deleted: the table says so (publishing it again would be a duplicate the de-duplicating
-        # reader cannot be sure to catch, its key having moved on).
-        earlier = [record.id for txn, record in records if txn.end_lsn <= self._term_lsn]
-        gone = set(earlier) - self._existing(earlier) if earlier else set()
+        records = [(txn, self._record(txn, data)) for txn, data in taken]
+        gone = self._gone(records)
         out: list[MarkedRecord] = []
         with self._state:
             for txn, record in records:
@@ -260,6 +263,19 @@ class LogStore(PostgresStore):
                     record.headers += ((names.id, str(record.id).encode()), *identity)
                     out.append(record)
         return out
+
+    def _record(self, txn: Transaction, data: bytes) -> MarkedRecord:
+        """The record of an outbox message (an Insert), before the identity headers."""
+        assert txn.columns is not None  # checked as the transaction came in
+        return outbox_record(pgoutput.insert_values(data), txn.columns, self._ready().columns.limits.value_kind)
+
+    def _gone(self, records: list[tuple[Transaction, MarkedRecord]]) -> set[int]:
+        """The ids of ``records`` an earlier term delivered: a record of a transaction an earlier
+        term read may have been delivered and its row deleted, as the table says (publishing it
+        again would be a duplicate the de-duplicating reader cannot be sure to catch, its key
+        having moved on)."""
+        earlier = [record.id for txn, record in records if txn.end_lsn <= self._term_lsn]
+        return set(earlier) - self._existing(earlier) if earlier else set()
 
     def _existing(self, ids: list[int]) -> set[int]:
         assert self._present is not None

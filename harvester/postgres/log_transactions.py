@@ -31,6 +31,7 @@ class Transaction:
     inserts: list[bytes]  # its outbox messages, kept until all are done (a new pass re-reads them)
     done: set[int] = field(default_factory=set)  # ids acknowledged (or dead-lettered)
     visible: bool = False  # its rows were found visible to new snapshots (see LogStore._visible)
+    commit_time: int = 0  # microseconds since 2000-01-01 UTC
 
     @property
     def size(self) -> int:
@@ -65,13 +66,15 @@ class Transactions:
         self._recovered: set[int] = set()
         self._settled_upto = 0  # the end of the last transaction this term forgot as settled
         self._open: list[bytes] | None = None  # messages of the transaction being received
-        self._open_xid = 0  # ... and its xid
+        self._open_xid = 0  # ... its xid
+        self._open_time = 0  # ... and its commit time
 
-    def new_term(self) -> None:
-        """Forget everything received: a new term streams again from the slot's position."""
+    def new_term(self, done_upto: int = 0) -> None:
+        """Forget everything received: a new term streams again from the slot's position, skipping
+        the transactions that end at or before ``done_upto`` (known done)."""
         self._pass = None
         self._buffer.clear()
-        self._received_upto = 0
+        self._received_upto = done_upto
         self.kept.clear()
         self._of_id.clear()
         self._settled_upto = 0
@@ -116,6 +119,10 @@ class Transactions:
         self._of_id[rid] = txn
         return True
 
+    def pending(self) -> int:
+        """Records received and not done yet."""
+        return sum(txn.size - len(txn.done) for txn in self.kept)
+
     def end_of(self, rid: int) -> int | None:
         """The end LSN of the transaction of in-flight record ``rid``."""
         txn = self._of_id.get(rid)
@@ -127,7 +134,7 @@ class Transactions:
         """Keep the outbox's messages of each transaction that commits, skipping transactions this
         term received already (a restarted stream sends them again)."""
         kind, match, at, end = self._kind, self._match, self._at, self._end
-        inserts, xid = self._open, self._open_xid
+        inserts, xid, when = self._open, self._open_xid, self._open_time
         for data in messages:
             if data[:1] == kind:
                 if inserts is not None and data[at:end] == match:
@@ -136,7 +143,7 @@ class Transactions:
             message = pgoutput.parse(data)
             if isinstance(message, pgoutput.Begin):
                 inserts = [] if message.final_lsn >= self._received_upto else None
-                xid = message.xid
+                xid, when = message.xid, message.commit_time
             elif isinstance(message, pgoutput.Relation) and message.oid == self._oid:
                 self.columns = Columns(message)
             elif isinstance(message, pgoutput.Commit):
@@ -144,11 +151,11 @@ class Transactions:
                     if inserts and self._oid and self.columns is None:
                         raise StoreError("the slot sent inserts of the outbox before its relation")
                     self._received_upto = message.end_lsn
-                    txn = Transaction(message.end_lsn, xid, self.columns, inserts)
+                    txn = Transaction(message.end_lsn, xid, self.columns, inserts, commit_time=when)
                     self.kept.append(txn)
                     self._buffer.extend((txn, d) for d in inserts)
                 inserts = None
-        self._open, self._open_xid = inserts, xid
+        self._open, self._open_xid, self._open_time = inserts, xid, when
 
     # ------------------------------------------------------------------ completion
 

@@ -1,7 +1,11 @@
 """What the log source needs from the server: ``wal_level = logical``, a role that may read slots
 (REPLICATION or superuser), a publication of the outbox's inserts and a ``pgoutput`` slot.
 ``reaper migrate`` creates the last two (:func:`create`); ``reaper check`` and the harvester's start
-report what is missing with the fix (:func:`missing`)."""
+report what is missing with the fix (:func:`missing`).
+
+A table-less outbox (``LogSetup.prefix``) needs PostgreSQL 14+ (pgoutput's ``messages`` option) and
+publishes no table; pgoutput still wants an existing publication to name, so it gets an empty one
+(which also keeps every table's changes out of the stream)."""
 
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ class LogSetup:
     table: TableName
     slot: str
     publication: str
+    prefix: str | None = None  # the table-less outbox's message prefix (None: the table's inserts)
 
 
 def missing(conn: psycopg.Connection[Any], setup: LogSetup) -> list[str]:
@@ -41,6 +46,8 @@ def missing(conn: psycopg.Connection[Any], setup: LogSetup) -> list[str]:
         )
     if not may_replicate:
         problems.append(f"role {user} may not read replication slots: ALTER ROLE {user} REPLICATION")
+    if setup.prefix is not None:
+        return problems + _messages_missing(conn, setup)
     row = conn.execute(
         "SELECT p.pubinsert, EXISTS (SELECT FROM pg_publication_rel r WHERE r.prpubid = p.oid"
         " AND r.prrelid = to_regclass(%s)) OR p.puballtables FROM pg_publication p WHERE p.pubname = %s",
@@ -53,6 +60,21 @@ def missing(conn: psycopg.Connection[Any], setup: LogSetup) -> list[str]:
             f"publication {setup.publication} does not publish the inserts of {setup.table}: "
             f"ALTER PUBLICATION {setup.publication} ADD TABLE {setup.table.quoted}, SET (publish = 'insert')"
         )
+    return problems + _slot_missing(conn, setup)
+
+
+def _messages_missing(conn: psycopg.Connection[Any], setup: LogSetup) -> list[str]:
+    problems: list[str] = []
+    if conn.info.server_version < 140000:
+        problems.append("a table-less outbox needs PostgreSQL 14 or later (logical messages in pgoutput)")
+    row = conn.execute("SELECT FROM pg_publication WHERE pubname = %s", (setup.publication,)).fetchone()
+    if row is None:
+        problems.append(f"publication {setup.publication} (an empty one) does not exist: run 'reaper migrate'")
+    return problems + _slot_missing(conn, setup)
+
+
+def _slot_missing(conn: psycopg.Connection[Any], setup: LogSetup) -> list[str]:
+    problems: list[str] = []
     row = conn.execute(
         "SELECT plugin, database = current_database() FROM pg_replication_slots WHERE slot_name = %s", (setup.slot,)
     ).fetchone()
@@ -69,7 +91,10 @@ def create(conn: psycopg.Connection[Any], setup: LogSetup) -> list[str]:
     """Create the publication and the slot if absent (autocommit connection); what was created."""
     created: list[str] = []
     exists = conn.execute("SELECT FROM pg_publication WHERE pubname = %s", (setup.publication,)).fetchone()
-    if exists is None:
+    if exists is None and setup.prefix is not None:
+        conn.execute(sql.SQL("CREATE PUBLICATION {}").format(sql.Identifier(setup.publication)))
+        created.append(f"publication {setup.publication} (empty: the outbox is table-less)")
+    elif exists is None:
         # PostgreSQL 15+ publishes only the columns a record needs: less to decode and to send.
         columns: sql.Composable = sql.SQL("")
         if conn.info.server_version >= 150000:

@@ -27,7 +27,7 @@ _INDEX_LOCK_KEY = LOCK_KEY + 1  # serialises the shard index builds of concurren
 Feature = Literal["fence", "dead_letter", "spark_sink"]
 # The migrations each optional feature needs; :func:`ensure` applies them on first use.
 FEATURES: dict[Feature, tuple[str, ...]] = {
-    "fence": ("0003_fence", "0007_checkpoint", "0009_fence_shards"),
+    "fence": ("0003_fence", "0007_checkpoint", "0009_fence_shards", "0010_fence_log_lsn"),
     "dead_letter": ("0006_dead_letter", "0008_dead_letter_key_index"),
     "spark_sink": ("0005_spark_sink",),
 }
@@ -78,8 +78,11 @@ def available() -> list[Migration]:
     return [Migration(p.name.removesuffix(".sql"), p.read_text("utf-8")) for p in files]
 
 
-def render(migration: Migration, table: TableName, conn: psycopg.Connection[tuple[object, ...]]) -> str:
-    """Substitute the table's quoted names into a migration's text."""
+def render(
+    migration: Migration, table: TableName, conn: psycopg.Connection[tuple[object, ...]], value_type: str | None = None
+) -> str:
+    """Substitute the table's quoted names into a migration's text (``value_type``: the dead
+    letters' value type, else the outbox's)."""
 
     def q(c: sql.Composable) -> str:
         return c.as_string(conn)
@@ -97,7 +100,7 @@ def render(migration: Migration, table: TableName, conn: psycopg.Connection[tupl
         dead_letter=q(dead_letter_table(table).ident),
         dead_letter_key_index=q(sql.Identifier(f"{table.name}_dead_letter_key_idx"[:63])),
         # Only the dead-letter migration needs it: spare the other migrations the catalog query.
-        value_type=_value_type(table, conn) if "${value_type}" in migration.text else "",
+        value_type=value_type or (_value_type(table, conn) if "${value_type}" in migration.text else ""),
         spark_tasks=q(table.derived("spark_tasks").ident),
         spark_tasks_write_idx=q(sql.Identifier(f"{table.name}_spark_tasks_write_idx"[:63])),
         spark_staging=q(table.derived("spark_staging").ident),
@@ -121,7 +124,12 @@ def _recorded(conn: psycopg.Connection[tuple[object, ...]], table: TableName) ->
     return {str(r[0]) for r in rows}
 
 
-def _apply(conn: psycopg.Connection[tuple[object, ...]], table: TableName, wanted: list[Migration]) -> list[str]:
+def _apply(
+    conn: psycopg.Connection[tuple[object, ...]],
+    table: TableName,
+    wanted: list[Migration],
+    value_type: str | None = None,
+) -> list[str]:
     """Apply those of ``wanted`` the ledger does not record, in order, under the advisory lock."""
     applied_now: list[str] = []
     with conn.transaction():
@@ -138,7 +146,7 @@ def _apply(conn: psycopg.Connection[tuple[object, ...]], table: TableName, wante
         for m in wanted:
             if m.version in done:
                 continue
-            conn.execute(render(m, table, conn).encode("utf-8"))
+            conn.execute(render(m, table, conn, value_type).encode("utf-8"))
             conn.execute(
                 sql.SQL("INSERT INTO {} (table_name, version) VALUES (%s, %s)").format(_ledger(table)),
                 (table.qualified, m.version),
@@ -152,14 +160,17 @@ def migrate(conn: psycopg.Connection[tuple[object, ...]], table: TableName) -> l
     return _apply(conn, table, available())
 
 
-def ensure(conn: psycopg.Connection[tuple[object, ...]], table: TableName, feature: Feature) -> list[str]:
+def ensure(
+    conn: psycopg.Connection[tuple[object, ...]], table: TableName, feature: Feature, value_type: str | None = None
+) -> list[str]:
     """Apply the migrations ``feature`` needs unless the ledger already records them (then this is
     one catalog query and no DDL), so a feature works on a table ``reaper migrate`` never touched
-    (goharvest's) while the schema changes only through the migrations and their ledger."""
+    (goharvest's) while the schema changes only through the migrations and their ledger.
+    ``value_type``: the dead letters' value type where there is no outbox table to take it from."""
     versions = FEATURES[feature]
     if set(versions) <= _recorded(conn, table):
         return []
-    return _apply(conn, table, [m for m in available() if m.version in versions])
+    return _apply(conn, table, [m for m in available() if m.version in versions], value_type)
 
 
 def applied(conn: psycopg.Connection[tuple[object, ...]], table: TableName) -> list[str]:

@@ -1,6 +1,7 @@
 """The messages of PostgreSQL's built-in logical decoding plugin ``pgoutput`` (protocol version 1)
-that the log source needs: Begin, Relation, Insert and Commit. Every other message (Update, Delete,
-Truncate, Origin, Type, logical messages) parses to None and is ignored.
+that the log source needs: Begin, Relation, Insert and Commit, and the parts of a logical decoding
+message (:func:`logical_message`). Every other message (Update, Delete, Truncate, Origin, Type, and
+logical messages too) parses to None.
 
 Column values arrive in their text form, as UTF-8 bytes (``None`` for SQL NULL); :func:`text_array`
 reads the text form of a one-dimensional array. Reference: PostgreSQL's "Logical Replication Message Formats".
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 _BEGIN = struct.Struct("!QqI")  # final LSN, commit time, xid
 _COMMIT = struct.Struct("!bQQq")  # flags, commit LSN, end LSN, commit time
 _U16 = struct.Struct("!H")
+_U64 = struct.Struct("!Q")
 _I32 = struct.Struct("!i")
 _RELATION_HEAD = struct.Struct("!I")
 
@@ -26,6 +28,7 @@ class ProtocolError(ValueError):
 class Begin:
     final_lsn: int  # the LSN of the transaction's commit record
     xid: int
+    commit_time: int = 0  # microseconds since 2000-01-01 UTC
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,8 +92,8 @@ def parse(data: bytes) -> Message | None:
         (relation,) = _RELATION_HEAD.unpack_from(data, 1)
         return Insert(relation, insert_values(data))
     if kind == b"B":
-        final_lsn, _, xid = _BEGIN.unpack_from(data, 1)
-        return Begin(final_lsn, xid)
+        final_lsn, commit_time, xid = _BEGIN.unpack_from(data, 1)
+        return Begin(final_lsn, xid, commit_time)
     if kind == b"C":
         _, commit_lsn, end_lsn, _ = _COMMIT.unpack_from(data, 1)
         return Commit(commit_lsn, end_lsn)
@@ -108,6 +111,15 @@ def parse(data: bytes) -> Message | None:
             at += 8  # type oid and modifier
         return Relation(oid, schema, name, tuple(columns))
     return None
+
+
+def logical_message(data: bytes, prefix_size: int) -> tuple[int, bytes]:
+    """(LSN, content) of a logical decoding message (``data[:1] == b"M"``; protocol 1: flags, LSN,
+    prefix, content length, content) whose prefix is ``prefix_size`` bytes long."""
+    (lsn,) = _U64.unpack_from(data, 2)
+    at = 10 + prefix_size + 1
+    (size,) = _I32.unpack_from(data, at)
+    return lsn, data[at + 4 : at + 4 + size]
 
 
 def text_array(text: str | None) -> list[str | None] | None:

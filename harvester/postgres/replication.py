@@ -50,9 +50,10 @@ def _ident(text: str) -> str:
 class LogicalStream:
     """The changes of one logical slot, read through a ``pgoutput`` publication."""
 
-    def __init__(self, conninfo: str, slot: str, publication: str, flushed: int) -> None:
+    def __init__(self, conninfo: str, slot: str, publication: str, flushed: int, *, messages: bool = False) -> None:
         """Connect as a replication client and stream from the slot's confirmed position, which is
-        ``flushed`` (answers to keepalives report it until :meth:`confirm` moves it)."""
+        ``flushed`` (answers to keepalives report it until :meth:`confirm` moves it); with
+        ``messages``, the transactions' logical decoding messages too (PostgreSQL 14+)."""
         self.server_end = 0  # how far the walsender's decoding reached, per its latest keepalive
         self._flushed = flushed  # the flush position reported last
         self.drained = True  # the last read took everything that had arrived
@@ -64,7 +65,8 @@ class LogicalStream:
             # 0/0: the server starts at the slot's confirmed_flush_lsn (a lower start is ignored).
             command = (
                 f"START_REPLICATION SLOT {_ident(slot)} LOGICAL 0/0"
-                f" (proto_version '1', publication_names {_literal(_ident(publication))})"
+                f" (proto_version '1', publication_names {_literal(_ident(publication))}"
+                + (", messages 'true')" if messages else ")")
             )
             result = self._conn.exec_(command.encode())
             if result.status != pq.ExecStatus.COPY_BOTH:

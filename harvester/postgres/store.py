@@ -137,7 +137,7 @@ class PostgresStore(Fenced):
         try:
             if self._server_limit:
                 limit_statements(conn, 0)  # migrations and an index build may take their time
-            columns = catalog.read(conn, self._table)
+            columns = self._read_columns(conn)
             migrations.ensure(conn, self._table, "fence")
             if self._hold:
                 migrations.ensure(conn, self._table, "dead_letter")
@@ -157,6 +157,10 @@ class PostgresStore(Fenced):
         statements = Statements.build(self._table, columns, hold_dead_letter_keys=self._hold, shards=self._shards)
         self._prepared = _Prepared(columns, statements, producer.encode("utf-8"))
         return columns
+
+    def _read_columns(self, conn: psycopg.Connection[Any]) -> OutboxColumns:
+        """The outbox table's shape."""
+        return catalog.read(conn, self._table)
 
     def sibling(self, shard: int) -> PostgresStore:
         """A store of another shard of the same outbox, sharing what :meth:`prepare` learnt (so it

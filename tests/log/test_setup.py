@@ -125,3 +125,35 @@ def test_held_dead_letter_keys_with_the_log_source_are_refused(
     assert main(["run", "-f", str(path)]) == 2
     err = capsys.readouterr().err
     assert "source 'log' does not support deadLetterPolicy 'hold_key'" in err and err.count("\n") == 1
+
+
+def test_migrate_and_check_a_table_less_outbox(
+    services: Services, logical_dsn: str, fresh_table: TableName, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No outbox table: 'reaper migrate' creates the fence and dead-letter tables, an empty
+    publication and the slot; 'reaper check' and 'reaper status' need no table."""
+    path = write_config(tmp_path, logical_dsn, services, fresh_table, "  logMessages: true\n")
+    config = HarvesterConfig(outbox_table=fresh_table.qualified)
+    assert main(["check", "-f", path]) == 1
+    out = capsys.readouterr().out
+    assert f"problem: log source: replication slot {config.slot} does not exist: run 'reaper migrate'" in out
+    assert main(["migrate", "-f", path]) == 0
+    out = capsys.readouterr().out
+    assert f"table-less outbox {fresh_table}: applied 0003_fence" in out
+    assert f"log source: created publication {config.publication} (empty" in out
+    assert main(["check", "-f", path]) == 0, capsys.readouterr().out
+    assert f"log source: slot {config.slot}, publication {config.publication}: ready" in capsys.readouterr().out
+    with psycopg.connect(logical_dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT to_regclass(%s)", (fresh_table.quoted,)).fetchone()
+    assert row == (None,)  # no table
+    assert main(["status", "-f", path, "--json"]) == 1  # nobody leads
+    assert json.loads(capsys.readouterr().out)["slot"]["name"] == config.slot
+
+
+@pytest.mark.unit
+def test_a_sharded_table_less_outbox_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "reaper.yaml"
+    path.write_text("harvest:\n  source: log\n  logMessages: true\n  shards: 2\n")
+    assert main(["run", "-f", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "does not support shards > 1" in err and err.count("\n") == 1

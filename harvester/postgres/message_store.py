@@ -1,0 +1,197 @@
+"""The table-less outbox: records written as transactional logical decoding messages
+(``pg_logical_emit_message(true, <prefix>, <payload>)``, :mod:`harvester.postgres.message_format`)
+and read by the log source from the slot, with no table and so nothing to delete.
+
+Everything the log source does about the stream, terms, passes and confirmations stays
+(:class:`~harvester.postgres.log_store.LogStore`). What takes the place of the delete: the fenced
+statement of a completion round stores, in the outbox's fence row, the end of the last transaction
+whose records are all done (``log_lsn``), and only then is the slot confirmed there. A new leader
+skips every transaction up to the stored position, whether or not the old leader's confirmation
+reached the server, so it republishes (at least once) only what was not stored done; exactly once,
+the checkpoint position moves in that same statement and only past checkpoints whose transactions
+are stored done, and the rest are recovered from the checkpoint topic as with the table.
+
+A record's id is its message's LSN: unique, the same in every term (the slot sends the same WAL
+records again), and what the identity headers, the checkpoints and the dead-letter table carry.
+Its ``create_time`` is its transaction's commit time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import UTC, datetime, timedelta
+from typing import Any
+from uuid import UUID
+
+import psycopg
+from psycopg import sql
+
+from harvester.core.protocols import FencedError, StoreError
+from harvester.core.records import ColumnLimits, Failure, MarkedRecord
+from harvester.postgres import message_format, migrations, pgoutput
+from harvester.postgres.catalog import OutboxColumns
+from harvester.postgres.connections import error_text
+from harvester.postgres.log_store import LogStore
+from harvester.postgres.log_transactions import Taken, Transaction, Transactions
+from harvester.postgres.logical import LogSetup
+
+_EPOCH_2000 = datetime(2000, 1, 1, tzinfo=UTC)
+# What a record may hold: whatever Kafka accepts (the stasher checks only the record itself).
+_COLUMNS = OutboxColumns(
+    ColumnLimits(key_max_chars=None, value_max_chars=None, value_kind="bytes"),
+    key_type="text",
+    value_type="bytea",
+    header_defaults=True,
+    tracks_attempts=False,
+)
+_DEAD_ROW = (
+    "(%s::bigint, %s::timestamptz, %s::text, %s::text, %s::bytea, %s::text[], %s::text[], %s::text, %s::text,"
+    " %s::int, %s::timestamptz)"
+)
+
+
+class MessageStore(LogStore):
+    """:class:`LogStore` of a table-less outbox, whose records are the slot's logical messages with
+    the outbox's prefix (``setup.prefix``)."""
+
+    def __init__(self, dsn: str, setup: LogSetup, **options: Any) -> None:
+        assert setup.prefix is not None
+        super().__init__(dsn, setup, **options)
+        self._prefix = setup.prefix.encode("utf-8")
+        self._content: dict[int, MarkedRecord] = {}  # handed out, not done: what a dead letter keeps
+        f = migrations.fence_table(self._table).ident
+        self._store_done = sql.SQL(
+            "UPDATE {} SET log_lsn = greatest(log_lsn, %s), checkpoint_position = greatest(checkpoint_position, %s)"
+            " WHERE outbox_table = %s AND shard = %s AND epoch = %s"
+        ).format(f)
+        self._stored = sql.SQL("SELECT log_lsn FROM {} WHERE outbox_table = %s AND shard = %s").format(f)
+
+    def _read_columns(self, conn: psycopg.Connection[Any]) -> OutboxColumns:
+        """No table: records hold bytes, as Kafka does."""
+        return _COLUMNS
+
+    def _outbox_messages(self) -> Transactions:
+        """Logical messages with the outbox's prefix (after 'M', the flags and the LSN)."""
+        return Transactions(b"M", self._prefix + b"\0", 10)
+
+    def acquire(self, leader_id: UUID) -> int:
+        """As :meth:`LogStore.acquire`; the term skips what an earlier one stored done."""
+        epoch = super().acquire(leader_id)
+        done = int(self._run(self._stored, self._fence)[0][0])
+        with self._state:
+            self._txns.new_term(done)
+        with self._slot_lock:
+            self._advanced = max(self._advanced, done)  # confirmed when the stream starts
+        return epoch
+
+    def head(self) -> tuple[int, float | None]:
+        """The records received and not done yet (no table to count; the slot's lag says the rest)."""
+        with self._state:
+            return self._txns.pending(), None
+
+    # ------------------------------------------------------------------ reading
+
+    def _record(self, txn: Transaction, data: bytes) -> MarkedRecord:
+        rid, payload = pgoutput.logical_message(data, len(self._prefix))
+        created = _EPOCH_2000 + timedelta(microseconds=txn.commit_time)
+        try:
+            topic, key, value, headers = message_format.decode(payload)
+        except message_format.PayloadError as exc:
+            return MarkedRecord(rid, created, "", "", payload, [], malformed=f"payload: {exc}")
+        pairs: list[tuple[str, str | bytes | None]] = [(k, v.encode("utf-8")) for k, v in headers]
+        return MarkedRecord(rid, created, topic, key, value, pairs)
+
+    def _gone(self, records: list[tuple[Transaction, MarkedRecord]]) -> set[int]:
+        """None: a new term skips what an earlier one stored done (see :meth:`acquire`)."""
+        return set()
+
+    def _fresh(self, taken: Taken) -> list[MarkedRecord]:
+        out = super()._fresh(taken)
+        with self._state:
+            self._content.update((r.id, r) for r in out)
+        return out
+
+    # ------------------------------------------------------------------ completion
+
+    def purge(self, ids: Sequence[int]) -> None:
+        """Nothing to delete: the records are done, the slot moves past every transaction all done."""
+        self._done(ids)
+
+    def purge_checkpointed(self, ids: Sequence[int], position: int) -> None:
+        """Exactly-once: store the checkpoint position and how far the transactions are done in one
+        fenced statement (the position only past checkpoints whose transactions are all done),
+        then confirm the slot there. Ids this term did not hand out (recovered from committed
+        checkpoints) count as done when the slot sends them; the position stays."""
+        with self._state:
+            ends = [end for rid in ids if (end := self._txns.end_of(rid)) is not None]
+            if ends:
+                self._batches.append((position, max(ends)))
+            target = self._txns.completed(ids, self._advanced)
+            for rid in ids:
+                self._content.pop(rid, None)
+            reach, safe = max(target, self._advanced), 0
+            while self._batches and self._batches[0][1] <= reach:
+                safe = self._batches.popleft()[0]
+        if target or safe:
+            self._store(reach, safe)
+        if target:
+            self._confirm(target)
+
+    def dead_letter(self, failures: Sequence[Failure], leader_id: UUID) -> None:
+        """Write the records into the dead-letter table (one fenced statement); they count as done."""
+        if not failures:
+            return
+        if not self._dead_letter_ready:
+            try:
+                migrations.ensure(self._conn(), self._table, "dead_letter", value_type="BYTEA")
+            except psycopg.Error as exc:
+                raise StoreError(f"creating the dead-letter table failed: {error_text(exc)}") from exc
+            self._dead_letter_ready = True
+        rows: list[Any] = []
+        for f in failures:
+            with self._state:
+                r = self._content.get(f.id)
+            if r is None:
+                continue  # done meanwhile (a retry after the statement committed)
+            own = r.headers[:-3]  # without the identity headers
+            hkeys = [k for k, _ in own]
+            hvalues = [v.decode("utf-8", "replace") if isinstance(v, bytes) else v for _, v in own]
+            rows += [f.id, r.create_time, r.topic, r.key, r.value, hkeys, hvalues, f.reason, f.error, f.attempts]
+            rows.append(f.first_failure)
+        if rows:
+            values = sql.SQL(", ").join([sql.SQL(_DEAD_ROW)] * (len(rows) // 11))
+            statement = sql.SQL(
+                "WITH fence AS (SELECT 1 FROM {f} WHERE outbox_table = %s AND shard = %s AND epoch = %s FOR SHARE)"
+                " INSERT INTO {d} (id, create_time, kafka_topic, kafka_key, kafka_value, kafka_header_keys,"
+                " kafka_header_values, reason, error, attempts, first_failure, last_failure, epoch, leader_id)"
+                " SELECT v.id, v.ct, v.topic, v.key, v.value, v.hk, v.hv, v.reason, v.err, v.attempts,"
+                " coalesce(v.first, now()), now(), %s, %s::uuid FROM (VALUES {values})"
+                " AS v(id, ct, topic, key, value, hk, hv, reason, err, attempts, first)"
+                " WHERE EXISTS (SELECT 1 FROM fence) ON CONFLICT (id) DO NOTHING"
+            ).format(
+                f=migrations.fence_table(self._table).ident,
+                d=migrations.dead_letter_table(self._table).ident,
+                values=values,
+            )
+            cur = self._execute(statement, (*self._fence, self._epoch, self._epoch, leader_id, *rows))
+            if cur.rowcount < len(rows) // 11:
+                self._check_epoch()
+        self._done([f.id for f in failures])
+
+    def _done(self, ids: Sequence[int]) -> None:
+        with self._state:
+            target = self._txns.completed(ids, self._advanced)
+            for rid in ids:
+                self._content.pop(rid, None)
+        if target:
+            self._advance_to(target)
+
+    def _advance_to(self, lsn: int) -> None:
+        """Store ``lsn`` done under the fence, then confirm the slot there."""
+        self._store(lsn, 0)
+        self._confirm(lsn)
+
+    def _store(self, lsn: int, position: int) -> None:
+        cur = self._execute(self._store_done, (lsn, position, *self._fence, self._epoch))
+        if cur.rowcount == 0:
+            raise FencedError(f"fenced: epoch {self._epoch} superseded")

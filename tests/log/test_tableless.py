@@ -1,0 +1,193 @@
+"""The table-less outbox against a real PostgreSQL with logical decoding and a real Kafka: records
+stashed as logical messages are published in commit order with nothing lost (a late-committing
+transaction included), a malformed payload goes to the dead-letter table, a fenced old leader moves
+neither the slot nor the stored position, and a new leader skips what an earlier one stored done
+even when the slot's confirmation never reached the server."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+from uuid import uuid4
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from harvester import HarvesterConfig, Limits, MessageStasher, OutboxRecord
+from harvester.core.protocols import FencedError
+from harvester.postgres import logical
+from harvester.postgres.identifiers import TableName
+from harvester.postgres.logical import LogSetup
+from harvester.postgres.message_store import MessageStore
+from harvester.postgres.migrations import dead_letter_table, ensure, fence_table
+from tests.engine.workload import check, wait_until
+from tests.log.conftest import drop_slot, slot_position
+from tests.log.test_log_source import COMMITTED, DELIVERY, mark_all, slot_reader
+from tests.support import HarvesterFactory, Services, harvesters, read_messages, unique
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def message_outbox(logical_dsn: str) -> Iterator[TableName]:
+    """A table-less outbox as ``reaper migrate`` leaves it: fence and dead-letter tables, an empty
+    publication and the slot; removed afterwards."""
+    table = TableName(unique("t"), "outbox")
+    config = HarvesterConfig(outbox_table=table.qualified, source="log", log_messages=True)
+    setup = LogSetup(table, config.slot, config.publication, config.prefix)
+    with psycopg.connect(logical_dsn, autocommit=True) as conn:
+        ensure(conn, table, "fence")
+        ensure(conn, table, "dead_letter", value_type="BYTEA")
+        logical.create(conn, setup)
+    yield table
+    with psycopg.connect(logical_dsn, autocommit=True) as conn:
+        drop_slot(conn, setup.slot)
+        conn.execute(sql.SQL("DROP PUBLICATION IF EXISTS {}").format(sql.Identifier(setup.publication)))
+        conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(table.schema or "")))
+
+
+def setup_of(table: TableName) -> LogSetup:
+    config = HarvesterConfig(outbox_table=table.qualified, source="log", log_messages=True)
+    return LogSetup(table, config.slot, config.publication, config.prefix)
+
+
+def stash(dsn: str, table: TableName, records: list[tuple[str, str, str]]) -> None:
+    """One committed transaction writing ``records`` (topic, key, value) as messages."""
+    with psycopg.connect(dsn) as conn:
+        MessageStasher(table).stash(conn, [OutboxRecord(topic=t, key=k, value=v) for t, k, v in records])
+
+
+def stored_done(dsn: str, table: TableName) -> int:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute(
+            sql.SQL("SELECT log_lsn FROM {} WHERE outbox_table = %s").format(fence_table(table).ident),
+            (table.qualified,),
+        ).fetchone()
+    return int(row[0]) if row else 0
+
+
+@pytest.fixture
+def make_message_harvester(
+    services: Services, logical_dsn: str, message_outbox: TableName
+) -> Iterator[HarvesterFactory]:
+    def config(*, delivery: Any = "at_least_once", **limits: Any) -> HarvesterConfig:
+        return HarvesterConfig(
+            data_source=logical_dsn,
+            outbox_table=message_outbox.qualified,
+            source="log",
+            log_messages=True,
+            delivery=delivery,
+            base_kafka_config={"bootstrap.servers": services.bootstrap},
+            limits=Limits(**{"io_error_backoff": "100ms", **limits}),
+        )
+
+    with harvesters(config) as make:
+        yield make
+
+
+@DELIVERY
+def test_records_go_out_in_commit_order_and_a_malformed_payload_is_dead_lettered(
+    services: Services,
+    logical_dsn: str,
+    message_outbox: TableName,
+    topics: Callable[..., str],
+    make_message_harvester: HarvesterFactory,
+    delivery: str,
+) -> None:
+    topic = topics(partitions=3)
+    h = make_message_harvester(delivery=delivery)
+    with psycopg.connect(logical_dsn) as late:
+        # The late transaction writes first (lower LSNs, so lower ids) the key's seq 3..5, and
+        # commits after the one writing seq 0..2: commit order puts 0..2 first.
+        records = [OutboxRecord(topic=topic, key="late", value=f"late:{i}") for i in (3, 4, 5)]
+        MessageStasher(message_outbox).stash(late, records)
+        stash(logical_dsn, message_outbox, [(topic, "late", f"late:{i}") for i in (0, 1, 2)])
+        for batch in range(5):
+            rows = [(topic, f"k{i % 5}", f"k{i % 5}:{batch * 4 + i // 5}") for i in range(20)]
+            stash(logical_dsn, message_outbox, rows)
+        prefix = setup_of(message_outbox).prefix
+        late.execute("SELECT pg_logical_emit_message(true, %s, %s::bytea)", (prefix, b"\x07not a record"))
+        late.commit()
+    expected = {f"k{i}": 20 for i in range(5)} | {"late": 6}
+    verdict = check(read_messages(services.bootstrap, [topic], 106, **COMMITTED), expected)
+    assert verdict.lost == [] and verdict.out_of_order == [] and verdict.unexpected == 0
+    if delivery == "exactly_once":
+        assert verdict.duplicates == 0
+    dead = dead_letter_table(message_outbox)
+
+    def dead_lettered() -> list[tuple[Any, ...]]:
+        with psycopg.connect(logical_dsn, autocommit=True) as conn:
+            return conn.execute(sql.SQL("SELECT kafka_value, reason FROM {}").format(dead.ident)).fetchall()
+
+    assert wait_until(lambda: len(dead_lettered()) == 1)
+    value, reason = dead_lettered()[0]
+    assert bytes(value) == b"\x07not a record" and "malformed" in reason
+    # Everything is done: the position is stored, then the slot confirmed there.
+    assert wait_until(lambda: stored_done(logical_dsn, message_outbox) > 0)
+    assert wait_until(lambda: h.metrics.purged._value.get() >= 106)
+
+
+def test_a_fenced_reader_moves_neither_the_slot_nor_the_stored_position(
+    logical_dsn: str, message_outbox: TableName
+) -> None:
+    setup = setup_of(message_outbox)
+    stash(logical_dsn, message_outbox, [("t", f"k{i}", f"k{i}:0") for i in range(10)])
+    old, new = MessageStore(logical_dsn, setup), MessageStore(logical_dsn, setup)
+    try:
+        old.prepare()
+        new.prepare()
+        old_leader = uuid4()
+        old.acquire(old_leader)
+        records = mark_all(old, old_leader, 10)
+        assert len(records) == 10
+        zombie_reader = slot_reader(logical_dsn, message_outbox)
+        position = slot_position(logical_dsn, message_outbox)
+        stored = stored_done(logical_dsn, message_outbox)
+        new_leader = uuid4()
+        new.acquire(new_leader)
+        assert slot_reader(logical_dsn, message_outbox) != zombie_reader
+        with pytest.raises(FencedError):
+            old.purge([r.id for r in records])
+        with pytest.raises(FencedError):
+            old.purge_checkpointed([r.id for r in records], 10)
+        assert slot_position(logical_dsn, message_outbox) == position
+        assert stored_done(logical_dsn, message_outbox) == stored
+        # The new leader reads the same records.
+        assert [r.id for r in mark_all(new, new_leader, 10)] == [r.id for r in records]
+    finally:
+        old.close()
+        new.close()
+
+
+def test_a_new_leader_skips_what_was_stored_done_though_the_slot_never_heard(
+    logical_dsn: str, message_outbox: TableName
+) -> None:
+    """The old leader stored its position done under the fence, but its confirmation never reached
+    the server (the stream broke): the slot still stands before those records, and a new leader
+    publishes none of them again, only what came after."""
+    setup = setup_of(message_outbox)
+    stash(logical_dsn, message_outbox, [("t", f"k{i}", f"k{i}:0") for i in range(5)])
+    first, second = MessageStore(logical_dsn, setup), MessageStore(logical_dsn, setup)
+    try:
+        first.prepare()
+        second.prepare()
+        leader = uuid4()
+        first.acquire(leader)
+        records = mark_all(first, leader, 5)
+        position = slot_position(logical_dsn, message_outbox)
+        with first._state:
+            end = first._txns.completed([r.id for r in records], 0)
+        first._store(end, 0)  # stored, never confirmed to the slot
+        assert slot_position(logical_dsn, message_outbox) == position
+        stash(logical_dsn, message_outbox, [("t", "k", "k:1")])
+        second_leader = uuid4()
+        second.acquire(second_leader)
+        again = mark_all(second, second_leader, 1)
+        assert [r.value for r in again] == [b"k:1"]
+        assert second.mark(second_leader, 100) == []
+        second.purge([r.id for r in again])
+        assert wait_until(lambda: slot_position(logical_dsn, message_outbox) != position)
+    finally:
+        first.close()
+        second.close()
