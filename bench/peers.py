@@ -2,6 +2,7 @@
 connector with its outbox EventRouter in Kafka Connect standalone) and by this project's harvester.
 
     ./dev.sh bench peers [--records 200000] [--large] [--rounds 2] [--keys 1000] [--rate 2000] [--seconds 20]
+                         [--relays debezium,mark-purge,mark-purge-tuned,log,log-tuned,tableless,tableless-tuned]
 
 ``--large`` uses 1,000,000 records. Needs Java 17: Kafka Connect 4.1.1 (the local broker's
 version) and Debezium 3.3.2.Final (io.debezium:debezium-connector-postgres, whose jars include the
@@ -19,7 +20,12 @@ outbox (goharvest's layout) and times, from that commit:
   - the harvester in-process with default limits (``auto``) and tuned limits (500 / 5000), with the
     mark-purge/reset source and with the log source (its own publication and ``pgoutput`` slot,
     created before the round's idle phase): until the last record is acknowledged by Kafka, and
-    until the outbox is empty.
+    until the outbox is empty;
+  - the harvester with a table-less outbox (the log source reading logical messages): the same N
+    records written in one transaction as ``pg_logical_emit_message`` calls (the writing backend's
+    CPU is left out, as the COPY's), until the last record is acknowledged, and until the slot is
+    confirmed past the burst (nothing to delete).
+``--relays`` picks some of them (Debezium's always runs: the ratios are to it).
 Then each relay (Debezium, the harvester with each source at default limits) carries a steady insert
 rate (``--rate`` records/s for ``--seconds``, bench/steady.py): commit-to-receipt latency p50/p99
 and CPU per record. Relays alternate their order each round; the burst table prints medians:
@@ -65,10 +71,17 @@ from peer_services import (
 from psycopg import sql
 from steady import Steady, steady
 
-from harvester import Limits, TableName
-from harvester.postgres import logical
+from harvester import Limits, OutboxRecord, TableName
+from harvester.postgres import logical, migrations
 from harvester.postgres.log_store import LogStore
 from harvester.postgres.logical import LogSetup
+from harvester.postgres.message_format import default_prefix, encode
+from harvester.postgres.message_store import MessageStore
+
+# The harvester's sources in this bench: rows marked and purged, rows read from the log, and a
+# table-less outbox's logical messages read from the log.
+Source = str
+MARK_PURGE, LOG, MESSAGES = "mark_purge", "log", "messages"
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +119,32 @@ def copy_burst(
     return committed, _backend_cpu(conn) - cpu_before
 
 
+def emit_burst(
+    conn: psycopg.Connection[Any], prefix: str, topic: str, records: int, keys: int
+) -> tuple[float, float]:
+    """Write the burst as logical messages in one transaction; return (commit wall time, CPU s of
+    the writing backend)."""
+    payloads = [encode(OutboxRecord(topic=topic, key=f"key{i % keys}", value=VALUE)) for i in range(records)]
+    emit = "SELECT count(pg_logical_emit_message(true, %s, p)) FROM unnest(%s::bytea[]) AS p"
+    cpu_before = _backend_cpu(conn)
+    with conn.transaction():
+        for at in range(0, records, 20_000):
+            conn.execute(emit, (prefix, payloads[at : at + 20_000]))
+    committed = time.time()
+    return committed, _backend_cpu(conn) - cpu_before
+
+
+def wait_confirmed(conn: psycopg.Connection[Any], slot: str, lsn: str, timeout: float = 900) -> None:
+    """Until ``slot`` is confirmed at or past ``lsn``."""
+    probe = "SELECT confirmed_flush_lsn >= %s::pg_lsn FROM pg_replication_slots WHERE slot_name = %s"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        row = conn.execute(probe, (lsn, slot)).fetchone()
+        if row is not None and row[0]:
+            return
+        time.sleep(0.02)
+
+
 def topic_count(consumer: Consumer, topic: str) -> int:
     return sum(consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1] for p in range(PARTITIONS))
 
@@ -118,6 +157,11 @@ class Relay:
     topic: str
     cpu: Callable[[], float]  # CPU seconds of the relay's process so far
     in_process: bool  # the harvester runs in this process; Debezium in the Connect JVM
+    prefix: str | None = None  # a table-less outbox's message prefix (records go in as messages)
+    slot: str | None = None  # the harvester's slot with a log source
+
+
+RelayContext = contextlib.AbstractContextManager[Relay]
 
 
 @contextlib.contextmanager
@@ -267,36 +311,51 @@ def _check_record(topic: str) -> None:
 
 @contextlib.contextmanager
 def harvester_relay(
-    conn: psycopg.Connection[Any], limits: Limits, log: bool, acked: dict[int, float]
+    conn: psycopg.Connection[Any], limits: Limits, source: Source, acked: dict[int, float]
 ) -> Iterator[Relay]:
-    """The harvester in-process over a fresh outbox; ``log``: with the log source (its publication
-    and slot made first). Acknowledgement times go into ``acked``."""
+    """The harvester in-process over a fresh outbox with ``source`` (with the log, its publication
+    and slot made first; table-less, the outbox's table stays empty). Acknowledgement times go into
+    ``acked``."""
     table, topic = fresh_outbox(conn), fresh_topic(PARTITIONS)
-    setup = LogSetup(table, f"{table.schema}_slot", f"{table.schema}_pub")
+    prefix = default_prefix(table) if source == MESSAGES else None
+    setup = LogSetup(table, f"{table.schema}_slot", f"{table.schema}_pub", prefix)
     log_store: LogStore | None = None
-    if log:
+    if source != MARK_PURGE:
+        migrations.ensure(conn, table, "fence")
         logical.create(conn, setup)
-        log_store = LogStore(harvest.DSN, setup, vacuum_every=limits.vacuum_every_records)
+        kind = MessageStore if source == MESSAGES else LogStore
+        log_store = kind(harvest.DSN, setup, vacuum_every=limits.vacuum_every_records)
         log_store.prepare()
     engine, store = run_engine(table, limits, acked, store=log_store)
     try:
         time.sleep(3.0)  # idle marks: enough for PostgreSQL to consider generic plans
-        yield Relay(table, topic, time.process_time, in_process=True)
+        slot = setup.slot if source != MARK_PURGE else None
+        yield Relay(table, topic, time.process_time, in_process=True, prefix=prefix, slot=slot)
     finally:
         stop(engine, store)
-        if log:
+        if source != MARK_PURGE:
             _drop_slot(conn, setup.slot, setup.publication)
         conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(table.schema)))
 
 
-def harvester_burst(conn: psycopg.Connection[Any], records: int, keys: int, limits: Limits, log: bool = False) -> Burst:
+def harvester_burst(
+    conn: psycopg.Connection[Any], records: int, keys: int, limits: Limits, source: Source = MARK_PURGE
+) -> Burst:
     acked: dict[int, float] = {}
-    with harvester_relay(conn, limits, log, acked) as relay:
+    with harvester_relay(conn, limits, source, acked) as relay:
         meter = CpuMeter(conn)
         before = meter.sample()
-        committed, copy_cpu = copy_burst(conn, relay.table, relay.topic, records, keys)
+        if relay.prefix is None:
+            committed, copy_cpu = copy_burst(conn, relay.table, relay.topic, records, keys)
+        else:
+            committed, copy_cpu = emit_burst(conn, relay.prefix, relay.topic, records, keys)
         own_after_copy = time.process_time()
-        wait_empty(conn, relay.table)
+        if relay.prefix is None:
+            wait_empty(conn, relay.table)
+        else:  # nothing to delete: done once the slot is confirmed past the burst
+            row = conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()
+            assert relay.slot is not None and row is not None
+            wait_confirmed(conn, relay.slot, str(row[0]))
         empty = time.time() - committed
         after = meter.sample()
         if len(acked) < records:
@@ -324,6 +383,7 @@ def steady_through(relay: Relay, rate: float, seconds: float, keys: int) -> Stea
         rate=rate,
         seconds=seconds,
         keys=keys,
+        prefix=relay.prefix,
     )
 
 
@@ -338,15 +398,36 @@ def main() -> None:
     p.add_argument("--keys", type=int, default=1000)
     p.add_argument("--rate", type=float, default=2000.0, help="records/s of the steady phase (0: none)")
     p.add_argument("--seconds", type=float, default=20.0, help="length of the steady phase")
+    p.add_argument(
+        "--relays",
+        default=",".join(RELAYS),
+        help=f"comma-separated, of {', '.join(RELAYS)} (Debezium always runs: the ratios are to it)",
+    )
     args = p.parse_args()
     records = 1_000_000 if args.large else args.records
+    chosen = {r.strip() for r in args.relays.split(",") if r.strip()} | {"debezium"}
+    unknown = chosen - set(RELAYS)
+    if unknown:
+        sys.exit(f"peers: unknown relay(s) {', '.join(sorted(unknown))}; choose from {', '.join(RELAYS)}")
     try:
-        run(records, args.keys, args.rounds, args.rate, args.seconds)
+        run(records, args.keys, args.rounds, args.rate, args.seconds, chosen)
     except MissingError as e:
         sys.exit(f"peers: {e}")
 
 
-def run(records: int, keys: int, rounds: int, rate: float, seconds: float) -> None:
+# --relays names: (burst label, source, tuned limits); the steady phase runs each source's default.
+RELAYS: dict[str, tuple[str, Source, bool]] = {
+    "debezium": ("Debezium PostgreSQL + EventRouter", "", False),
+    "mark-purge": ("harvester, default limits (auto)", MARK_PURGE, False),
+    "mark-purge-tuned": ("harvester, tuned 500 / 5000", MARK_PURGE, True),
+    "log": ("harvester, log source, default limits", LOG, False),
+    "log-tuned": ("harvester, log source, tuned 500 / 5000", LOG, True),
+    "tableless": ("harvester, table-less, default limits", MESSAGES, False),
+    "tableless-tuned": ("harvester, table-less, tuned 500 / 5000", MESSAGES, True),
+}
+
+
+def run(records: int, keys: int, rounds: int, rate: float, seconds: float, chosen: set[str]) -> None:
     resolve_jars()
     started = time.monotonic()
     state = Path(tempfile.mkdtemp(prefix="peers-"))
@@ -364,16 +445,12 @@ def run(records: int, keys: int, rounds: int, rate: float, seconds: float) -> No
             f" (pgoutput, EventRouter); {rounds} rounds, medians",
             flush=True,
         )
-        relays: list[tuple[str, Callable[[psycopg.Connection[Any], int], Burst]]] = [
-            (
-                "Debezium PostgreSQL + EventRouter",
-                lambda c, r: debezium_burst(c, pg, connect, records, keys, check=r == 0),
-            ),
-            ("harvester, default limits (auto)", lambda c, _r: harvester_burst(c, records, keys, Limits())),
-            ("harvester, tuned 500 / 5000", lambda c, _r: harvester_burst(c, records, keys, TUNED)),
-            ("harvester, log source, default limits", lambda c, _r: harvester_burst(c, records, keys, Limits(), True)),
-            ("harvester, log source, tuned 500 / 5000", lambda c, _r: harvester_burst(c, records, keys, TUNED, True)),
-        ]
+        def burst_of(source: Source, tuned: bool) -> Callable[[psycopg.Connection[Any], int], Burst]:
+            if not source:
+                return lambda c, r: debezium_burst(c, pg, connect, records, keys, check=r == 0)
+            return lambda c, _r: harvester_burst(c, records, keys, TUNED if tuned else Limits(), source)
+
+        relays = [(label, burst_of(source, tuned)) for name, (label, source, tuned) in RELAYS.items() if name in chosen]
         results: dict[str, list[Burst]] = {name: [] for name, _ in relays}
         with psycopg.connect(pg.dsn, autocommit=True) as conn:
             for r in range(rounds):
@@ -383,10 +460,15 @@ def run(records: int, keys: int, rounds: int, rate: float, seconds: float) -> No
                     print(f"  round {r + 1}: {name:<42} {b.rate:9.0f} records/s", flush=True)
         report(results, records)
         if rate > 0:
+            def steady_relay(source: Source) -> Callable[[psycopg.Connection[Any]], RelayContext]:
+                if not source:
+                    return lambda c: debezium_relay(c, pg, connect)
+                return lambda c: harvester_relay(c, Limits(), source, {})
+
             steadies = {
-                "Debezium PostgreSQL + EventRouter": lambda c: debezium_relay(c, pg, connect),
-                "harvester, default limits (auto)": lambda c: harvester_relay(c, Limits(), False, {}),
-                "harvester, log source, default limits": lambda c: harvester_relay(c, Limits(), True, {}),
+                label: steady_relay(source)
+                for name, (label, source, tuned) in RELAYS.items()
+                if name in chosen and not tuned
             }
             print(
                 f"steady inserts: {rate:.0f} records/s for {seconds:.0f} s (2 writers, 10-record transactions);"
@@ -420,7 +502,8 @@ def report(results: dict[str, list[Burst]], records: int) -> None:
         notes = []
         empties = [b.rate_empty for b in bursts if b.rate_empty is not None]
         if empties:
-            notes.append(f"to last ack; to empty outbox {med(empties):.0f} records/s")
+            done = "slot confirmed" if "table-less" in name else "empty outbox"
+            notes.append(f"to last ack; to {done} {med(empties):.0f} records/s")
         else:
             notes.append("to all records on the topic")
         extra = max(b.extra for b in bursts)

@@ -19,7 +19,8 @@ from confluent_kafka import OFFSET_END, Consumer, TopicPartition
 from cpu import CpuMeter
 from psycopg import sql
 
-from harvester import TableName
+from harvester import OutboxRecord, TableName
+from harvester.postgres.message_format import encode
 
 VALUE_WIDTH = 100  # as the bursts' values
 
@@ -44,7 +45,9 @@ def _writer(
     name: str,
     commits: dict[str, float],
     spent: list[float],
+    prefix: str | None,
 ) -> None:
+    emit = "SELECT count(pg_logical_emit_message(true, %s, p)) FROM unnest(%s::bytea[]) AS p"
     insert = sql.SQL(
         "INSERT INTO {} (create_time, kafka_topic, kafka_key, kafka_value)"
         " SELECT now(), %s, 'key' || ((%s + g) %% %s), rpad(%s || g, %s, 'x') FROM generate_series(1, 10) g"
@@ -53,11 +56,17 @@ def _writer(
     with psycopg.connect(dsn, autocommit=True) as conn:
         next_at = time.monotonic()
         while time.monotonic() < until:
-            prefix = f"{name}-{n}-"
-            conn.execute(insert, (topic, n, keys, prefix, VALUE_WIDTH))
+            start = f"{name}-{n}-"
+            values = [(start + str(g)).ljust(VALUE_WIDTH, "x") for g in range(1, 11)]
+            if prefix is None:
+                conn.execute(insert, (topic, n, keys, start, VALUE_WIDTH))
+            else:  # a table-less outbox: the same records as logical messages
+                keyed = enumerate(values, 1)
+                records = [OutboxRecord(topic=topic, key=f"key{(n + g) % keys}", value=v) for g, v in keyed]
+                conn.execute(emit, (prefix, [encode(r) for r in records]))
             committed = time.time()
-            for g in range(1, 11):
-                commits[(prefix + str(g)).ljust(VALUE_WIDTH, "x")] = committed
+            for value in values:
+                commits[value] = committed
             n += 10
             next_at += 10 / rate
             time.sleep(max(0.0, next_at - time.monotonic()))
@@ -85,8 +94,10 @@ def steady(
     seconds: float,
     keys: int,
     writers: int = 2,
+    prefix: str | None = None,
 ) -> Steady:
-    """Insert at ``rate`` records/s for ``seconds`` into ``table`` while the relay moves them to
+    """Insert at ``rate`` records/s for ``seconds`` into ``table`` (``prefix``: write them as
+    logical messages with that prefix, a table-less outbox) while the relay moves them to
     ``topic``; wait (up to 60 s) for every record to arrive. ``in_process``: the relay runs in this
     process, whose CPU then excludes the writers' and the consumer's threads."""
     consumer = Consumer(
@@ -108,7 +119,7 @@ def steady(
         threads = [
             threading.Thread(
                 target=_writer,
-                args=(dsn, table, topic, keys, rate / writers, until, f"w{i}", commits, spent),
+                args=(dsn, table, topic, keys, rate / writers, until, f"w{i}", commits, spent, prefix),
                 daemon=True,
             )
             for i in range(writers)
