@@ -10,11 +10,12 @@ from __future__ import annotations
 import os
 import re
 import socket
+from datetime import timedelta
 from typing import Any, Literal
 
 from pydantic import AliasChoices, BaseModel, Field, field_validator, model_validator
 
-from harvester.core.limits import BOTH_SPELLINGS, Limits
+from harvester.core.limits import BOTH_SPELLINGS, Duration, Limits
 from harvester.postgres.identifiers import TableName
 from harvester.postgres.message_format import default_prefix
 
@@ -100,6 +101,11 @@ class HarvesterConfig(BaseModel):
         description="With source log: a table-less outbox; the stashers write logical decoding messages "
         "(pg_logical_emit_message) instead of rows, and the log source reads those (PostgreSQL 14+).",
     )
+    log_retention: Duration = Field(
+        default=timedelta(0),
+        description="With source log and a table: keep delivered rows this long, then delete them in bulk "
+        "(0: delete them per batch as they are delivered).",
+    )
     log_prefix: str | None = Field(
         default=None,
         description="The table-less outbox's message prefix; default 'harvester:<schema>.<table>'.",
@@ -119,6 +125,8 @@ class HarvesterConfig(BaseModel):
             raise ValueError("source 'log' reads one replication slot: it does not support shards > 1")
         if self.log_messages and self.source != "log":
             raise ValueError("logMessages (a table-less outbox) needs source 'log'")
+        if self.log_retention and (self.source != "log" or self.log_messages):
+            raise ValueError("logRetention needs source 'log' over a table (a table-less outbox deletes nothing)")
         if self.log_prefix is not None and not self.log_prefix:
             raise ValueError("logPrefix must not be empty")
         if self.source == "log" and self.dead_letter_policy == "hold_key":

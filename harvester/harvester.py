@@ -28,6 +28,7 @@ from harvester.core.retries import Stall
 from harvester.electors import ShardedElector, neli_elector
 from harvester.meter import Meter
 from harvester.pipelines import Pipeline, build_engine
+from harvester.postgres.log_retention import RetainingLogStore
 from harvester.postgres.log_store import LogStore
 from harvester.postgres.logical import LogSetup
 from harvester.postgres.message_store import MessageStore
@@ -88,6 +89,8 @@ class Harvester:
             if config.source != "log"
             else MessageStore(config.data_source, setup, **options)
             if config.log_messages
+            else RetainingLogStore(config.data_source, setup, config.log_retention.total_seconds(), **options)
+            if config.log_retention
             else LogStore(config.data_source, setup, **options)
         )
         self._pipelines = [Pipeline(store, per_shard[0])]  # the other shards' are built by start()

@@ -3,13 +3,8 @@
 and read by the log source from the slot, with no table and so nothing to delete.
 
 Everything the log source does about the stream, terms, passes and confirmations stays
-(:class:`~harvester.postgres.log_store.LogStore`). What takes the place of the delete: the fenced
-statement of a completion round stores, in the outbox's fence row, the end of the last transaction
-whose records are all done (``log_lsn``), and only then is the slot confirmed there. A new leader
-skips every transaction up to the stored position, whether or not the old leader's confirmation
-reached the server, so it republishes (at least once) only what was not stored done; exactly once,
-the checkpoint position moves in that same statement and only past checkpoints whose transactions
-are stored done, and the rest are recovered from the checkpoint topic as with the table.
+(:class:`~harvester.postgres.log_store.LogStore`); what takes the place of the delete is the
+position stored in the fence row (:mod:`harvester.postgres.log_position`).
 
 A record's id is its message's LSN: unique, the same in every term (the slot sends the same WAL
 records again), and what the identity headers, the checkpoints and the dead-letter table carry.
@@ -26,12 +21,12 @@ from uuid import UUID
 import psycopg
 from psycopg import sql
 
-from harvester.core.protocols import FencedError, StoreError
+from harvester.core.protocols import StoreError
 from harvester.core.records import ColumnLimits, Failure, MarkedRecord
 from harvester.postgres import message_format, migrations, pgoutput
 from harvester.postgres.catalog import OutboxColumns
 from harvester.postgres.connections import error_text
-from harvester.postgres.log_store import LogStore
+from harvester.postgres.log_position import PositionedLogStore
 from harvester.postgres.log_transactions import Taken, Transaction, Transactions
 from harvester.postgres.logical import LogSetup
 
@@ -50,8 +45,8 @@ _DEAD_ROW = (
 )
 
 
-class MessageStore(LogStore):
-    """:class:`LogStore` of a table-less outbox, whose records are the slot's logical messages with
+class MessageStore(PositionedLogStore):
+    """:class:`PositionedLogStore` of a table-less outbox, whose records are the slot's logical messages with
     the outbox's prefix (``setup.prefix``)."""
 
     def __init__(self, dsn: str, setup: LogSetup, **options: Any) -> None:
@@ -59,12 +54,6 @@ class MessageStore(LogStore):
         super().__init__(dsn, setup, **options)
         self._prefix = setup.prefix.encode("utf-8")
         self._content: dict[int, MarkedRecord] = {}  # handed out, not done: what a dead letter keeps
-        f = migrations.fence_table(self._table).ident
-        self._store_done = sql.SQL(
-            "UPDATE {} SET log_lsn = greatest(log_lsn, %s), checkpoint_position = greatest(checkpoint_position, %s)"
-            " WHERE outbox_table = %s AND shard = %s AND epoch = %s"
-        ).format(f)
-        self._stored = sql.SQL("SELECT log_lsn FROM {} WHERE outbox_table = %s AND shard = %s").format(f)
 
     def _read_columns(self, conn: psycopg.Connection[Any]) -> OutboxColumns:
         """No table: records hold bytes, as Kafka does."""
@@ -73,16 +62,6 @@ class MessageStore(LogStore):
     def _outbox_messages(self) -> Transactions:
         """Logical messages with the outbox's prefix (after 'M', the flags and the LSN)."""
         return Transactions(b"M", self._prefix + b"\0", 10)
-
-    def acquire(self, leader_id: UUID) -> int:
-        """As :meth:`LogStore.acquire`; the term skips what an earlier one stored done."""
-        epoch = super().acquire(leader_id)
-        done = int(self._run(self._stored, self._fence)[0][0])
-        with self._state:
-            self._txns.new_term(done)
-        with self._slot_lock:
-            self._advanced = max(self._advanced, done)  # confirmed when the stream starts
-        return epoch
 
     def head(self) -> tuple[int, float | None]:
         """The records received and not done yet (no table to count; the slot's lag says the rest)."""
@@ -112,30 +91,6 @@ class MessageStore(LogStore):
         return out
 
     # ------------------------------------------------------------------ completion
-
-    def purge(self, ids: Sequence[int]) -> None:
-        """Nothing to delete: the records are done, the slot moves past every transaction all done."""
-        self._done(ids)
-
-    def purge_checkpointed(self, ids: Sequence[int], position: int) -> None:
-        """Exactly-once: store the checkpoint position and how far the transactions are done in one
-        fenced statement (the position only past checkpoints whose transactions are all done),
-        then confirm the slot there. Ids this term did not hand out (recovered from committed
-        checkpoints) count as done when the slot sends them; the position stays."""
-        with self._state:
-            ends = [end for rid in ids if (end := self._txns.end_of(rid)) is not None]
-            if ends:
-                self._batches.append((position, max(ends)))
-            target = self._txns.completed(ids, self._advanced)
-            for rid in ids:
-                self._content.pop(rid, None)
-            reach, safe = max(target, self._advanced), 0
-            while self._batches and self._batches[0][1] <= reach:
-                safe = self._batches.popleft()[0]
-        if target or safe:
-            self._store(reach, safe)
-        if target:
-            self._confirm(target)
 
     def dead_letter(self, failures: Sequence[Failure], leader_id: UUID) -> None:
         """Write the records into the dead-letter table (one fenced statement); they count as done."""
@@ -178,20 +133,6 @@ class MessageStore(LogStore):
                 self._check_epoch()
         self._done([f.id for f in failures])
 
-    def _done(self, ids: Sequence[int]) -> None:
-        with self._state:
-            target = self._txns.completed(ids, self._advanced)
-            for rid in ids:
-                self._content.pop(rid, None)
-        if target:
-            self._advance_to(target)
-
-    def _advance_to(self, lsn: int) -> None:
-        """Store ``lsn`` done under the fence, then confirm the slot there."""
-        self._store(lsn, 0)
-        self._confirm(lsn)
-
-    def _store(self, lsn: int, position: int) -> None:
-        cur = self._execute(self._store_done, (lsn, position, *self._fence, self._epoch))
-        if cur.rowcount == 0:
-            raise FencedError(f"fenced: epoch {self._epoch} superseded")
+    def _drop_kept(self, ids: Sequence[int]) -> None:
+        for rid in ids:
+            self._content.pop(rid, None)

@@ -53,9 +53,11 @@ def count(dsn: str, query: sql.Composed) -> int:
     return int(row[0]) if row and row[0] is not None else 0
 
 
+@pytest.mark.parametrize("retention", [0, 1], ids=["per-batch-delete", "retention"])
 def test_switching_to_the_log_source_and_back_loses_and_reorders_nothing(
-    services: Services, logical_dsn: str, topics: Callable[..., str]
+    services: Services, logical_dsn: str, topics: Callable[..., str], retention: int
 ) -> None:
+    """With a retention window, the log reaper's bulk deletes run too before the switch back."""
     schema = unique("t")
     table = TableName(schema, "outbox")
     names = HarvesterConfig(outbox_table=table.qualified)
@@ -69,6 +71,7 @@ def test_switching_to_the_log_source_and_back_loses_and_reorders_nothing(
             data_source=logical_dsn,
             outbox_table=table.qualified,
             source=source,
+            log_retention=timedelta(seconds=retention if source == "log" else 0),
             base_kafka_config={"bootstrap.servers": services.bootstrap},
             limits=Limits(io_error_backoff=timedelta(milliseconds=100)),
         )
@@ -91,6 +94,10 @@ def test_switching_to_the_log_source_and_back_loses_and_reorders_nothing(
             marking.stop(timeout=5)
             reading = make(source="log")
             assert wait_until(lambda: reading.metrics.purged._value.get() >= 20)
+            if retention:  # a bulk delete ran: the oldest rows the log reaper delivered are gone
+                first = count(logical_dsn, sql.SQL("SELECT min(id) FROM {}").format(table.ident))
+                oldest = sql.SQL("SELECT count(*) FROM {} WHERE id <= {}").format(table.ident, first)
+                assert wait_until(lambda: count(logical_dsn, oldest) == 0)
             # Back: stop the log reaper, start the mark-purge reaper, drop the slot and publication.
             reading.stop(timeout=5)
             marking = make(source="mark_purge")

@@ -1,0 +1,97 @@
+"""A log source that deletes nothing per batch: how far its records are done is stored in the
+outbox's fence row instead (``log_lsn``, the end of the last transaction whose records are all
+done), under the epoch fence, before the slot is confirmed there. Both the table-less outbox
+(:mod:`harvester.postgres.message_store`, nothing to delete) and the table with a retention window
+(:mod:`harvester.postgres.log_retention`, deleted later in bulk) complete records so.
+
+A new leader skips every transaction up to the stored position, whether or not the old leader's
+confirmation reached the server: at least once it republishes only what was not stored done;
+exactly once the checkpoint position moves in that same statement, and only past checkpoints
+whose transactions are stored done, so the rest are recovered from the checkpoint topic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+from uuid import UUID
+
+from psycopg import sql
+
+from harvester.core.protocols import FencedError
+from harvester.postgres import migrations
+from harvester.postgres.log_store import LogStore
+from harvester.postgres.logical import LogSetup
+
+
+class PositionedLogStore(LogStore):
+    """:class:`LogStore` whose completions store their position in the fence row instead of
+    deleting rows."""
+
+    def __init__(self, dsn: str, setup: LogSetup, **options: Any) -> None:
+        super().__init__(dsn, setup, **options)
+        self._fence_row = migrations.fence_table(self._table).ident
+        self._store_done = self._store_statement()
+        self._stored = sql.SQL("SELECT log_lsn FROM {} WHERE outbox_table = %s AND shard = %s").format(self._fence_row)
+
+    def _store_statement(self) -> sql.Composed:
+        """The fenced UPDATE of the fence row; parameters: (lsn, checkpoint position, *fence, epoch)."""
+        return sql.SQL(
+            "UPDATE {} AS f SET log_lsn = greatest(f.log_lsn, v.lsn),"
+            " checkpoint_position = greatest(f.checkpoint_position, v.pos)"
+            " FROM (SELECT %s::bigint AS lsn, %s::bigint AS pos) AS v"
+            " WHERE f.outbox_table = %s AND f.shard = %s AND f.epoch = %s"
+        ).format(self._fence_row)
+
+    def acquire(self, leader_id: UUID) -> int:
+        """As :meth:`LogStore.acquire`; the term skips what an earlier one stored done."""
+        epoch = super().acquire(leader_id)
+        done = int(self._run(self._stored, self._fence)[0][0])
+        with self._state:
+            self._txns.new_term(done)
+        with self._slot_lock:
+            self._advanced = max(self._advanced, done)  # confirmed when the stream starts
+        return epoch
+
+    def purge(self, ids: Sequence[int]) -> None:
+        """Nothing deleted now: the records are done, the slot moves past every transaction all done."""
+        self._done(ids)
+
+    def purge_checkpointed(self, ids: Sequence[int], position: int) -> None:
+        """Exactly-once: store the checkpoint position and how far the transactions are done in one
+        fenced statement (the position only past checkpoints whose transactions are all done),
+        then confirm the slot there. Ids this term did not hand out (recovered from committed
+        checkpoints) count as done when the slot sends them; the position stays."""
+        with self._state:
+            ends = [end for rid in ids if (end := self._txns.end_of(rid)) is not None]
+            if ends:
+                self._batches.append((position, max(ends)))
+            target = self._txns.completed(ids, self._advanced)
+            self._drop_kept(ids)
+            reach, safe = max(target, self._advanced), 0
+            while self._batches and self._batches[0][1] <= reach:
+                safe = self._batches.popleft()[0]
+        if target or safe:
+            self._store(reach, safe)
+        if target:
+            self._confirm(target)
+
+    def _drop_kept(self, ids: Sequence[int]) -> None:
+        """``ids`` are done: drop what is kept about them (caller holds ``_state``)."""
+
+    def _done(self, ids: Sequence[int]) -> None:
+        with self._state:
+            target = self._txns.completed(ids, self._advanced)
+            self._drop_kept(ids)
+        if target:
+            self._advance_to(target)
+
+    def _advance_to(self, lsn: int) -> None:
+        """Store ``lsn`` done under the fence, then confirm the slot there."""
+        self._store(lsn, 0)
+        self._confirm(lsn)
+
+    def _store(self, lsn: int, position: int) -> None:
+        cur = self._execute(self._store_done, (lsn, position, *self._fence, self._epoch))
+        if cur.rowcount == 0:
+            raise FencedError(f"fenced: epoch {self._epoch} superseded")

@@ -1,0 +1,112 @@
+"""The log source over a table with a retention window: delivered rows stay in the table for a
+while and are deleted later, in bulk, instead of one DELETE per completion batch (the log source's
+largest PostgreSQL cost in a burst). Records complete as in
+:mod:`harvester.postgres.log_position`: the position done is stored in the fence row.
+
+Which rows are delivered: the WAL carries every insert whatever happens to the row later, so the
+slot, not the table, is what delivery rests on; rows are kept only for the operators (and for the
+switch back to mark-purge/reset, which publishes whatever the table holds). The statement that
+stores the position also keeps a *cut*: the oldest transaction id still running then
+(``txid_snapshot_xmin``) and the end of the log just after. Every transaction older than that id
+had committed (or aborted) by then, subtransactions included (a subtransaction's id is above its
+parent's), so its commit record lies before that end of the log. Once the stored position reaches
+it, every row inserted by a transaction older than the cut's id is delivered, and the cut becomes
+the *delivered* one. Every ``retention``, the leader deletes (one fenced statement, a scan of the
+table) the rows older than the delivered cut it read one window before: a delivered row stays
+between one and two windows. A long-running transaction holds the cut back, never forward.
+
+A leader that stops cleanly deletes the rows of the latest delivered cut before it goes, so the
+switch back to mark-purge/reset republishes at most the last moments' deliveries (as the per-batch
+delete leaves the acknowledged but not yet deleted ones).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+from uuid import UUID
+
+from psycopg import sql
+
+from harvester.core.protocols import StoreError
+from harvester.core.records import MarkedRecord
+from harvester.postgres.log_position import PositionedLogStore
+from harvester.postgres.logical import LogSetup
+
+# Whether a row's inserting transaction (its 32-bit xmin made 64-bit against the current snapshot's
+# xmax; a live row is less than a wraparound old) is older than the cut.
+_OLDER = "s.top - ((s.top - {t}.xmin::text::bigint) %% 4294967296 + 4294967296) %% 4294967296 < %s"
+
+
+class RetainingLogStore(PositionedLogStore):
+    """:class:`PositionedLogStore` of a table whose delivered rows are deleted in bulk, at least
+    ``retention`` seconds after their delivery."""
+
+    def __init__(self, dsn: str, setup: LogSetup, retention: float, **options: Any) -> None:
+        super().__init__(dsn, setup, **options)
+        self._retention = retention
+        self._cut = 0  # the delivered cut read at the last sweep (0: none yet this term)
+        self._next_sweep = 0.0  # monotonic time (mark thread)
+        self._delivered = sql.SQL("SELECT log_delivered_xmin FROM {} WHERE outbox_table = %s AND shard = %s").format(
+            self._fence_row
+        )
+        self._sweep_rows = sql.SQL(
+            "WITH fence AS (SELECT 1 FROM {f} WHERE outbox_table = %s AND shard = %s AND epoch = %s FOR SHARE),"
+            " s AS (SELECT txid_snapshot_xmax(txid_current_snapshot()) AS top)"
+            " DELETE FROM {t} USING s WHERE EXISTS (SELECT 1 FROM fence) AND " + _OLDER
+        ).format(f=self._fence_row, t=self._table.ident)
+
+    def _store_statement(self) -> sql.Composed:
+        """As the position's, and the cut moves on: the pending one becomes the delivered one once
+        the position reaches it, and a new one is taken (the right-hand sides see the old row)."""
+        reached = "f.log_pending_lsn <= greatest(f.log_lsn, v.lsn)"
+        return sql.SQL(
+            "UPDATE {} AS f SET log_lsn = greatest(f.log_lsn, v.lsn),"
+            " checkpoint_position = greatest(f.checkpoint_position, v.pos),"
+            " log_delivered_xmin = CASE WHEN " + reached + " THEN f.log_pending_xmin ELSE f.log_delivered_xmin END,"
+            " log_pending_xmin = CASE WHEN " + reached + " THEN txid_snapshot_xmin(txid_current_snapshot())"
+            " ELSE f.log_pending_xmin END,"
+            " log_pending_lsn = CASE WHEN " + reached + " THEN"
+            " pg_wal_lsn_diff(pg_current_wal_insert_lsn(), '0/0')::bigint ELSE f.log_pending_lsn END"
+            " FROM (SELECT %s::bigint AS lsn, %s::bigint AS pos) AS v"
+            " WHERE f.outbox_table = %s AND f.shard = %s AND f.epoch = %s"
+        ).format(self._fence_row)
+
+    def acquire(self, leader_id: UUID) -> int:
+        """As :meth:`PositionedLogStore.acquire`; the first sweep of the term only reads its cut."""
+        epoch = super().acquire(leader_id)
+        self._cut, self._next_sweep = 0, time.monotonic() + self._retention
+        return epoch
+
+    def mark(self, leader_id: UUID, limit: int) -> list[MarkedRecord]:
+        """As :meth:`LogStore.mark`, and every ``retention`` the bulk delete."""
+        out = super().mark(leader_id, limit)
+        if time.monotonic() >= self._next_sweep:
+            self._next_sweep = time.monotonic() + self._retention
+            cut, self._cut = self._cut, self._delivered_cut()
+            if cut:
+                self._delete_older(cut)
+        return out
+
+    def _delivered_cut(self) -> int:
+        rows = self._run(self._delivered, self._fence)
+        return int(rows[0][0]) if rows else 0
+
+    def _delete_older(self, cut: int) -> int:
+        """Delete (fenced) the rows whose inserting transaction is older than ``cut``."""
+        cur = self._execute(self._sweep_rows, (*self._fence, self._epoch, cut))
+        if cur.rowcount == 0:
+            self._check_epoch()
+        return cur.rowcount
+
+    def close(self) -> None:
+        """A leader that stops cleanly deletes what it knows delivered, window or not."""
+        if self._epoch:
+            try:
+                self._store(self._advanced, 0)  # the pending cut becomes the delivered one if reached
+                cut = self._delivered_cut()
+                if cut:
+                    self._delete_older(cut)
+            except StoreError:
+                pass  # fenced, or the database is gone: the next leader's sweeps delete them
+        super().close()

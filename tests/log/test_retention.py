@@ -1,0 +1,65 @@
+"""The log source with a retention window: delivered rows stay in the table (only the fence row is
+written per batch), then go in one fenced bulk delete of the rows older than a delivered cut, and a
+fenced old leader deletes none."""
+
+from __future__ import annotations
+
+from uuid import uuid4
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from harvester import HarvesterConfig
+from harvester.core.protocols import FencedError
+from harvester.postgres.identifiers import TableName
+from harvester.postgres.log_retention import RetainingLogStore
+from harvester.postgres.logical import LogSetup
+from tests.engine.workload import insert, wait_until
+from tests.log.conftest import slot_position
+from tests.log.test_log_source import mark_all
+
+pytestmark = pytest.mark.integration
+
+
+def ids_left(dsn: str, table: TableName) -> list[int]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return [int(r[0]) for r in conn.execute(sql.SQL("SELECT id FROM {} ORDER BY id").format(table.ident))]
+
+
+def test_delivered_rows_stay_then_go_in_a_fenced_bulk_delete(logical_dsn: str, log_outbox: TableName) -> None:
+    config = HarvesterConfig(outbox_table=log_outbox.qualified)
+    setup = LogSetup(log_outbox, config.slot, config.publication)
+    store, zombie = RetainingLogStore(logical_dsn, setup, 3600), RetainingLogStore(logical_dsn, setup, 3600)
+    insert(logical_dsn, log_outbox, [("t", f"k{i}", f"k{i}:0") for i in range(10)])
+    first_ids = ids_left(logical_dsn, log_outbox)
+    try:
+        store.prepare()
+        zombie.prepare()
+        zombie.acquire(uuid4())  # an old leader, superseded below
+        leader = uuid4()
+        store.acquire(leader)
+        position = slot_position(logical_dsn, log_outbox)
+        store.purge([r.id for r in mark_all(store, leader, 10)])
+        # Delivered: the slot moved, the rows stay.
+        assert slot_position(logical_dsn, log_outbox) != position
+        assert ids_left(logical_dsn, log_outbox) == first_ids
+
+        def first_rows_delivered_cut() -> bool:
+            """More deliveries move the cut on, until it is past the first rows' transaction."""
+            insert(logical_dsn, log_outbox, [("t", "k", "k:1")])
+            store.purge([r.id for r in mark_all(store, leader, 1)])
+            cut = store._delivered_cut()
+            if cut:
+                store._delete_older(cut)
+            return not set(first_ids) & set(ids_left(logical_dsn, log_outbox))
+
+        with pytest.raises(FencedError):
+            zombie._delete_older(1 << 40)  # any cut: the fence refuses
+        assert ids_left(logical_dsn, log_outbox)[:10] == first_ids
+        assert wait_until(first_rows_delivered_cut)
+        left = ids_left(logical_dsn, log_outbox)
+        assert left and min(left) > max(first_ids)  # the latest deliveries wait for a later cut
+    finally:
+        zombie.close()
+        store.close()
