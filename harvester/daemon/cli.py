@@ -175,7 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             section = dlq.section(settings, args.outbox)
             with connect_pg(section, 10) as conn:
                 held = section.harvest.dead_letter_policy == "hold_key"
-                return dlq.run(args, conn, section.harvest.table, held_keys=held)
+                return dlq.run(args, conn, section.harvest.table, held_keys=held, prefix=section.harvest.prefix)
         from harvester.daemon import workers
         from harvester.daemon.run import run
 

@@ -129,11 +129,11 @@ _NOTHING_TO = {
 }
 
 
-def _require_tables(conn: psycopg.Connection[Any], table: TableName, action: str) -> None:
-    """Raise :class:`FailError` (exit 1) when the outbox or its dead-letter table does not exist:
-    an empty answer would pretend there were no dead letters to look at."""
+def _require_tables(conn: psycopg.Connection[Any], table: TableName, action: str, tableless: bool) -> None:
+    """Raise :class:`FailError` (exit 1) when the outbox (unless table-less) or its dead-letter
+    table does not exist: an empty answer would pretend there were no dead letters to look at."""
     outbox, dead_letters = deadletter.tables_exist(conn, table)
-    if not outbox:
+    if not outbox and not tableless:
         raise FailError(f"harvest.outboxTable: outbox table {table} does not exist (run 'reaper migrate')", code=1)
     if not dead_letters:
         raise FailError(
@@ -143,12 +143,15 @@ def _require_tables(conn: psycopg.Connection[Any], table: TableName, action: str
         )
 
 
-def run(args: argparse.Namespace, conn: psycopg.Connection[Any], table: TableName, *, held_keys: bool) -> int:
-    """Carry out one ``dlq`` action; return the exit code."""
+def run(
+    args: argparse.Namespace, conn: psycopg.Connection[Any], table: TableName, *, held_keys: bool, prefix: str | None
+) -> int:
+    """Carry out one ``dlq`` action; return the exit code. ``prefix``: a table-less outbox's, whose
+    dead letters are replayed as logical messages."""
     if args.dlq_command == "replay" and bool(args.ids) == args.all:
         print("reaper dlq replay: error: give record ids or --all (not both)", file=sys.stderr)
         return 2
-    _require_tables(conn, table, args.dlq_command)
+    _require_tables(conn, table, args.dlq_command, prefix is not None)
     if args.dlq_command == "list":
         rows = deadletter.list_dead_letters(conn, table, args.limit)
         for r in rows:
@@ -175,7 +178,11 @@ def run(args: argparse.Namespace, conn: psycopg.Connection[Any], table: TableNam
         if not _confirm(f"replay {what} into {table}?", args.yes):
             return 1
         with conn.transaction():
-            new_ids = deadletter.replay(conn, table, None if args.all else args.ids, held_keys=held_keys)
+            chosen = None if args.all else args.ids
+            if prefix is not None:
+                new_ids = deadletter.replay_messages(conn, table, chosen, prefix)
+            else:
+                new_ids = deadletter.replay(conn, table, chosen, held_keys=held_keys)
         print(f"replayed {len(new_ids)} record(s) into {table}" + (f" as ids {new_ids}" if new_ids else ""))
         return 0
     if not _confirm(f"delete dead letters of {table} dead-lettered before {args.before.isoformat()}?", args.yes):

@@ -14,6 +14,8 @@ import psycopg
 from psycopg import sql
 from psycopg.rows import dict_row
 
+from harvester.core.records import OutboxRecord
+from harvester.postgres import message_format
 from harvester.postgres.identifiers import TableName
 from harvester.postgres.migrations import dead_letter_table
 
@@ -98,6 +100,36 @@ def replay(
         params,
     ).fetchall()
     return sorted(int(r[0]) for r in rows)
+
+
+def replay_messages(
+    conn: psycopg.Connection[Any], table: TableName, ids: Sequence[int] | None, prefix: str
+) -> list[int]:
+    """A table-less outbox's :func:`replay`: the dead letters, in their original order, written again
+    as logical messages with ``prefix`` (a payload that never parsed goes as it was); return the new
+    messages' LSNs (their ids)."""
+    if not exists(conn, table):
+        return []
+    where = sql.SQL("") if ids is None else sql.SQL(" WHERE id = ANY(%s::bigint[])")
+    params: tuple[Any, ...] = () if ids is None else (list(ids),)
+    moved = conn.execute(
+        sql.SQL(
+            "DELETE FROM {}{} RETURNING id, kafka_topic, kafka_key, kafka_value, kafka_header_keys, kafka_header_values"
+        ).format(_dlq(table), where),
+        params,
+    ).fetchall()
+    payloads = []
+    for _, topic, key, value, hkeys, hvalues in sorted(moved, key=lambda r: int(r[0])):
+        if not topic:  # the payload did not parse: its raw bytes
+            payloads.append(bytes(value or b""))
+            continue
+        headers = list(zip(hkeys or (), hvalues or (), strict=False))
+        payloads.append(message_format.encode(OutboxRecord.of(topic, key or "", value, headers)))
+    rows = conn.execute(
+        "SELECT pg_wal_lsn_diff(pg_logical_emit_message(true, %s, p), '0/0')::bigint FROM unnest(%s::bytea[]) AS p",
+        (prefix, payloads),
+    ).fetchall()
+    return [int(r[0]) for r in rows]
 
 
 def purge(conn: psycopg.Connection[Any], table: TableName, before: datetime) -> int:

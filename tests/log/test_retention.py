@@ -42,7 +42,7 @@ def test_delivered_rows_stay_then_go_in_a_fenced_bulk_delete(logical_dsn: str, l
         position = slot_position(logical_dsn, log_outbox)
         store.purge([r.id for r in mark_all(store, leader, 10)])
         # Delivered: the slot moved, the rows stay.
-        assert slot_position(logical_dsn, log_outbox) != position
+        assert wait_until(lambda: slot_position(logical_dsn, log_outbox) != position)
         assert ids_left(logical_dsn, log_outbox) == first_ids
 
         def first_rows_delivered_cut() -> bool:
