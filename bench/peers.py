@@ -2,7 +2,7 @@
 connector with its outbox EventRouter in Kafka Connect standalone) and by this project's harvester.
 
     ./dev.sh bench peers [--records 200000] [--large] [--rounds 2] [--keys 1000] [--rate 2000] [--seconds 20]
-                         [--relays debezium,mark-purge,mark-purge-tuned,log,log-tuned,tableless,tableless-tuned]
+        [--relays debezium,mark-purge,mark-purge-tuned,log,log-tuned,log-retention,tableless,tableless-tuned]
 
 ``--large`` uses 1,000,000 records. Needs Java 17: Kafka Connect 4.1.1 (the local broker's
 version) and Debezium 3.3.2.Final (io.debezium:debezium-connector-postgres, whose jars include the
@@ -21,6 +21,8 @@ outbox (goharvest's layout) and times, from that commit:
     mark-purge/reset source and with the log source (its own publication and ``pgoutput`` slot,
     created before the round's idle phase): until the last record is acknowledged by Kafka, and
     until the outbox is empty;
+  - the harvester with the log source and a 10-minute retention window (no delete within the round):
+    until the last record is acknowledged, and until the slot is confirmed past the burst;
   - the harvester with a table-less outbox (the log source reading logical messages): the same N
     records written in one transaction as ``pg_logical_emit_message`` calls (the writing backend's
     CPU is left out, as the COPY's), until the last record is acknowledged, and until the slot is
@@ -73,6 +75,7 @@ from steady import Steady, steady
 
 from harvester import Limits, OutboxRecord, TableName
 from harvester.postgres import logical, migrations
+from harvester.postgres.log_retention import RetainingLogStore
 from harvester.postgres.log_store import LogStore
 from harvester.postgres.logical import LogSetup
 from harvester.postgres.message_format import default_prefix, encode
@@ -81,7 +84,8 @@ from harvester.postgres.message_store import MessageStore
 # The harvester's sources in this bench: rows marked and purged, rows read from the log, and a
 # table-less outbox's logical messages read from the log.
 Source = str
-MARK_PURGE, LOG, MESSAGES = "mark_purge", "log", "messages"
+MARK_PURGE, LOG, RETAIN, MESSAGES = "mark_purge", "log", "retain", "messages"
+RETENTION = 600.0  # the retention window of RETAIN, longer than any round: no bulk delete within it
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +163,7 @@ class Relay:
     in_process: bool  # the harvester runs in this process; Debezium in the Connect JVM
     prefix: str | None = None  # a table-less outbox's message prefix (records go in as messages)
     slot: str | None = None  # the harvester's slot with a log source
+    keeps: bool = False  # delivered rows stay in the table (a retention window)
 
 
 RelayContext = contextlib.AbstractContextManager[Relay]
@@ -323,14 +328,17 @@ def harvester_relay(
     if source != MARK_PURGE:
         migrations.ensure(conn, table, "fence")
         logical.create(conn, setup)
-        kind = MessageStore if source == MESSAGES else LogStore
-        log_store = kind(harvest.DSN, setup, vacuum_every=limits.vacuum_every_records)
+        every = limits.vacuum_every_records
+        if source == RETAIN:
+            log_store = RetainingLogStore(harvest.DSN, setup, RETENTION, vacuum_every=every)
+        else:
+            log_store = (MessageStore if source == MESSAGES else LogStore)(harvest.DSN, setup, vacuum_every=every)
         log_store.prepare()
     engine, store = run_engine(table, limits, acked, store=log_store)
     try:
         time.sleep(3.0)  # idle marks: enough for PostgreSQL to consider generic plans
         slot = setup.slot if source != MARK_PURGE else None
-        yield Relay(table, topic, time.process_time, in_process=True, prefix=prefix, slot=slot)
+        yield Relay(table, topic, time.process_time, in_process=True, prefix=prefix, slot=slot, keeps=source == RETAIN)
     finally:
         stop(engine, store)
         if source != MARK_PURGE:
@@ -350,9 +358,9 @@ def harvester_burst(
         else:
             committed, copy_cpu = emit_burst(conn, relay.prefix, relay.topic, records, keys)
         own_after_copy = time.process_time()
-        if relay.prefix is None:
+        if relay.prefix is None and not relay.keeps:
             wait_empty(conn, relay.table)
-        else:  # nothing to delete: done once the slot is confirmed past the burst
+        else:  # nothing deleted now: done once the slot is confirmed past the burst
             row = conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()
             assert relay.slot is not None and row is not None
             wait_confirmed(conn, relay.slot, str(row[0]))
@@ -422,6 +430,7 @@ RELAYS: dict[str, tuple[str, Source, bool]] = {
     "mark-purge-tuned": ("harvester, tuned 500 / 5000", MARK_PURGE, True),
     "log": ("harvester, log source, default limits", LOG, False),
     "log-tuned": ("harvester, log source, tuned 500 / 5000", LOG, True),
+    "log-retention": ("harvester, log source, retention 10m", RETAIN, False),
     "tableless": ("harvester, table-less, default limits", MESSAGES, False),
     "tableless-tuned": ("harvester, table-less, tuned 500 / 5000", MESSAGES, True),
 }
@@ -502,7 +511,7 @@ def report(results: dict[str, list[Burst]], records: int) -> None:
         notes = []
         empties = [b.rate_empty for b in bursts if b.rate_empty is not None]
         if empties:
-            done = "slot confirmed" if "table-less" in name else "empty outbox"
+            done = "slot confirmed" if "table-less" in name or "retention" in name else "empty outbox"
             notes.append(f"to last ack; to {done} {med(empties):.0f} records/s")
         else:
             notes.append("to all records on the topic")

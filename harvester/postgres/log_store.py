@@ -1,22 +1,16 @@
 """The log source: the outbox's inserts read from a logical replication slot (``pgoutput`` over a
 publication of the table), in commit order, instead of marked in the table.
 
-Reading: the leader streams the slot (:mod:`harvester.postgres.replication`): the server decodes the
-log once, forward, and sends whole committed transactions in commit order. The store keeps the
-transactions it received, in commit order, until every record of each is done (acknowledged and
-deleted, or dead-lettered); then it confirms the done prefix to the server, which moves the slot's
-``confirmed_flush_lsn`` there. A confirmation is sent only after a fenced statement of the same
-round (the delete of the delivered rows, or an epoch check) found this store's epoch current, and a
-new leader, once it holds the newer epoch, terminates whatever walsender still reads the slot: a
-paused old leader that wakes moves neither the slot nor the table. A new leader streams from where
-the slot stands: at least once, it republishes whatever was not confirmed; exactly once, it first
-recovers the committed checkpoints (their ids count as done when the slot sends them), and a record
-whose row an earlier term deleted is skipped, so nothing committed to Kafka is published again.
-
-``mark(leader_id, ...)`` keeps the engine's meaning: it hands out records not yet handed out under
-``leader_id``. A new leader id (a new term, or a forced remark after a failure) starts a new pass,
-which hands out again every record of the received, unconfirmed transactions that is not done yet
-(from memory: the stream goes forward only).
+The leader streams the slot (:mod:`harvester.postgres.replication`); the received transactions are
+kept until all their records are done (:mod:`harvester.postgres.log_transactions`), then the done
+prefix is confirmed to the server, which moves the slot. A confirmation follows a fenced statement
+of the same round (the delete of the delivered rows, or an epoch check), and a new leader, once it
+holds the newer epoch, terminates whatever walsender still reads the slot: a paused old leader that
+wakes moves neither the slot nor the table. A new leader streams from where the slot stands: at
+least once, it republishes what was not confirmed; exactly once, it first recovers the committed
+checkpoints (their ids count as done when the slot sends them), and a record whose row an earlier
+term deleted is skipped, so nothing committed to Kafka is published again. ``mark(leader_id, ...)``
+keeps the engine's meaning: a new leader id starts a new pass over what is not done yet.
 """
 
 from __future__ import annotations
@@ -105,9 +99,6 @@ class LogStore(PostgresStore):
             if problems:
                 raise StoreError(f"log source: {problems[0]}")
             self._txns = self._outbox_messages()
-            # Under the current epoch only: where the slot stands, and its other reader (a paused
-            # old leader's walsender) terminated; PostgreSQL 14+ waits until it is gone, so no
-            # confirmation it had not yet processed can move the slot afterwards.
             version = self._conn().info.server_version
             if version >= 120000:
                 # A leader that reads nothing for this long (its in-flight window stuck while the
@@ -115,12 +106,7 @@ class LogStore(PostgresStore):
                 # starts again on the next read.
                 options = f"{self._options} -c wal_sender_timeout={_SENDER_TIMEOUT}"
                 self._conninfo = psycopg.conninfo.make_conninfo(self._conninfo, options=options)
-            wait = ", 5000" if version >= 140000 else ""
-            self._takeover = sql.SQL(
-                "WITH fence AS (SELECT 1 FROM {f} WHERE outbox_table = %s AND shard = %s AND epoch = %s)"
-                " SELECT s.confirmed_flush_lsn::text, pg_terminate_backend(s.active_pid" + wait + ")"
-                " FROM fence, pg_replication_slots s WHERE s.slot_name = %s"
-            ).format(f=fence_table(self._table).ident)
+            self._takeover = logical.takeover(fence_table(self._table), version)
         return columns
 
     def _outbox_messages(self) -> Transactions:
@@ -217,9 +203,8 @@ class LogStore(PostgresStore):
         return out
 
     def _hand_out(self, leader_id: UUID, limit: int) -> list[MarkedRecord]:
-        """Up to ``limit`` buffered inserts not done yet, decoded only as they go out, so a large
-        transaction waits in the buffer as bytes, not as a crowd of objects for the garbage
-        collector. (A new pass over a large transaction skips its done records here.)"""
+        """Up to ``limit`` buffered inserts not done yet, decoded only as they go out: a large
+        transaction waits as bytes, not as a crowd of objects for the garbage collector."""
         out: list[MarkedRecord] = []
         while len(out) < limit:
             with self._state:
@@ -270,10 +255,8 @@ class LogStore(PostgresStore):
         return outbox_record(pgoutput.insert_values(data), txn.columns, self._ready().columns.limits.value_kind)
 
     def _gone(self, records: list[tuple[Transaction, MarkedRecord]]) -> set[int]:
-        """The ids of ``records`` an earlier term delivered: a record of a transaction an earlier
-        term read may have been delivered and its row deleted, as the table says (publishing it
-        again would be a duplicate the de-duplicating reader cannot be sure to catch, its key
-        having moved on)."""
+        """The ids of ``records`` an earlier term delivered and deleted, as the table says (again,
+        they would be duplicates a de-duplicating reader may miss, their key having moved on)."""
         earlier = [record.id for txn, record in records if txn.end_lsn <= self._term_lsn]
         return set(earlier) - self._existing(earlier) if earlier else set()
 

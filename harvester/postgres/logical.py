@@ -114,6 +114,19 @@ def create(conn: psycopg.Connection[Any], setup: LogSetup) -> list[str]:
     return created
 
 
+def takeover(fence: TableName, server_version: int) -> sql.Composed:
+    """Under the current epoch only (parameters: the fence row's outbox and shard, the epoch, the
+    slot): where the slot stands, and its other reader (a paused old leader's walsender) terminated;
+    PostgreSQL 14+ waits until it is gone, so no confirmation it had not yet processed can move the
+    slot afterwards."""
+    wait = ", 5000" if server_version >= 140000 else ""
+    return sql.SQL(
+        "WITH fence AS (SELECT 1 FROM {f} WHERE outbox_table = %s AND shard = %s AND epoch = %s)"
+        " SELECT s.confirmed_flush_lsn::text, pg_terminate_backend(s.active_pid" + wait + ")"
+        " FROM fence, pg_replication_slots s WHERE s.slot_name = %s"
+    ).format(f=fence.ident)
+
+
 def slot_state(conn: psycopg.Connection[Any], slot: str) -> tuple[int, int, bool] | None:
     """(bytes of WAL not yet consumed by the slot, bytes of WAL the slot retains, whether a reader is
     attached), or None if the slot is absent."""
