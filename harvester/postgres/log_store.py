@@ -195,7 +195,7 @@ class LogStore(PostgresStore):
         out = self._hand_out(leader_id, limit)
         with self._state:
             settled = self._txns.settled(self._advanced)
-            idle = not out and not self._txns.kept and time.monotonic() > self._next_idle_confirm
+            idle = not out and self._txns.idle and time.monotonic() > self._next_idle_confirm
         if settled and not out:
             self._advance_to(settled)
         if idle:

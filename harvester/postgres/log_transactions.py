@@ -93,6 +93,12 @@ class Transactions:
             self._buffer = deque((txn, data) for txn in self.kept for data in txn.inserts)
 
     @property
+    def idle(self) -> bool:
+        """Nothing kept and no transaction half received: every transaction the server sent is done.
+        (A keepalive in the middle of a large transaction may report its end already.)"""
+        return not self.kept and self._open is None
+
+    @property
     def waiting(self) -> int:
         """Records received and not handed out in this pass."""
         return len(self._buffer)
