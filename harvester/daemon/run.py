@@ -223,8 +223,12 @@ _BUSY = (errno.EADDRINUSE, errno.EACCES)
 
 def _narrower_columns(settings: ReaperSettings) -> list[Any]:
     """Columns of the dead-letter and staging tables narrower than the outbox's, as ``check`` reports
-    them: a dead letter too wide for its table would stall the harvester (best effort, at start)."""
+    them: a dead letter too wide for its table would stall the harvester (best effort, at start).
+    None for a table-less outbox: its dead letters hold the raw payload's bytes."""
     import psycopg
+
+    if settings.harvest.log_messages:
+        return []
 
     from harvester.postgres.widen import narrower
 
