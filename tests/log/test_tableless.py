@@ -6,6 +6,7 @@ even when the slot's confirmation never reached the server."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterator
 from typing import Any
 from uuid import uuid4
@@ -13,8 +14,10 @@ from uuid import uuid4
 import psycopg
 import pytest
 from psycopg import sql
+from sqlalchemy import create_engine
+from sqlalchemy.orm import Session
 
-from harvester import HarvesterConfig, Limits, MessageStasher, OutboxRecord
+from harvester import AsyncMessageStasher, HarvesterConfig, Limits, MessageStasher, OutboxRecord
 from harvester.core.protocols import FencedError
 from harvester.postgres import logical
 from harvester.postgres.deadletter import replay_messages
@@ -200,3 +203,35 @@ def test_a_new_leader_skips_what_was_stored_done_though_the_slot_never_heard(
     finally:
         first.close()
         second.close()
+
+
+def test_every_stasher_writes_what_the_store_reads_in_order_and_a_rollback_writes_nothing(
+    logical_dsn: str, message_outbox: TableName
+) -> None:
+    """SQLAlchemy (session and connection) and asyncio psycopg, besides the plain psycopg above."""
+    engine = create_engine("postgresql+psycopg://", creator=lambda: psycopg.connect(logical_dsn))
+    stasher = MessageStasher(message_outbox)
+    with Session(engine) as session, session.begin():
+        stasher.stash_sqlalchemy(session, [OutboxRecord.of("t", "s", f"s:{i}", {"h": "v"}) for i in range(3)])
+    with engine.begin() as conn:
+        stasher.stash_sqlalchemy(conn, OutboxRecord.of("t", "c", "c:0"))
+
+    async def write() -> None:
+        async with await psycopg.AsyncConnection.connect(logical_dsn) as conn:
+            async with conn.transaction():
+                await AsyncMessageStasher(message_outbox).stash(conn, [OutboxRecord.of("t", "a", None)])
+            await AsyncMessageStasher(message_outbox).stash(conn, OutboxRecord.of("t", "a", "rolled back"))
+            await conn.rollback()
+
+    asyncio.run(write())
+    engine.dispose()
+    store = MessageStore(logical_dsn, setup_of(message_outbox))
+    try:
+        store.prepare()
+        leader = uuid4()
+        store.acquire(leader)
+        got = [(r.key, r.value, r.headers[:-3]) for r in mark_all(store, leader, 5)]
+        assert store.mark(leader, 10) == []
+    finally:
+        store.close()
+    assert got == [("s", f"s:{i}".encode(), [("h", b"v")]) for i in range(3)] + [("c", b"c:0", []), ("a", None, [])]
