@@ -53,6 +53,12 @@ class PositionedLogStore(LogStore):
             self._advanced = max(self._advanced, done)  # confirmed when the stream starts
         return epoch
 
+    def head(self) -> tuple[int, float | None]:
+        """The records received and not done yet: the table, if any, holds delivered rows too (the
+        slot's lag says what is not received yet)."""
+        with self._state:
+            return self._txns.pending(), None
+
     def purge(self, ids: Sequence[int]) -> None:
         """Nothing deleted now: the records are done, the slot moves past every transaction all done."""
         self._done(ids)

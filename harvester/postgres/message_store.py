@@ -63,11 +63,6 @@ class MessageStore(PositionedLogStore):
         """Logical messages with the outbox's prefix (after 'M', the flags and the LSN)."""
         return Transactions(b"M", self._prefix + b"\0", 10)
 
-    def head(self) -> tuple[int, float | None]:
-        """The records received and not done yet (no table to count; the slot's lag says the rest)."""
-        with self._state:
-            return self._txns.pending(), None
-
     # ------------------------------------------------------------------ reading
 
     def _record(self, txn: Transaction, data: bytes) -> MarkedRecord:
