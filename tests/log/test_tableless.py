@@ -1,12 +1,17 @@
 """The table-less outbox against a real PostgreSQL with logical decoding and a real Kafka: records
 stashed as logical messages are published in commit order with nothing lost (a late-committing
 transaction included), a malformed payload goes to the dead-letter table, a fenced old leader moves
-neither the slot nor the stored position, and a new leader skips what an earlier one stored done
-even when the slot's confirmation never reached the server."""
+neither the slot nor the stored position, a new leader skips what an earlier one stored done even
+when the slot's confirmation never reached the server, and leaders killed and paused in turn lose,
+reorder and (exactly once) duplicate nothing."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 from uuid import uuid4
@@ -28,6 +33,7 @@ from harvester.postgres.migrations import dead_letter_table, ensure, fence_table
 from tests.engine.workload import check, wait_until
 from tests.log.conftest import drop_slot, slot_position
 from tests.log.test_log_source import COMMITTED, DELIVERY, mark_all, slot_reader
+from tests.proc.processes import HarvesterProcess, harvester_spec
 from tests.support import HarvesterFactory, Services, harvesters, read_messages, unique
 
 pytestmark = pytest.mark.integration
@@ -235,3 +241,67 @@ def test_every_stasher_writes_what_the_store_reads_in_order_and_a_rollback_write
     finally:
         store.close()
     assert got == [("s", f"s:{i}".encode(), [("h", b"v")]) for i in range(3)] + [("c", b"c:0", []), ("a", None, [])]
+
+
+class MessageWriter(threading.Thread):
+    """Stashes ``k<i>:<seq>`` records, one transaction each, round robin over ``keys`` keys."""
+
+    def __init__(self, dsn: str, table: TableName, topic: str, keys: int, per_key: int) -> None:
+        super().__init__()
+        self.dsn, self.table, self.topic, self.keys, self.per_key = dsn, table, topic, keys, per_key
+
+    def run(self) -> None:
+        stasher = MessageStasher(self.table)
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            for n in range(self.keys * self.per_key):
+                key = f"k{n % self.keys}"
+                stasher.stash(conn, OutboxRecord(topic=self.topic, key=key, value=f"{key}:{n // self.keys}"))
+                time.sleep(0.002)
+
+
+@pytest.mark.slow
+def test_failover_resumes_after_what_was_stored_done_with_nothing_lost(
+    services: Services, logical_dsn: str, message_outbox: TableName, topics: Callable[..., str]
+) -> None:
+    """Exactly once (the stricter mode; at least once shares the stored position): SIGKILL the
+    leader mid-stream, then SIGSTOP the next one past its session; each successor resumes after the
+    stored position, and nothing is lost, reordered or published twice."""
+    delivery = "exactly_once"
+    topic = topics(partitions=3)
+    group = unique("msgfail")
+
+    def spec(name: str) -> dict[str, object]:
+        limits = {"mark_query_records": 10, "max_in_flight_records": 50}
+        return harvester_spec(
+            logical_dsn, services.bootstrap, message_outbox, group, name,
+            source="log", log_messages=True, delivery=delivery, limits=limits,
+        )  # fmt: skip
+
+    a = HarvesterProcess(spec("killed-a"))
+    b = c = None
+    try:
+        assert a.wait_for("LeaderAcquired"), a.log
+        b = HarvesterProcess(spec("paused-b"))
+        assert b.wait_for("started")
+        writer = MessageWriter(logical_dsn, message_outbox, topic, keys=20, per_key=40)
+        writer.start()
+        assert wait_until(lambda: stored_done(logical_dsn, message_outbox) > 0, timeout=60)
+        a.proc.kill()
+        assert b.wait_for("LeaderAcquired", timeout=30), b.log
+        c = HarvesterProcess(spec("standby-c"))
+        assert c.wait_for("started")
+        taken = stored_done(logical_dsn, message_outbox)
+        assert wait_until(lambda: stored_done(logical_dsn, message_outbox) > taken, timeout=60)
+        os.kill(b.proc.pid, signal.SIGSTOP)
+        assert c.wait_for("LeaderAcquired", timeout=30), c.log
+        time.sleep(2.0)
+        os.kill(b.proc.pid, signal.SIGCONT)
+        writer.join()
+        messages = read_messages(services.bootstrap, [topic], 800, timeout=90, **COMMITTED)
+    finally:
+        for p in (a, b, c):
+            if p is not None:
+                p.terminate()
+    verdict = check(messages, {f"k{i}": 40 for i in range(20)})
+    assert verdict.lost == [] and verdict.out_of_order == [] and verdict.unexpected == 0
+    assert verdict.duplicates == 0
