@@ -30,6 +30,17 @@ only after the previous one was acknowledged and purged.
    that published it, which sent X after only the lower, late-committed ids of the key: X is
    among that term's ``first`` ids.
 
+The Spark drain (``readStream.format("outbox")``) publishes a whole micro-batch at once, many records
+of a key in flight, and a failed batch is replayed with its epoch, ids and order: 1. does not hold,
+so its copies carry the batch number and the id of the key's record before them in the batch
+(``previous``, absent for the key's first). Per key, the reader keeps the latest (epoch, batch) and
+``high``, the end of the chain of that batch's records it read from the key's first one on, each
+link checked by ``previous``: every record of the key in that batch up to ``high`` was read, so a
+copy of the same (epoch, batch) with an id at or below ``high`` is a re-delivery. (A record between
+two links of one attempt that an earlier attempt held was deleted in between, that is purged by a
+newer term, which published it.) A copy whose ``previous`` is not ``high`` (a record before it was
+lost with a failed attempt) leaves the chain as it is: ids are never dropped on a guess.
+
 So the state suffices when a key has fewer than ``depth`` late-committed lower ids pending at once,
 the zombie terms still to be heard from are among the key's ``terms`` most recent epochs, and the
 key stays among the ``capacity`` most recently read keys until its re-delivery arrives. State
@@ -67,7 +78,8 @@ DEFAULT_DEPTH = 4
 DEFAULT_TERMS = 4
 DEFAULT_TABLE = "harvester_dedup_checkpoint"
 DEFAULT_HEADERS = IdentityHeaders()
-_STATE_VERSION = 1
+_STATE_VERSION = 2
+_STATE_VERSIONS = (1, 2)  # version 1 had no batch chains
 
 StreamKey = tuple[str, str, bytes | None]
 """(producer, topic, message key): the unit within which the harvester orders records."""
@@ -77,6 +89,16 @@ StreamKey = tuple[str, str, bytes | None]
 class _Term:
     first: list[int] = field(default_factory=list)
     stack: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Chain:
+    """A key's latest Spark micro-batch: every record of the key in it up to ``high`` was read
+    (None: its first record was not, so nothing is known)."""
+
+    epoch: int
+    batch: int
+    high: int | None
 
 
 class DedupState:
@@ -103,6 +125,7 @@ class DedupState:
         self.terms = terms
         self._on_evict = on_evict
         self._keys: OrderedDict[StreamKey, dict[int, _Term]] = OrderedDict()
+        self._chains: dict[StreamKey, _Chain] = {}  # keys whose latest record came from the Spark drain
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -113,12 +136,15 @@ class DedupState:
         if terms is None:
             terms = self._keys[stream] = {}
             if len(self._keys) > self.capacity:
-                self._keys.popitem(last=False)
+                evicted, _ = self._keys.popitem(last=False)
+                self._chains.pop(evicted, None)
                 self._evicted("key")
         else:
             self._keys.move_to_end(stream)
         rid = identity.id
         duplicate = any(rid in t.stack or rid in t.first for t in terms.values())
+        if identity.batch is not None:
+            duplicate = self._chained(stream, identity) or duplicate
         term = terms.get(identity.epoch)
         if term is None:
             term = terms[identity.epoch] = _Term()
@@ -127,6 +153,20 @@ class DedupState:
                 self._evicted("term")
         self._remember(term, rid)
         return duplicate
+
+    def _chained(self, stream: StreamKey, identity: Identity) -> bool:
+        """Follow the key's chain in its micro-batch; True if the copy is at or below its end."""
+        assert identity.batch is not None
+        chain = self._chains.get(stream)
+        if chain is None or (chain.epoch, chain.batch) != (identity.epoch, identity.batch):
+            start = identity.id if identity.previous is None else None
+            self._chains[stream] = _Chain(identity.epoch, identity.batch, start)
+            return False
+        if chain.high is not None and identity.id <= chain.high:
+            return True
+        if chain.high is not None and identity.previous == chain.high:
+            chain.high = identity.id
+        return False
 
     def _remember(self, term: _Term, rid: int) -> None:
         if len(term.first) < self.depth and rid not in term.first:
@@ -150,26 +190,33 @@ class DedupState:
         producers: dict[str, int] = {}
         topics: dict[str, int] = {}
         entries: list[list[Any]] = []
-        for (producer, topic, key), terms in self._keys.items():
-            entries.append(
-                [
-                    producers.setdefault(producer, len(producers)),
-                    topics.setdefault(topic, len(topics)),
-                    None if key is None else base64.b64encode(key).decode("ascii"),
-                    [[epoch, list(t.first), list(t.stack)] for epoch, t in terms.items()],
-                ]
-            )
+        for stream, terms in self._keys.items():
+            producer, topic, key = stream
+            entry: list[Any] = [
+                producers.setdefault(producer, len(producers)),
+                topics.setdefault(topic, len(topics)),
+                None if key is None else base64.b64encode(key).decode("ascii"),
+                [[epoch, list(t.first), list(t.stack)] for epoch, t in terms.items()],
+            ]
+            chain = self._chains.get(stream)
+            if chain is not None:
+                entry.append([chain.epoch, chain.batch, chain.high])
+            entries.append(entry)
         return {"version": _STATE_VERSION, "producers": list(producers), "topics": list(topics), "keys": entries}
 
     def restore(self, snapshot: Mapping[str, Any]) -> None:
         """Replace the state with a :meth:`snapshot`; bounds smaller than the saved ones trim it."""
-        if snapshot.get("version") != _STATE_VERSION:
+        if snapshot.get("version") not in _STATE_VERSIONS:
             raise ValueError(f"unsupported dedup state version {snapshot.get('version')!r}")
         producers: list[str] = list(snapshot["producers"])
         topics: list[str] = list(snapshot["topics"])
         restored: OrderedDict[StreamKey, dict[int, _Term]] = OrderedDict()
-        for pi, ti, key, terms in snapshot["keys"]:
+        chains: dict[StreamKey, _Chain] = {}
+        for pi, ti, key, terms, *chain in snapshot["keys"]:
             stream = (producers[pi], topics[ti], None if key is None else base64.b64decode(key))
+            if chain:
+                epoch, batch, high = chain[0]
+                chains[stream] = _Chain(int(epoch), int(batch), None if high is None else int(high))
             kept = sorted(terms, key=lambda t: int(t[0]))[-self.terms :]
             restored[stream] = {
                 int(epoch): _Term([int(i) for i in first][: self.depth], [int(i) for i in stack][-self.depth :])
@@ -178,6 +225,7 @@ class DedupState:
         while len(restored) > self.capacity:
             restored.popitem(last=False)
         self._keys = restored
+        self._chains = {stream: chain for stream, chain in chains.items() if stream in restored}
 
 
 class DedupReader:

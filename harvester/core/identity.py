@@ -2,7 +2,9 @@
 
 A record is identified by (producer, outbox id). The producer name is stable across restarts and
 failovers of the harvester group (default: the database's system identifier and the table name);
-the epoch tells which leadership term published it.
+the epoch tells which leadership term published it. The Spark drain, which publishes many records
+of a key at once, adds where a record stands in its micro-batch (``batch``, ``previous``), so that
+a reader can drop a replayed batch's copies (:mod:`harvester.client.dedup`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ DEFAULT_PREFIX = "outbox-"
 class IdentityHeaders:
     """Header names, all starting with a configurable prefix so they never clash with the row's own
     headers: ``<prefix>id`` (outbox id, decimal), ``<prefix>epoch`` (fence epoch, decimal) and
-    ``<prefix>producer`` (producer name)."""
+    ``<prefix>producer`` (producer name); from the Spark drain also ``<prefix>batch`` (the shard's
+    micro-batch number) and ``<prefix>previous`` (the id of the key's record before this one in
+    that batch, absent for the key's first)."""
 
     prefix: str = DEFAULT_PREFIX
 
@@ -35,6 +39,16 @@ class IdentityHeaders:
         """Header carrying the stable producer name."""
         return f"{self.prefix}producer"
 
+    @property
+    def batch(self) -> str:
+        """Header carrying the Spark drain's micro-batch number (of the record's shard)."""
+        return f"{self.prefix}batch"
+
+    @property
+    def previous(self) -> str:
+        """Header carrying the id of the key's record before this one in the same micro-batch."""
+        return f"{self.prefix}previous"
+
 
 @dataclass(frozen=True, slots=True)
 class Identity:
@@ -43,6 +57,8 @@ class Identity:
     producer: str
     id: int
     epoch: int
+    batch: int | None = None  # the Spark drain's micro-batch; None from a reaper
+    previous: int | None = None  # the key's record before this one in that batch
 
     @classmethod
     def from_headers(
@@ -51,9 +67,11 @@ class Identity:
         """Read the identity headers; None when the message does not carry them."""
         found: dict[str, bytes] = {}
         for k, v in headers or ():
-            if v is not None and k in (names.id, names.epoch, names.producer):
+            if v is not None and k in (names.id, names.epoch, names.producer, names.batch, names.previous):
                 found[k] = v
         try:
-            return cls(found[names.producer].decode(), int(found[names.id]), int(found[names.epoch]))
+            batch = int(found[names.batch]) if names.batch in found else None
+            previous = int(found[names.previous]) if batch is not None and names.previous in found else None
+            return cls(found[names.producer].decode(), int(found[names.id]), int(found[names.epoch]), batch, previous)
         except (KeyError, ValueError, UnicodeDecodeError):
             return None
