@@ -24,7 +24,8 @@ from confluent_kafka.admin import AdminClient
 
 from leader.clients import common_config, consumer_config, producer_config
 from leader.config import ElectorConfig
-from leader.events import LeaderEvent, LeaderStatus
+from leader.events import LeaderEvent, LeaderRevoked, LeaderStatus
+from leader.hold import hold
 from leader.state import NeliState, decode_heartbeat, encode_heartbeat
 from leader.topic import ensure_leader_topic
 
@@ -289,7 +290,44 @@ class NeliElector:
             with self._lock:
                 event = self._states[p].released(lost)
             self._confirming[p] = None
-            self._emit(event)
+            if isinstance(event, LeaderRevoked):
+                self._hold(event)
+            else:
+                self._emit(event)
+
+    def _hold(self, event: LeaderRevoked) -> None:
+        """Emit a revocation, whose listener may wait for its work in flight, while the terms of
+        the other partitions stay proven (:mod:`leader.hold`)."""
+        c = self._config
+
+        def owned() -> list[int]:
+            with self._lock:
+                return [p for p, state in enumerate(self._states) if state.owned]
+
+        hold(
+            lambda: self._emit(event),
+            owned=owned,
+            topic=c.topic,
+            consumer_config={**common_config(c), "group.id": c.group_id, "auto.offset.reset": "latest"},
+            pause=c.min_poll_interval,
+            poll_batch=c.poll_batch,
+            pulse=self._beat_all,
+            read=self._proof,
+        )
+
+    def _beat_all(self) -> None:
+        assert self._producer is not None
+        for partition in range(len(self._states)):
+            self._beat(partition)
+        self._producer.poll(0)
+
+    def _proof(self, message: Message) -> None:
+        """A heartbeat read back outside the group (:mod:`leader.hold`): proof for a term; a
+        probe's proof waits for the group's consumer, which commits."""
+        sender, partition = decode_heartbeat(message.value()), message.partition()
+        if sender is not None and partition is not None:
+            with self._lock:
+                self._states[partition].heartbeat(sender, self._clock())
 
     def _shutdown(self) -> None:
         assert self._consumer is not None and self._producer is not None

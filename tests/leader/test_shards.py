@@ -8,7 +8,15 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from leader import ElectorConfig, LeaderAcquired, LeaderEvent, LeaderRevoked, LeaderTopicError, NeliElector
+from leader import (
+    ElectorConfig,
+    LeaderAcquired,
+    LeaderEvent,
+    LeaderFenced,
+    LeaderRevoked,
+    LeaderTopicError,
+    NeliElector,
+)
 from tests.leader.test_election import TIMING, Recorder
 from tests.support import Services, create_topics, delete_topics, unique
 
@@ -78,6 +86,25 @@ def test_partitions_are_spread_and_each_is_led_and_proven_on_its_own(group: Call
     second.close()
     assert shards_of(second_events, LeaderRevoked) == handed
     assert wait_spread([first], [])
+
+
+def test_a_revocation_that_waits_keeps_the_members_other_terms(group: Callable[..., NeliElector]) -> None:
+    """The listener of a revocation waits far past the heartbeat timeout (a drain finishing its
+    records in flight): the shards the member keeps stay led under the same terms, never fenced."""
+    first, second = group(name="first"), group(name="second")
+    first_events = Recorder(revoke_delay=2.5 * TIMING["heartbeat_timeout"])
+    first.start(first_events)
+    first_events.wait(LeaderAcquired)
+    assert wait_spread([first], [])
+    second.start(Recorder())
+    assert wait_spread([first, second], [])
+    assert first_events.revoke_returned is not None
+    kept = led(first)
+    assert len(kept) == 2
+    assert shards_of(first_events, LeaderFenced) == []
+    terms = {e.shard: e.leader_id for _, e in first_events.events if isinstance(e, LeaderAcquired)}
+    assert len(terms) == SHARDS  # acquired once each, at the start
+    assert all(first.status_of(s).leader_id == terms[s] for s in kept)
 
 
 def test_a_third_member_takes_some_shards_without_two_leaders(group: Callable[..., NeliElector]) -> None:
