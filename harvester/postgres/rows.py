@@ -3,6 +3,8 @@ mark-purge/reset store and the log source) and, as SQL, by the Spark drain's pla
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from psycopg import sql
 
 MALFORMED_SQL = sql.SQL(
@@ -14,6 +16,15 @@ MALFORMED_SQL = sql.SQL(
     " WHEN array_position(kafka_header_keys, NULL) IS NOT NULL THEN 'a header key is NULL' END"
 )
 """:func:`malformed` of an outbox row as an SQL expression: the same reason, or NULL."""
+
+
+class Pending(NamedTuple):
+    """A record a mark would hand out, as the Spark drain plans it: without its value."""
+
+    id: int
+    malformed: str | None  # why no message can be made of it (:func:`malformed`), or None
+    topic: str | None
+    size: int  # bytes of its key, value and headers (with their length varints), before the identity headers
 
 
 def malformed(key: str | None, hkeys: list[str | None] | None, hvalues: list[str | None] | None) -> str | None:

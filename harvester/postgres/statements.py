@@ -104,12 +104,17 @@ class Statements:
                 "SELECT id FROM {t} WHERE {own}id <> " + _SKIP + "{held} ORDER BY {order} LIMIT %s)){ordered}"
             ).format(t=t, f=f, own=own, held=held, order=order, ordered=ordered),
             # The mark's choice of rows, ids only: a Spark drain plans a micro-batch with it and its
-            # executors read the rows (harvester.spark.drain)
-            # (with why a row is malformed, for the dead-letter table).
+            # executors read the rows (harvester.spark.drain); with why a row is malformed, and its
+            # topic and size, for the dead-letter table (10: a header's two length varints, at most).
+            # octet_length of a text or bytea column reads its length from the TOAST header, not the value.
             pending=sql.SQL(
-                _GUARD + "SELECT id, {bad} FROM {t} WHERE EXISTS (SELECT 1 FROM fence)"
+                _GUARD + "SELECT id, {bad}, kafka_topic, coalesce(octet_length(kafka_key), 0)"
+                " + coalesce(octet_length({value}), 0) + coalesce((SELECT sum(coalesce(octet_length(k), 0)"
+                " + coalesce(octet_length(v), 0) + 10)"
+                " FROM unnest(kafka_header_keys, kafka_header_values) AS h(k, v)), 0)"
+                " FROM {t} WHERE EXISTS (SELECT 1 FROM fence)"
                 " AND {own}id <> " + _SKIP + "{held} ORDER BY {order} LIMIT %s"
-            ).format(t=t, f=f, own=own, held=held, order=order, bad=MALFORMED_SQL),
+            ).format(t=t, f=f, own=own, held=held, order=order, bad=MALFORMED_SQL, value=sql.SQL(value)),
             purge=sql.SQL(_GUARD + "DELETE FROM {t} WHERE EXISTS (SELECT 1 FROM fence) AND id = " + _IDS).format(
                 t=t, f=f
             ),

@@ -35,6 +35,7 @@ from harvester.postgres.fencing import Fenced, FenceStatements
 from harvester.postgres.identifiers import TableName
 from harvester.postgres.marks import HandedOut
 from harvester.postgres.migrations import notify_channel
+from harvester.postgres.rows import Pending
 from harvester.postgres.rows import malformed as rows_malformed
 from harvester.postgres.sharding import SHARD_PLANNER_OPTIONS
 from harvester.postgres.statements import Statements, id_array
@@ -242,17 +243,16 @@ class PostgresStore(Fenced):
             out.append(MarkedRecord(rid, created, topic, key or "", value, headers, attempts, first_failure, malformed))
         return out
 
-    def pending(self, skip: Sequence[int], limit: int) -> list[tuple[int, str | None]]:
-        """The ids of up to ``limit`` records of this store's shard that are not in ``skip``, sorted,
-        each with why it is malformed (:mod:`harvester.postgres.rows`) or None: what :meth:`mark`
-        would hand out, without reading the records (a caller that tracks what it handed out itself,
-        as the Spark drain does in its offsets). Raises :class:`FencedError` when a newer epoch
-        superseded ours."""
+    def pending(self, skip: Sequence[int], limit: int) -> list[Pending]:
+        """Up to ``limit`` records of this store's shard that are not in ``skip``, by id: what
+        :meth:`mark` would hand out, without reading their values (for a caller that tracks what it
+        handed out itself, as the Spark drain does in its offsets). Raises :class:`FencedError` when
+        a newer epoch superseded ours."""
         own = (self._shard, self._shard + 1) if self._shards > 1 else ()
         rows = self._run(self._ready().statements.pending, (*self._fence, self._epoch, *own, id_array(skip), limit))
         if not rows:
             self._check_epoch()
-        return sorted((int(r[0]), r[1]) for r in rows)
+        return sorted(Pending(int(r[0]), r[1], r[2], int(r[3])) for r in rows)
 
     def head_id(self) -> int:
         """The outbox's highest id (0 when it is empty)."""

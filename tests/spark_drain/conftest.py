@@ -11,13 +11,17 @@ from typing import Any
 
 import psycopg
 import pytest
+from confluent_kafka import TopicPartition
 from psycopg import sql
 from pyspark.sql import DataFrame, SparkSession
 
 from examples.spark_pipeline import KAFKA_PACKAGE
+from harvester.client.dedup import DedupReader
+from harvester.core.identity import Identity
 from harvester.postgres.identifiers import TableName
 from harvester.spark import register
-from tests.support import Services
+from tests.dedup.kafka import consumer, ends, read_to
+from tests.support import Services, consumed_headers
 
 
 @pytest.fixture(scope="session")
@@ -88,3 +92,17 @@ def to_kafka(stream: DataFrame, services: Services, checkpoint: Path) -> Any:
         .trigger(availableNow=True)
         .start()
     )
+
+
+def deduplicated(services: Services, topic: str, partitions: int) -> list[int]:
+    """The outbox ids that :class:`DedupReader` yields from the whole of ``topic``, in the order read."""
+    with consumer(services) as c:
+        reader = DedupReader(c)
+        end = ends(c, topic, partitions)
+        reader.assign([TopicPartition(topic, p, 0) for p in range(partitions)])
+        out = []
+        for msg in read_to(reader, end):
+            identity = Identity.from_headers(consumed_headers(msg))
+            assert identity is not None
+            out.append(identity.id)
+        return out

@@ -1,5 +1,5 @@
 """A Spark driver of its own for the driver-kill test: drains an outbox into Kafka through Spark's
-Kafka sink from a checkpoint, until killed, or with ``"available_now": true`` until drained.
+Kafka sink from a checkpoint, until killed.
 
     python -m tests.spark_drain.drain_job '<json: dsn, table, shards, max_records, bootstrap, checkpoint>'
 """
@@ -14,6 +14,7 @@ from pyspark.sql import SparkSession
 
 from examples.spark_pipeline import KAFKA_PACKAGE
 from harvester.spark import register
+from tests.spark.cluster import JAVA_OPTIONS
 
 
 def main() -> None:
@@ -25,6 +26,7 @@ def main() -> None:
         .config("spark.ui.enabled", "false")
         .config("spark.sql.shuffle.partitions", "2")
         .config("spark.jars.packages", KAFKA_PACKAGE)
+        .config("spark.driver.extraJavaOptions", JAVA_OPTIONS)  # it runs for seconds: start it cheaply
         .getOrCreate()
     )
     spark.sparkContext.setLogLevel("ERROR")
@@ -41,11 +43,7 @@ def main() -> None:
         .option("kafka.bootstrap.servers", spec["bootstrap"])
         .option("checkpointLocation", spec["checkpoint"])
     )
-    if spec.get("available_now"):
-        writer = writer.trigger(availableNow=True)
-    else:
-        writer = writer.trigger(processingTime="200 milliseconds")
-    query = writer.start()
+    query = writer.trigger(processingTime="200 milliseconds").start()
     print("started", flush=True)
     query.awaitTermination()
     spark.stop()

@@ -19,8 +19,8 @@ from pyspark.sql.streaming.query import StreamingQuery
 from harvester.core.identity import Identity
 from harvester.postgres.identifiers import TableName
 from harvester.postgres.migrations import dead_letter_table
-from tests.spark_drain.conftest import Drain, preload, remaining, to_kafka
-from tests.support import Services, consumed_headers, read_messages, text
+from tests.spark_drain.conftest import Drain, deduplicated, preload, remaining, to_kafka
+from tests.support import Services, consumed_headers, delete_topics, read_messages, text, unique
 
 pytestmark = pytest.mark.integration
 
@@ -43,29 +43,44 @@ def test_drains_a_preloaded_outbox_per_shard_in_key_order(
     drained: Drain,
     tmp_path: Path,
 ) -> None:
-    topic = topics(partitions=4)
+    # Above the sink producer's batch.size (16384): its batches of small records fit.
+    topic, group = topics(partitions=4, **{"max.message.bytes": "37000"}), unique("group")
     ids = preload(pg, outbox, topic, 2000, keys=40)
-    poison = pg.execute(  # header arrays of different lengths: no message can be made of it
-        sql.SQL(
-            "INSERT INTO {} (create_time, kafka_topic, kafka_key, kafka_value, kafka_header_keys, kafka_header_values)"
-            " VALUES (now(), %s, 'k1', 'poison', ARRAY['a', 'b'], ARRAY['1']) RETURNING id"
-        ).format(outbox.ident),
-        (topic,),
-    ).fetchone()
+    insert = sql.SQL(
+        "INSERT INTO {} (create_time, kafka_topic, kafka_key, kafka_value, kafka_header_keys, kafka_header_values)"
+        " VALUES (now(), %s, 'k1', %s, %s, %s) RETURNING id"
+    ).format(outbox.ident)
 
-    query = to_kafka(drained(shards="2", maxRecordsPerTrigger="300"), services, tmp_path / "cp")
-    query.awaitTermination()
+    def row(value: str, hkeys: list[str], hvalues: list[str]) -> int:
+        found = pg.execute(insert, (topic, value, hkeys, hvalues)).fetchone()
+        assert found is not None
+        return int(found[0])
+
+    poison = row("poison", ["a", "b"], ["1"])  # header arrays of different lengths: no message can be made of it
+    # Sizes are in bytes: the value column holds 10,000 characters, of 4 bytes each here.
+    too_large = row("\U0001f600" * 10_000, [], [])  # Kafka would refuse it for the topic's max.message.bytes
+    ids.append(row("\U0001f601" * 9_000, [], []))  # close to the limit, but taken
+
+    stream = drained(
+        shards="2", maxRecordsPerTrigger="300", leaderGroupID=group, **{"kafka.bootstrap.servers": services.bootstrap}
+    )
+    try:
+        query = to_kafka(stream, services, tmp_path / "cp")
+        query.awaitTermination()
+    finally:
+        delete_topics(services.bootstrap, [f"{group}.neli"])
 
     messages = read_messages(services.bootstrap, [topic], len(ids))
     by_key = delivered(messages)
     assert sorted(i for got in by_key.values() for i in got) == ids  # none lost, none twice
     assert all(got == sorted(got) for got in by_key.values())  # per-key order
     assert remaining(pg, outbox) == []
-    letters = pg.execute(sql.SQL("SELECT id, reason FROM {}").format(dead_letter_table(outbox).ident)).fetchall()
-    assert poison is not None and letters == [(poison[0], "malformed")]  # dead-lettered, the query went on
+    # Dead-lettered instead of failing the batch on every replay, and the query went on.
+    letters = pg.execute(sql.SQL("SELECT id, reason FROM {} ORDER BY id").format(dead_letter_table(outbox).ident))
+    assert letters.fetchall() == [(poison, "malformed"), (too_large, "msg_size_too_large")]
     first = messages[0]
     headers = dict(consumed_headers(first) or [])
-    assert set(headers) == {"n", "outbox-id", "outbox-epoch", "outbox-producer"}
+    assert {"n", "outbox-id", "outbox-epoch", "outbox-producer", "outbox-batch"} <= set(headers)
     assert text(first.value()) == f"v{text(headers['n'])}"
     # One term per shard, each shard's batches spread over several micro-batches.
     fence = pg.execute(f"SELECT shard, shards FROM {outbox.schema}.harvester_fence ORDER BY shard").fetchall()
@@ -122,6 +137,9 @@ def test_a_failed_batch_is_never_purged_and_a_restart_replays_only_it(
         firsts = list(dict.fromkeys(got))
         assert firsts == sorted(firsts)  # per-key order, across the failure and the restart
         assert [i for i in got if i > ids[599]] == sorted(i for i in got if i > ids[599])
+    # 10 records of each key in the replayed batch, beyond the reader's stacks (depth 4): the
+    # batch headers let it drop every copy.
+    assert sorted(deduplicated(services, topic, partitions=2)) == ids
 
 
 def test_a_second_copy_of_the_query_fences_the_first(

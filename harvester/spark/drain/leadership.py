@@ -11,7 +11,8 @@ shard at once:
 - ``LeaderRevoked``: planning leaves the shard at once, and the handler (the partition is released
   when it returns) waits until the shard's last planned batch was committed, that is delivered and
   purged, bounded by :data:`REVOKE_WAIT`. So the new owner's first mark comes after this query's
-  last delivery of the shard.
+  last delivery of the shard. Meanwhile the elector keeps the other shards' terms proven
+  (:mod:`leader.hold`).
 - ``LeaderFenced`` (heartbeats lost): planning leaves the shard at once; a batch in flight still
   completes, and its purge is refused by the fence once the new owner took its term: its records
   are marked again by the new owner (at least once, with identity headers).

@@ -9,6 +9,8 @@ from harvester.core.identity import DEFAULT_PREFIX
 from harvester.postgres.identifiers import IdentifierError, TableName
 
 DEFAULT_MAX_RECORDS = 10_000
+DEFAULT_MAX_RECORD_BYTES = 1_048_576
+"""``max.request.size`` of the Java producer, and so of Spark's Kafka sink, unless it sets another."""
 
 
 class DrainConfigError(ValueError):
@@ -37,6 +39,7 @@ class DrainOptions:
     table: TableName
     shards: int
     max_records: int  # per micro-batch, over all shards (``maxRecordsPerTrigger``)
+    max_record_bytes: int  # the largest record the sink sends (its ``max.request.size``)
     header_prefix: str
     producer_name: str | None
     # Kafka properties (the ``kafka.``-prefixed options, prefix removed): with ``bootstrap.servers``
@@ -67,6 +70,7 @@ class DrainOptions:
             table=table,
             shards=_positive(lowered, "shards", 1),
             max_records=_positive(lowered, "maxRecordsPerTrigger", DEFAULT_MAX_RECORDS),
+            max_record_bytes=_positive(lowered, "maxRecordBytes", DEFAULT_MAX_RECORD_BYTES),
             header_prefix=lowered.get("headerprefix", DEFAULT_PREFIX),
             producer_name=lowered.get("producername") or None,
             kafka={k.removeprefix("kafka."): v for k, v in lowered.items() if k.startswith("kafka.")},

@@ -9,7 +9,8 @@
   epoch bump of the shard's fence row, as a reaper's leadership start does: every shard without a
   leader group, :mod:`harvester.spark.drain.leadership`), then reads the next ids of each such
   shard under that epoch (:meth:`PostgresStore.pending`), skipping those of the batch before,
-  whose purge may still be pending, and dead-lettering malformed rows.
+  whose purge may still be pending, and dead-lettering the records Kafka would refuse every time
+  (malformed rows, records too large for their topic).
 - **Reading** (``read``, on an executor) fetches the planned ids of one shard, in id order: one
   input partition per shard, so every record of a key is in one partition, in order.
 - **Committing** (``commit``, on the driver, once the sink committed the batch) purges the
@@ -40,7 +41,9 @@ from pyspark.sql.types import ArrayType, BinaryType, IntegerType, LongType, Stri
 from harvester.core.identity import IdentityHeaders
 from harvester.core.protocols import FencedError
 from harvester.core.records import Failure
+from harvester.postgres.rows import Pending
 from harvester.spark.drain.leadership import Shards, retrying
+from harvester.spark.drain.limits import RecordLimits, overhead
 from harvester.spark.drain.options import DrainConfigError, DrainOptions
 from harvester.spark.drain.placement import Placement
 
@@ -76,6 +79,7 @@ class ShardBatch(InputPartition):
 
     shard: int
     epoch: int
+    batch: int
     ids: tuple[int, ...]
     producer: str
     value_kind: str
@@ -102,6 +106,8 @@ class OutboxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._committed: dict[int, int] = {}  # shard -> the last batch number it purged
         self._skipped: dict[int, int] = {}  # shard -> a replayed batch not delivered: another leads the shard
         self._until: int | None = None  # Trigger.AvailableNow: drain the ids up to this one, then stop
+        self._limits: RecordLimits | None = None  # the largest records Kafka takes, made at the first plan
+        self._overhead = 0  # what publishing adds to a record's size (limits.overhead)
 
     def _held(self) -> Shards:
         if self._shards is None:
@@ -162,20 +168,38 @@ class OutboxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return end
 
     def _plan(self, shard: int, skip: list[int], limit: int) -> list[int]:
-        """The ids of the next records of ``shard``; malformed ones (a row no message can be made
-        of, :mod:`harvester.postgres.rows`) are moved to the dead-letter table under the fence
-        instead, as a reaper does after its attempts (the drain has one: it would fail every time)."""
+        """The ids of the next records of ``shard``. Those Kafka would refuse whatever the attempt,
+        as a reaper finds after its attempts (the drain has one: it would fail every replay), are
+        moved to the dead-letter table under the fence instead: malformed rows (no message can be
+        made of them, :mod:`harvester.postgres.rows`) and records too large for their topic
+        (:mod:`harvester.spark.drain.limits`)."""
         held = self._held()
         store = held.stores[shard]
         rows = retrying(partial(store.pending, skip, limit))
         if self._until is not None:
-            rows = [(rid, why) for rid, why in rows if rid <= self._until]
-        bad = [Failure(rid, "", "malformed", why, 1, None) for rid, why in rows if why is not None]
-        if bad:
-            retrying(partial(store.dead_letter, bad, held.term(shard)))
-            for failure in bad:
+            rows = [row for row in rows if row.id <= self._until]
+        bad = [self._refused(row) for row in rows]
+        failures = [failure for failure in bad if failure is not None]
+        if failures:
+            retrying(partial(store.dead_letter, failures, held.term(shard)))
+            for failure in failures:
                 log.error("dead_lettered", id=failure.id, reason=failure.reason, error=failure.error, shard=shard)
-        return [rid for rid, why in rows if why is None]
+        return [row.id for row, failure in zip(rows, bad, strict=True) if failure is None]
+
+    def _refused(self, row: Pending) -> Failure | None:
+        """Why Kafka would refuse ``row`` every time, as a dead letter, or None."""
+        if row.malformed is not None:
+            return Failure(row.id, "", "malformed", row.malformed, 1, None)
+        if self._limits is None:
+            kafka = self.options.kafka if self.options.elected else None
+            self._limits = RecordLimits(self.options.max_record_bytes, kafka)
+            self._overhead = overhead(IdentityHeaders(self.options.header_prefix), self._held().producer)
+        size = row.size + self._overhead
+        largest, setting = self._limits.limit(row.topic or "")
+        if size <= largest:
+            return None
+        error = f"a record of up to {size} bytes with its headers, over {largest}, the {setting}"
+        return Failure(row.id, "", "msg_size_too_large", error, 1, None)
 
     def partitions(self, start: Offset, end: Offset) -> list[ShardBatch]:
         """One input partition per shard that has records in this batch (and that this driver may
@@ -192,16 +216,23 @@ class OutboxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 # delivered: purge them if this driver has not (it died before the source's commit).
                 self._purge(shard, _shard_offset(start, shard))
                 ids = tuple(planned["ids"])
-                out.append(ShardBatch(shard, int(planned["epoch"]), ids, held.producer, held.value_kind))
+                out.append(ShardBatch(shard, int(planned["epoch"]), batch, ids, held.producer, held.value_kind))
             else:
                 self._skipped[shard] = batch
         return out
 
     def read(self, partition: InputPartition) -> Iterator[tuple[Any, ...]]:
-        """The planned records of one shard, in id order, with their identity headers (executor)."""
+        """The planned records of one shard, in id order, with their identity headers (executor).
+        Each also names its batch and the key's record before it there, by which the de-duplicating
+        reader tells a replay's copies (:mod:`harvester.client.dedup`)."""
         assert isinstance(partition, ShardBatch)
         names = IdentityHeaders(self.options.header_prefix)
-        identity = [(names.epoch, str(partition.epoch).encode()), (names.producer, partition.producer.encode())]
+        identity = [
+            (names.epoch, str(partition.epoch).encode()),
+            (names.producer, partition.producer.encode()),
+            (names.batch, str(partition.batch).encode()),
+        ]
+        before: dict[str | None, int] = {}  # key -> its last record yielded
         placement = Placement(self.options.kafka) if self.options.elected else None
         value = "kafka_value::text" if partition.value_kind == "json" else "kafka_value"
         query = sql.SQL(
@@ -221,6 +252,10 @@ class OutboxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                     if k is not None
                 ]
                 headers += [(names.id, str(rid).encode()), *identity]
+                previous = before.get(key)
+                if previous is not None:
+                    headers.append((names.previous, str(previous).encode()))
+                before[key] = rid
                 payload = raw.encode("utf-8") if isinstance(raw, str) else raw
                 yield topic, key, payload, headers, rid, placement.partition(topic, key) if placement else None
 
