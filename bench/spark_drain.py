@@ -104,7 +104,7 @@ def main() -> None:
     print("shards  reaper records/s  Spark records/s  Spark / reaper")
     with psycopg.connect(DSN, autocommit=True) as conn:
         for shards in (int(n) for n in args.shards.split(",")):
-            reaper = reaper_drain(conn, shards, 1, args.records, args.keys).rate
+            reaper = reaper_drain(conn, shards, 1, 1, args.records, args.keys).rate  # one process, one worker
             spark_rate = spark_drain(spark, conn, shards, args.records, args.keys, args.max_records)
             print(f"{shards:6d}  {reaper:16.0f}  {spark_rate:15.0f}  {spark_rate / reaper:13.2f}", flush=True)
     spark.stop()
