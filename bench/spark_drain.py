@@ -30,6 +30,8 @@ from psycopg import sql
 from pyspark.sql import SparkSession
 from shards import drain as reaper_drain
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 from examples.spark_pipeline import KAFKA_PACKAGE
 from harvester import TableName, migrate
 from harvester.postgres.migrations import ensure_shard_index
