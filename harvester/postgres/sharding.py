@@ -5,7 +5,8 @@ A shard's rows are those whose key hashes to it (:func:`harvester.core.shards.sh
 here by the same expression). The mark query of shard ``i`` asks for the rows with
 ``i <= shard_expression(N) < i + 1`` in (shard, id) order: an index on ``(shard_expression(N), id)``
 answers that by reading only shard ``i``'s entries, lowest id first, whatever the other shards hold
-(``tests/shards/test_store.py`` shows the plan, with stale statistics and with fresh ones). The
+(the store's connections plan without sorts, :data:`harvester.postgres.statements.PLANNER_OPTIONS`;
+``tests/shards/test_store.py`` shows the plan, with stale statistics and with fresh ones). The
 expression includes N, so each N has an index of its own; ``reaper migrate`` and the harvester's
 start create it (:func:`harvester.postgres.migrations.ensure_shard_index`).
 """
@@ -15,13 +16,6 @@ from __future__ import annotations
 from psycopg import sql
 
 from harvester.postgres.identifiers import TableName
-
-# The connections of a sharded store plan without sorts where another plan exists: the mark query
-# asks for its shard's rows in (shard, id) order, which only the shard's index gives unsorted. With
-# sorts allowed, statistics from before a burst (an outbox that was empty at its last ANALYZE) make
-# a bitmap scan of the whole shard plus a sort look cheap: 120 ms per mark of a 200,000-row burst
-# instead of 1 ms. The store's other statements find rows by id and sort nothing.
-SHARD_PLANNER_OPTIONS = "-c enable_sort=off"
 
 
 def shard_expression(shards: int) -> sql.Composable:

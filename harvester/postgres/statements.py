@@ -29,9 +29,23 @@ _GUARD = "WITH fence AS (SELECT 1 FROM {f} WHERE outbox_table = %s AND shard = %
 # them by the primary key, where 500 literal ids against the statistics of an outbox that was empty
 # a moment ago make a whole-table scan look cheaper (tests/engine/test_plans.py).
 _IDS = "ANY((SELECT %s::bigint[])::bigint[])"
-# Likewise the ids a mark skips: a thousand literal ids look so selective that reading the table in
-# id order until enough rows pass seems dearer than a whole-table scan and sort.
-_SKIP = "ALL((SELECT %s::bigint[])::bigint[])"
+# The ids a mark skips, by contrast, are a plain parameter: with custom plans (PLANNER_OPTIONS) the
+# array is a constant of the plan, which PostgreSQL (15 and later) hashes once per statement, so
+# each row the mark reads past costs one lookup. Behind a sub-select the array was the result of an
+# InitPlan, compared with each row id by id: a mark skipping 3,000 ids took about 65 ms on the
+# server instead of about 2 (docs/sharding.md). What the planner now sees of the ids cannot lead it
+# away from the index walk: with sorts off, only an index gives the mark's order.
+_SKIP = "ALL(%s::bigint[])"
+
+# The options of every store connection. Custom plans: a generic plan made while the outbox was
+# small (an idle outbox, before a burst) would scan the whole table on every mark and purge until
+# autoanalyze ran, and would not hash the skipped ids; a custom plan sees the table's current size
+# and the ids each time, for a fraction of a millisecond of planning. No sorts where another plan
+# exists: the mark asks for its rows in id order ((shard, id) with shards), which only the primary
+# key (the shard's index) gives unsorted, so no statistics, stale or fresh, lead the planner to a
+# scan of the whole table (shard) and a sort of it (120 ms per mark of a 200,000-row burst with the
+# statistics of an empty outbox, instead of 1 ms). No statement of the store needs to sort many rows.
+PLANNER_OPTIONS = "-c plan_cache_mode=force_custom_plan -c enable_sort=off"
 
 
 def id_array(ids: Iterable[int]) -> str:
@@ -75,9 +89,9 @@ class Statements:
         ordered: sql.Composable = sql.SQL(" ORDER BY id")
         if shards > 1:
             # A range, not an equality, over the shard and an order by (shard, id): only the shard's
-            # index yields that order without sorting, and the store's sharded connections turn sorts
-            # off (harvester.postgres.sharding), so no statistics, stale or fresh, can lead the planner
-            # to another shard's rows (a primary-key walk filtering the shard) or to sorting them all.
+            # index yields that order without sorting, and the store's connections turn sorts off
+            # (PLANNER_OPTIONS), so no statistics, stale or fresh, can lead the planner to another
+            # shard's rows (a primary-key walk filtering the shard) or to sorting them all.
             # The store sorts the few rows it reads instead of the outer ORDER BY.
             expression = shard_expression(shards)
             own = sql.SQL("{e} >= %s AND {e} < %s AND ").format(e=expression)

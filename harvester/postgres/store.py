@@ -37,8 +37,7 @@ from harvester.postgres.marks import HandedOut
 from harvester.postgres.migrations import notify_channel
 from harvester.postgres.rows import Pending
 from harvester.postgres.rows import malformed as rows_malformed
-from harvester.postgres.sharding import SHARD_PLANNER_OPTIONS
-from harvester.postgres.statements import Statements, id_array
+from harvester.postgres.statements import PLANNER_OPTIONS, Statements, id_array
 from harvester.postgres.vacuum import Vacuumer
 
 __all__ = ["FencedError", "OutboxMissingError", "PostgresStore", "ShardCountError", "StoreError"]
@@ -84,13 +83,9 @@ class PostgresStore(Fenced):
         self._producer_name = producer_name
         self._hold = hold_dead_letter_keys
         self._app = application_name
-        # The statements are prepared once and run thousands of times. A generic plan made while the
-        # outbox was small (an idle outbox, before a burst) would scan the whole table on every mark
-        # and purge until autoanalyze ran; a custom plan sees the table's current size each time, for
-        # a fraction of a millisecond of planning. Added to the DSN's own options, if it has any.
-        options = [dsn_options(dsn), "-c plan_cache_mode=force_custom_plan"]
-        if shards > 1:
-            options.append(SHARD_PLANNER_OPTIONS)
+        # The statements are prepared once and run thousands of times, each with a custom plan and
+        # without sorts (see PLANNER_OPTIONS). Added to the DSN's own options, if it has any.
+        options = [dsn_options(dsn), PLANNER_OPTIONS]
         self._options = " ".join(filter(None, options))
         # A stalled path (no answer, no reset) is noticed within statement_timeout: the server
         # cancels a statement that runs longer, TCP gives up on unacknowledged data and on a silent

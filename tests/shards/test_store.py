@@ -20,6 +20,7 @@ from harvester.core.shards import shard_of
 from harvester.postgres.identifiers import TableName
 from harvester.postgres.migrations import Migration, available, ensure, ensure_shard_index, fence_table, render
 from harvester.postgres.sharding import shard_expression, shard_index
+from harvester.postgres.statements import id_array
 from tests.engine.workload import insert
 from tests.support import ROOT, Services, create_goharvest_outbox
 
@@ -140,8 +141,12 @@ def test_the_mark_query_reads_only_its_shards_index_entries(
         shard, limit = 1, 100
         conn = store._conn()  # the store's own connection, with its planner settings
         explain = sql.SQL("EXPLAIN (ANALYZE, FORMAT JSON) ") + store._ready().statements.mark
-        skip: list[int] = []
-        found = conn.execute(explain, (outbox.qualified, 0, epoch, shard, shard + 1, skip, limit)).fetchone()
+        # The shard's first ids are handed out: the walk passes over them, each looked up in the
+        # skipped ids once they are a constant of the plan (hashed), not an InitPlan's result.
+        first = sql.SQL("SELECT id FROM {} WHERE {} = %s ORDER BY id LIMIT 10")
+        skip = [int(str(r[0])) for r in pg.execute(first.format(outbox.ident, shard_expression(shards)), (shard,))]
+        params = (outbox.qualified, 0, epoch, shard, shard + 1, id_array(skip), limit)
+        found = conn.execute(explain, params).fetchone()
         assert found is not None
         plan: dict[str, Any] = found[0][0]["Plan"]
         scans = [n for n in _nodes(plan) if n.get("Relation Name") == outbox.name]
@@ -150,10 +155,13 @@ def test_the_mark_query_reads_only_its_shards_index_entries(
         assert all("Index Cond" in n or "Recheck Cond" in n for n in scans), scans
         picking = [n for n in scans if n.get("Index Name") == shard_index(outbox, shards).name]
         assert len(picking) == 1, scans
-        # An ordered walk of the shard's own entries: none filtered out, no sort, as many as marked.
+        # An ordered walk of the shard's own entries: none filtered out but the skipped ones, no
+        # sort, as many as marked; the skip a constant array (no parameter, no sub-plan).
         assert picking[0]["Node Type"] == "Index Scan" and "Index Cond" in picking[0], picking
-        assert picking[0].get("Rows Removed by Filter", 0) == 0
+        assert picking[0].get("Rows Removed by Filter", 0) == len(skip) == 10
         assert int(picking[0]["Actual Rows"]) == limit
+        assert "'{" in picking[0]["Filter"] and "$" not in picking[0]["Filter"], picking[0]["Filter"]
+        assert conn.execute("SHOW plan_cache_mode").fetchone() == ("force_custom_plan",)
         assert not [n for n in _nodes(plan) if n["Node Type"] == "Sort"]
     finally:
         store.close()
