@@ -21,7 +21,7 @@ from psycopg import sql
 from harvester import HarvesterConfig, Limits
 from harvester.postgres import logical
 from harvester.postgres.identifiers import TableName
-from harvester.postgres.migrations import migrate
+from harvester.postgres.migrations import fence_table, migrate
 from tests.support import HarvesterFactory, PrivatePostgres, Services, free_ports, harvesters, unique
 
 
@@ -106,3 +106,13 @@ def slot_position(dsn: str, table: TableName) -> str:
         found = row.fetchone()
     assert found is not None
     return str(found[0])
+
+
+def stored_done(dsn: str, table: TableName) -> int:
+    """The log position the outbox's fence row stores done (a table-less outbox, a retention window)."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute(
+            sql.SQL("SELECT log_lsn FROM {} WHERE outbox_table = %s").format(fence_table(table).ident),
+            (table.qualified,),
+        ).fetchone()
+    return int(row[0]) if row else 0

@@ -29,9 +29,9 @@ from harvester.postgres.deadletter import replay_messages
 from harvester.postgres.identifiers import TableName
 from harvester.postgres.logical import LogSetup
 from harvester.postgres.message_store import MessageStore
-from harvester.postgres.migrations import dead_letter_table, ensure, fence_table
+from harvester.postgres.migrations import dead_letter_table, ensure
 from tests.engine.workload import check, wait_until
-from tests.log.conftest import drop_slot, slot_position
+from tests.log.conftest import drop_slot, slot_position, stored_done
 from tests.log.test_log_source import COMMITTED, DELIVERY, mark_all, slot_reader
 from tests.proc.processes import HarvesterProcess, harvester_spec
 from tests.support import HarvesterFactory, Services, harvesters, read_messages, unique
@@ -66,15 +66,6 @@ def stash(dsn: str, table: TableName, records: list[tuple[str, str, str]]) -> No
     """One committed transaction writing ``records`` (topic, key, value) as messages."""
     with psycopg.connect(dsn) as conn:
         MessageStasher(table).stash(conn, [OutboxRecord(topic=t, key=k, value=v) for t, k, v in records])
-
-
-def stored_done(dsn: str, table: TableName) -> int:
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        row = conn.execute(
-            sql.SQL("SELECT log_lsn FROM {} WHERE outbox_table = %s").format(fence_table(table).ident),
-            (table.qualified,),
-        ).fetchone()
-    return int(row[0]) if row else 0
 
 
 @pytest.fixture
