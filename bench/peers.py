@@ -21,8 +21,11 @@ outbox (goharvest's layout) and times, from that commit:
     mark-purge/reset source and with the log source (its own publication and ``pgoutput`` slot,
     created before the round's idle phase): until the last record is acknowledged by Kafka, and
     until the outbox is empty;
-  - the harvester with the log source and a 10-minute retention window (no delete within the round):
-    until the last record is acknowledged, and until the slot is confirmed past the burst;
+  - the harvester with the log source and a 2-second retention window: until the last record is
+    acknowledged, until the slot is confirmed past the burst (delivery: PostgreSQL's CPU to there),
+    and until the window's bulk delete emptied the outbox (delivery + sweep, its CPU to there; the
+    sweep runs once the stored position passed a cut taken after the burst, which an idle leader
+    stores within 10 s, then one to two windows later);
   - the harvester with a table-less outbox (the log source reading logical messages): the same N
     records written in one transaction as ``pg_logical_emit_message`` calls (the writing backend's
     CPU is left out, as the COPY's), until the last record is acknowledged, and until the slot is
@@ -34,7 +37,11 @@ and CPU per record. Relays alternate their order each round; the burst table pri
 records/s, the ratio to Debezium's rate, and CPU seconds per 1,000 records of the relay process (the
 Connect JVM; this Python process for the harvester) and of the PostgreSQL server (every backend of
 the private postmaster, Debezium's WAL sender included, minus the COPYing backend's own time during
-the COPY).
+the COPY), and that CPU's ratio to Debezium's. Autovacuum is counted the same way for every relay: a
+run within the measurement is in PostgreSQL's CPU (the notes say how many ran), the vacuum of the
+dead rows left at its end is not (the mark-purge store's own vacuums during the drain are). In the
+steady phase, the retention window's bulk deletes run within the measurement too (all but the last
+window or two's).
 """
 
 from __future__ import annotations
@@ -85,7 +92,11 @@ from harvester.postgres.message_store import MessageStore
 # table-less outbox's logical messages read from the log.
 Source = str
 MARK_PURGE, LOG, RETAIN, MESSAGES = "mark_purge", "log", "retain", "messages"
-RETENTION = 600.0  # the retention window of RETAIN, longer than any round: no bulk delete within it
+# The retention window of RETAIN: short, so that the bulk delete of the burst's rows runs within the
+# round and its cost is measured (a long window defers it past the round). Each sweep scans the
+# table: in a burst, the burst's rows are scanned a few times before they are deleted (a long
+# window scans a row about twice), so this figure is an upper bound of the sweep's cost.
+RETENTION = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,8 +104,14 @@ class Burst:
     rate: float  # records/s, commit to the last record in Kafka (readable / acknowledged)
     cpu_relay: float  # CPU s per 1,000 records: the relay process
     cpu_postgres: float  # ... and the PostgreSQL server
-    rate_empty: float | None = None  # harvester only: commit to empty outbox
+    rate_empty: float | None = None  # harvester only: commit to empty outbox (or slot confirmed)
     extra: int = 0  # records beyond N on the topic (at-least-once duplicates)
+    # A retention window: PostgreSQL CPU s per 1,000 records until the bulk delete emptied the
+    # outbox (cpu_postgres then stops at delivery: the slot confirmed past the burst), and the rate
+    # from the commit to then.
+    cpu_postgres_swept: float | None = None
+    rate_swept: float | None = None
+    autovacuums: int = 0  # autovacuum/autoanalyze runs on the outbox counted within the measurement
 
 
 GOHARVEST_DDL = """CREATE TABLE {} (
@@ -111,6 +128,18 @@ GOHARVEST_DDL = """CREATE TABLE {} (
 
 def _backend_cpu(conn: psycopg.Connection[Any]) -> float:
     return process_seconds(backend_pid(conn))
+
+
+def autovacuums(conn: psycopg.Connection[Any], table: TableName) -> int:
+    """Autovacuum and autoanalyze runs on ``table`` so far (a fresh table: those within the round).
+    The meter counts every backend of the server, so an autovacuum that runs within a relay's
+    measurement is counted in its PostgreSQL CPU, one that runs after it is not, for every relay
+    alike; this tells which ones had one."""
+    row = conn.execute(
+        "SELECT autovacuum_count + autoanalyze_count FROM pg_stat_user_tables WHERE relid = to_regclass(%s)",
+        (table.quoted,),
+    ).fetchone()
+    return int(row[0]) if row else 0
 
 
 def copy_burst(
@@ -236,6 +265,7 @@ def debezium_burst(
                 time.sleep(0.05)
             elapsed = time.time() - committed
             after, relay_after = meter.sample(), connect.cpu()
+            vacuums = autovacuums(conn, relay.table)
             if check:
                 _check_record(relay.topic)
             time.sleep(1.0)
@@ -248,6 +278,7 @@ def debezium_burst(
         (relay_after - relay_before) * scale,
         (after.postgres - before.postgres - copy_cpu) * scale,
         extra=extra,
+        autovacuums=vacuums,
     )
 
 
@@ -366,6 +397,12 @@ def harvester_burst(
             wait_confirmed(conn, relay.slot, str(row[0]))
         empty = time.time() - committed
         after = meter.sample()
+        cpu_swept = rate_swept = None
+        if relay.keeps:  # and until the window's bulk delete emptied the outbox
+            wait_empty(conn, relay.table)
+            rate_swept = records / (time.time() - committed)
+            cpu_swept = (meter.sample().postgres - before.postgres - copy_cpu) * 1000 / records
+        vacuums = autovacuums(conn, relay.table)
         if len(acked) < records:
             raise RuntimeError(f"harvester: {len(acked)} of {records} records acknowledged")
         last_ack = max(acked.values()) - committed
@@ -376,6 +413,9 @@ def harvester_burst(
         (after.own - own_after_copy) * scale,
         (after.postgres - before.postgres - copy_cpu) * scale,
         rate_empty=records / empty,
+        cpu_postgres_swept=cpu_swept,
+        rate_swept=rate_swept,
+        autovacuums=vacuums,
     )
 
 
@@ -430,7 +470,7 @@ RELAYS: dict[str, tuple[str, Source, bool]] = {
     "mark-purge-tuned": ("harvester, tuned 500 / 5000", MARK_PURGE, True),
     "log": ("harvester, log source, default limits", LOG, False),
     "log-tuned": ("harvester, log source, tuned 500 / 5000", LOG, True),
-    "log-retention": ("harvester, log source, retention 10m", RETAIN, False),
+    "log-retention": (f"harvester, log source, retention {RETENTION:.0f}s", RETAIN, False),
     "tableless": ("harvester, table-less, default limits", MESSAGES, False),
     "tableless-tuned": ("harvester, table-less, tuned 500 / 5000", MESSAGES, True),
 }
@@ -501,13 +541,14 @@ def report(results: dict[str, list[Burst]], records: int) -> None:
     def med(values: list[float]) -> float:
         return statistics.median(values)
 
-    debezium = med([b.rate for b in next(iter(results.values()))])
+    first = next(iter(results.values()))
+    debezium, debezium_pg = med([b.rate for b in first]), med([b.cpu_postgres for b in first])
     print(
         f"{'burst of ' + str(records):<44} {'records/s':>10} {'vs Debezium':>12}"
-        f" {'CPU s/1000: relay':>18} {'PostgreSQL':>11}  notes"
+        f" {'CPU s/1000: relay':>18} {'PostgreSQL':>11} {'vs Debezium':>12}  notes"
     )
     for name, bursts in results.items():
-        rate = med([b.rate for b in bursts])
+        rate, pg = med([b.rate for b in bursts]), med([b.cpu_postgres for b in bursts])
         notes = []
         empties = [b.rate_empty for b in bursts if b.rate_empty is not None]
         if empties:
@@ -515,15 +556,24 @@ def report(results: dict[str, list[Burst]], records: int) -> None:
             notes.append(f"to last ack; to {done} {med(empties):.0f} records/s")
         else:
             notes.append("to all records on the topic")
+        swept = [b.cpu_postgres_swept for b in bursts if b.cpu_postgres_swept is not None]
+        if swept:  # the delivery's figure leaves the bulk delete out: this one has it
+            swept_rate = med([b.rate_swept for b in bursts if b.rate_swept is not None])
+            notes.append(
+                f"PostgreSQL with the bulk delete (to empty outbox, {swept_rate:.0f} records/s):"
+                f" {med(swept):.3f}, {med(swept) / debezium_pg:.1f}x Debezium"
+            )
         extra = max(b.extra for b in bursts)
         if extra:
             notes.append(f"{extra} duplicates on the topic")
+        vacuums = sum(b.autovacuums for b in bursts)
+        if vacuums:
+            notes.append(f"{vacuums} autovacuum/autoanalyze runs within the measurement")
         print(
             f"{name:<44} {rate:10.0f} {rate / debezium:11.2f}x"
-            f" {med([b.cpu_relay for b in bursts]):18.3f} {med([b.cpu_postgres for b in bursts]):11.3f}"
+            f" {med([b.cpu_relay for b in bursts]):18.3f} {pg:11.3f} {pg / debezium_pg:11.1f}x"
             f"  {'; '.join(notes)}"
         )
-
 
 
 def report_steady(name: str, result: Steady) -> None:
