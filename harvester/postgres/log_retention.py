@@ -15,9 +15,14 @@ the *delivered* one. Every ``retention``, the leader deletes (one fenced stateme
 table) the rows older than the delivered cut it read one window before: a delivered row stays
 between one and two windows. A long-running transaction holds the cut back, never forward.
 
-A leader that stops cleanly deletes the rows of the latest delivered cut before it goes, so the
-switch back to mark-purge/reset republishes at most the last moments' deliveries (as the per-batch
-delete leaves the acknowledged but not yet deleted ones).
+A leader that stops cleanly deletes every row it knows delivered before it goes, with a *final*
+cut: the oldest transaction id running then and the end of the log just after, as above; it reads
+the stream on until the walsender reports having decoded past that end (a moment: the fence row's
+update that follows writes to the log), so every transaction older than the cut's id was received.
+Those the leader has not done (received, or half received, with records not acknowledged) are
+older than the oldest xid among them; every other is done. So rows older than both that xid and the
+cut's are delivered, and go; a switch back to mark-purge/reset republishes none of them. Not read
+past the end in time (a stream gone), the stop deletes only the latest delivered cut's rows.
 """
 
 from __future__ import annotations
@@ -32,6 +37,20 @@ from harvester.core.protocols import StoreError
 from harvester.core.records import MarkedRecord
 from harvester.postgres.log_position import PositionedLogStore
 from harvester.postgres.logical import LogSetup
+from harvester.postgres.replication import StreamError
+
+# How long, and in reads of how many messages, a leader that stops reads the stream on for its
+# final cut (see the module's doc).
+_FINAL_READ_SECONDS, _FINAL_READ_MESSAGES = 2.0, 5_000
+# The final cut: the oldest transaction running now, and the end of the log just after.
+_NOW = "SELECT txid_snapshot_xmin(txid_current_snapshot()), pg_wal_lsn_diff(pg_current_wal_insert_lsn(), '0/0')::bigint"
+# The lower of a cut and of the given 32-bit xids made 64-bit (against the current snapshot's xmax,
+# which no received xid is above; a wrong guess could only make one lower).
+_LOWEST = (
+    "SELECT least(%s::bigint, min(s.top - ((s.top - x) %% 4294967296 + 4294967296) %% 4294967296))"
+    " FROM (SELECT txid_snapshot_xmax(txid_current_snapshot()) AS top) AS s LEFT JOIN unnest(%s::bigint[]) AS x ON true"
+    " GROUP BY s.top"
+)
 
 # Whether a row's inserting transaction (its 32-bit xmin made 64-bit against the current snapshot's
 # xmax; a live row is less than a wraparound old) is older than the cut.
@@ -100,13 +119,34 @@ class RetainingLogStore(PositionedLogStore):
         return cur.rowcount
 
     def close(self) -> None:
-        """A leader that stops cleanly deletes what it knows delivered, window or not."""
+        """A leader that stops cleanly deletes what it knows delivered, window or not: the rows
+        older than its final cut, or else than the latest delivered cut."""
         if self._epoch:
             try:
+                now = self._run(_NOW, ())[0]
                 self._store(self._advanced, 0)  # the pending cut becomes the delivered one if reached
-                cut = self._delivered_cut()
+                cut = max(self._delivered_cut(), self._final_cut(int(now[0]), int(now[1])))
                 if cut:
                     self._delete_older(cut)
             except StoreError:
                 pass  # fenced, or the database is gone: the next leader's sweeps delete them
         super().close()
+
+    def _final_cut(self, xmin: int, lsn: int) -> int:
+        """The cut ``xmin``, taken with the end of the log at ``lsn``, lowered to the oldest
+        transaction received and not done, once the stream was read past ``lsn`` (else 0)."""
+        deadline = time.monotonic() + _FINAL_READ_SECONDS
+        stream = self._stream
+        try:
+            while stream is not None and stream.server_end < lsn and time.monotonic() < deadline:
+                stream.wait(0.1)
+                with self._slot_lock:
+                    messages = stream.read(_FINAL_READ_MESSAGES)
+                self._receive(messages)
+        except StreamError:
+            return 0
+        if stream is None or stream.server_end < lsn:
+            return 0
+        with self._state:
+            xids = self._txns.unsettled_xids()
+        return int(self._run(_LOWEST, (xmin, xids))[0][0])

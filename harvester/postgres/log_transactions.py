@@ -125,6 +125,13 @@ class Transactions:
         self._of_id[rid] = txn
         return True
 
+    def unsettled_xids(self) -> list[int]:
+        """The xids of the received transactions not all done, and of one half received."""
+        xids = [txn.xid for txn in self.kept if not txn.settled]
+        if self._open is not None:
+            xids.append(self._open_xid)
+        return xids
+
     def pending(self) -> int:
         """Records received and not done yet."""
         return sum(txn.size - len(txn.done) for txn in self.kept)

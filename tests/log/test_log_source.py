@@ -198,8 +198,8 @@ def test_failover_resumes_at_the_slot_with_nothing_lost(
 ) -> None:
     """SIGKILL the leader mid-stream, then SIGSTOP the next one past its session: each successor
     resumes where the slot stands; the paused one changes no row after the takeover. With a
-    retention window (1 s), the rows go in bulk deletes, each leader's before it is stopped, and
-    a successor resumes after the position stored done."""
+    retention window (1 s), delivered rows stay and go in bulk deletes, and a successor resumes
+    after the position stored done."""
     topic = topics(partitions=3)
     audit = install_audit(logical_dsn, log_outbox)
     group = unique("logfail")

@@ -63,3 +63,23 @@ def test_delivered_rows_stay_then_go_in_a_fenced_bulk_delete(logical_dsn: str, l
     finally:
         zombie.close()
         store.close()
+
+
+def test_a_leader_that_stops_cleanly_deletes_every_row_it_delivered(logical_dsn: str, log_outbox: TableName) -> None:
+    """Rows delivered after the latest delivered cut go too (a switch back to mark-purge/reset would
+    republish them); the rows of a transaction received and not done stay."""
+    config = HarvesterConfig(outbox_table=log_outbox.qualified)
+    store = RetainingLogStore(logical_dsn, LogSetup(log_outbox, config.slot, config.publication), 3600)
+    insert(logical_dsn, log_outbox, [("t", f"k{i}", f"k{i}:0") for i in range(10)])
+    delivered = ids_left(logical_dsn, log_outbox)
+    try:
+        store.prepare()
+        leader = uuid4()
+        store.acquire(leader)
+        store.purge([r.id for r in mark_all(store, leader, 10)])
+        insert(logical_dsn, log_outbox, [("t", f"k{i}", f"k{i}:1") for i in range(3)])
+        assert len(mark_all(store, leader, 3)) == 3  # handed out, never acknowledged
+    finally:
+        store.close()
+    left = ids_left(logical_dsn, log_outbox)
+    assert len(left) == 3 and not set(left) & set(delivered)
