@@ -1,6 +1,6 @@
 """The log source with a retention window: delivered rows stay in the table (only the fence row is
-written per batch), then go in one fenced bulk delete of the rows older than a delivered cut, and a
-fenced old leader deletes none."""
+written per batch), then go in one fenced bulk delete of the rows older than a delivered cut, a
+fenced old leader deletes none, and a leader that stops cleanly deletes every row it delivered."""
 
 from __future__ import annotations
 
