@@ -26,6 +26,7 @@ import os
 import random
 import signal
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Iterator
@@ -105,9 +106,8 @@ class Soak:
     def replace_crashed(self) -> None:
         for slot in self.slots:
             if slot.proc is not None and slot.proc.proc.poll() is not None:
-                # The last lines say why (an abort's cause is often librdkafka's own line, so all kept).
-                tail = "".join(list(slot.proc.log)[-15:]).rstrip()
-                self.crashes.append(f"{slot.proc.name} exited with {slot.proc.proc.returncode}:\n{tail}")
+                code = slot.proc.proc.returncode
+                self.crashes.append(f"{slot.proc.name} exited with {code}:\n{crash_tail(slot.proc)}")
                 self.sc.group.running.remove(slot.proc)
                 self.spawn(slot)
 
@@ -167,6 +167,20 @@ class Soak:
         slot.set_pg("pass")
         slot.kafka.set_mode("pass")
         return f"{name} {mode} for {hold:.1f}s"
+
+
+def crash_tail(proc: HarvesterProcess) -> str:
+    """What a crashed process printed last: from 15 lines before the first sign of a crash (librdkafka's
+    ``*** file:line:function: assert ... ***`` and its state dump, a C ``Assertion ... failed``, or
+    the Python stacks faulthandler prints on a fatal signal) to the end, at most 400 lines; the last
+    15 lines when there is no such sign. The whole log goes to a file named in the report."""
+    lines = list(proc.log)
+    with tempfile.NamedTemporaryFile("w", prefix=f"fault-soak-{proc.name}-", suffix=".log", delete=False) as f:
+        f.writelines(lines)
+    signs = ("*** ", "Fatal Python error")
+    marks = [i for i, line in enumerate(lines) if line.startswith(signs) or "Assertion" in line]
+    start = marks[0] - 15 if marks else len(lines) - 15
+    return "".join(lines[max(0, start, len(lines) - 400) :]).rstrip() + f"\n(whole log: {f.name})"
 
 
 def appends(sc: Scenario) -> dict[str, float]:

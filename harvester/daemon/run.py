@@ -9,6 +9,7 @@ others run), start one :class:`~harvester.daemon.outboxes.Outbox` per section, s
 from __future__ import annotations
 
 import errno
+import faulthandler
 import os
 import signal
 import sys
@@ -71,6 +72,9 @@ def run(settings: ReaperSettings, version: str, announce: Callable[[int | None],
     """
     from prometheus_client import CollectorRegistry, Gauge
 
+    # A crash inside a C library (librdkafka's assertions abort the process) prints every thread's
+    # Python stack on stderr, so that it says what the process was doing.
+    faulthandler.enable()
     sections = settings.sections
     several = len(sections) > 1
     validate(settings)

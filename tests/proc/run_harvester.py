@@ -7,6 +7,7 @@ Stops gracefully on SIGTERM and prints a final ``{"event": "exit", ...}`` line w
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import signal
 import sys
@@ -25,6 +26,7 @@ def emit(record: dict[str, Any]) -> None:
 
 
 def main() -> None:
+    faulthandler.enable()  # an abort (librdkafka's assertions) prints each thread's stack to the log
     spec = json.loads(sys.argv[1])
     session_timeout = float(spec.pop("session_timeout", 3.0))
     config = HarvesterConfig.model_validate(spec)
