@@ -1,6 +1,7 @@
 """A harvester's meter thread: every ``min_metrics_interval`` it samples the whole outbox's backlog
 (and the log source's slot) into the metrics, and reports the harvester's counters in a
-:class:`~harvester.core.events.MeterRead` event."""
+:class:`~harvester.core.events.MeterRead` event. The sample doubles as a standby's probe of its
+database (:meth:`~harvester.core.engine.Engine.probed`)."""
 
 from __future__ import annotations
 
@@ -49,8 +50,10 @@ class Meter:
         while not self._stopped.wait(self._interval):
             try:
                 backlog, age = self._store.head()
-            except StoreError:
+            except StoreError as exc:
+                self._probed(exc)
                 continue
+            self._probed(None)
             outbox.backlog.set(backlog)
             outbox.oldest_age.set(age or 0.0)
             if isinstance(self._store, LogStore):
@@ -72,3 +75,7 @@ class Meter:
                 "reset": sum(m.reset._value.get() for m in shards),
             }
             self._emit(MeterRead(stats))
+
+    def _probed(self, error: StoreError | None) -> None:
+        for engine in self._engines():
+            engine.probed(error, self._interval)

@@ -31,7 +31,7 @@ from harvester.core.events import Event, LeaderAcquired, LeaderFenced, LeaderRef
 from harvester.core.limits import Limits
 from harvester.core.metrics import HarvesterMetrics
 from harvester.core.protocols import BatchScope, FailedRecords, FencedError, MarkSource, ShardCountError, StoreError
-from harvester.core.retries import Stall, StoreRetries
+from harvester.core.retries import PROBE, Stall, StoreRetries
 from harvester.core.settle import RetryBackoff, Settler
 from leader.events import LeaderEvent
 
@@ -171,6 +171,18 @@ class Engine:
     def queued_records(self) -> int:
         """Marked records waiting behind a busy key."""
         return self._dispatcher.queued_records
+
+    def probed(self, error: StoreError | None, every: float) -> None:
+        """The harvester's periodic look at the database (its backlog sample, every ``every`` seconds)
+        came back, with ``error`` if it failed. A standby books it as the ``probe`` operation: it runs
+        no statement of its own, and one cut from its database must stall (``/healthz``) as a leader
+        does. A leader's own statements tell already."""
+        if self._state.leader_id is not None or self._state.stopping.is_set():
+            return
+        if error is None:
+            self._retries.succeeded(PROBE)
+        else:
+            self._retries.failed(PROBE, error, retry_in=every)
 
     # ------------------------------------------------------------------ leadership
 

@@ -24,7 +24,14 @@ class StoreError(Exception):
 class StoreUnreachableError(StoreError):
     """The database path failed (no connection, a connection lost, or a statement timed out), as
     opposed to a statement the database refused; a leader that sees only these for longer than
-    ``heartbeat_timeout`` yields (docs/reaper.md)."""
+    ``heartbeat_timeout`` yields (docs/reaper.md).
+
+    ``since`` is the monotonic time the failed call began, when known: a statement that waited
+    ``statementTimeout`` for an answer shows a path that has failed since it was sent."""
+
+    def __init__(self, message: str, *, since: float | None = None) -> None:
+        super().__init__(message)
+        self.since = since
 
 
 class FencedError(StoreError):

@@ -10,8 +10,11 @@ says which and why, and the reaper's ``/healthz`` turns 503. The records concern
 outbox throughout; at shutdown the retries are abandoned and the next leader marks them again.
 
 :meth:`StoreRetries.unreachable_seconds` is how long the database path has failed: since the first
-:class:`StoreUnreachableError` after the last success of any operation. The harvester's elector
-yields leadership when that exceeds ``heartbeat_timeout``, so that a process whose path works leads.
+:class:`StoreUnreachableError` after the last success of any operation, dated from when its call
+began (a statement that waited ``statementTimeout`` for an answer shows a path that has failed since
+it was sent), but not before that success. The harvester's elector yields leadership when that
+exceeds ``heartbeat_timeout``, so that a process whose path works leads: after a stall, about
+``max(statementTimeout, heartbeatTimeout)`` after the path failed.
 """
 
 from __future__ import annotations
@@ -27,6 +30,10 @@ from harvester.core.metrics import HarvesterMetrics
 from harvester.core.protocols import StoreUnreachableError
 
 log = structlog.get_logger("harvester.engine")
+
+PROBE = "probe"
+"""The operation a standby books its periodic look at the database under (it runs no other
+statement); any success clears it, since every statement goes over the same path."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,17 +71,23 @@ class StoreRetries:
         self._lock = threading.Lock()
         self._failing: dict[str, _Failing] = {}
         self._unreachable_since: float | None = None  # first path failure since the last success
+        self._last_success = float("-inf")  # monotonic time of the last success of any operation
         self._abandoned = threading.Event()
         metrics.stalled_seconds.set_function(lambda: stall.seconds if (stall := self.stalled()) else 0.0)
 
-    def failed(self, operation: str, error: BaseException, **context: object) -> float:
-        """Book a failure of ``operation`` and log it; return the seconds to wait before the next try."""
+    def failed(
+        self, operation: str, error: BaseException, *, retry_in: float | None = None, **context: object
+    ) -> float:
+        """Book a failure of ``operation`` and log it; return the seconds to wait before the next try
+        (``retry_in`` when the caller keeps its own pace, as the probe does)."""
         now = time.monotonic()
         with self._lock:
             failing = self._failing.setdefault(operation, _Failing(now))
             if isinstance(error, StoreUnreachableError) and self._unreachable_since is None:
-                self._unreachable_since = now
-            delay = min(self._ceiling, self._first * 2.0 ** min(failing.attempts, 30))
+                began = now if error.since is None else min(now, error.since)
+                self._unreachable_since = max(began, self._last_success)
+            backoff = min(self._ceiling, self._first * 2.0 ** min(failing.attempts, 30))
+            delay = backoff if retry_in is None else retry_in
             failing.attempts += 1
             failing.error = str(error)
             seconds = now - failing.since
@@ -93,16 +106,18 @@ class StoreRetries:
         return delay
 
     def succeeded(self, operation: str) -> None:
-        """``operation`` went through: its back-off and stall clock start afresh."""
+        """``operation`` went through: its back-off and stall clock start afresh, and the probe's
+        (the path works)."""
         self._unreachable_since = None  # the path works
-        if operation not in self._failing:  # the usual case, without the lock
+        self._last_success = time.monotonic()
+        if operation not in self._failing and PROBE not in self._failing:  # the usual case, without the lock
             return
         with self._lock:
-            failing = self._failing.pop(operation, None)
-        if failing is not None:
+            recovered = [(op, f) for op in {operation, PROBE} if (f := self._failing.pop(op, None)) is not None]
+        for op, failing in recovered:
             self._log.info(
                 "store_recovered",
-                operation=operation,
+                operation=op,
                 attempts=failing.attempts,
                 failing_seconds=round(time.monotonic() - failing.since, 1),
             )

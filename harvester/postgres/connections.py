@@ -7,7 +7,9 @@ failure becomes a :class:`StoreError` with libpq's or the server's reason, never
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import psycopg
@@ -41,6 +43,7 @@ class PooledConnections:
     _deadlines: Deadlines
 
     def _connect(self) -> psycopg.Connection[Any]:
+        started = time.monotonic()
         try:
             conn = psycopg.connect(
                 self._dsn,
@@ -58,7 +61,7 @@ class PooledConnections:
             # the reaper redacts secrets from everything it prints.
             lines = str(exc).strip().splitlines()
             reason = " ".join(lines[0].split()) if lines else type(exc).__name__
-            raise StoreUnreachableError(f"cannot connect to PostgreSQL: {reason}") from exc
+            raise StoreUnreachableError(f"cannot connect to PostgreSQL: {reason}", since=started) from exc
         with self._lock:
             self._connections.append(conn)
         return conn
@@ -80,21 +83,32 @@ class PooledConnections:
 
     def _execute(self, query: sql.Composed | str, params: Sequence[Any]) -> psycopg.Cursor[Any]:
         conn = self._conn()
-        with self._deadlines.guard(conn) as expired:
-            try:
-                return conn.execute(query, params, prepare=True)
-            except psycopg.Error as exc:
-                if expired.fired:
-                    self._forget(conn)
-                    raise StoreUnreachableError(
-                        f"no answer within statementTimeout ({self._deadlines.seconds:g} s): connection dropped"
-                    ) from exc
-                raise self._failed(conn, exc) from exc
+        with self._guarded(conn):
+            return conn.execute(query, params, prepare=True)
 
-    def _failed(self, conn: psycopg.Connection[Any], exc: psycopg.Error) -> StoreError:
+    @contextmanager
+    def _guarded(self, conn: psycopg.Connection[Any]) -> Iterator[None]:
+        """Run statements on ``conn`` under the deadline; a failure becomes a :class:`StoreError`,
+        one of the path dated from when the statements were sent."""
+        started = time.monotonic()
+        try:
+            with self._deadlines.guard(conn) as expired:
+                yield
+        except psycopg.Error as exc:
+            # Out of the guard: the watchdog no longer touches the connection that is closed here.
+            if expired.fired:
+                self._forget(conn)
+                raise StoreUnreachableError(
+                    f"no answer within statementTimeout ({self._deadlines.seconds:g} s): connection dropped",
+                    since=started,
+                ) from exc
+            raise self._failed(conn, exc, started) from exc
+
+    def _failed(self, conn: psycopg.Connection[Any], exc: psycopg.Error, started: float) -> StoreError:
+        """The StoreError for ``exc``, raised by a statement on ``conn`` sent at ``started``."""
         if isinstance(exc, psycopg.OperationalError):
             self._forget(conn)
-            return StoreUnreachableError(f"database error: {error_text(exc)}")
+            return StoreUnreachableError(f"database error: {error_text(exc)}", since=started)
         return StoreError(f"statement failed: {error_text(exc)}")
 
     def _run(self, query: sql.Composed | str, params: Sequence[Any]) -> list[tuple[Any, ...]]:

@@ -74,14 +74,11 @@ class Fenced(PooledConnections):
         Raises :class:`ShardCountError` when a shard's fence records another number of shards."""
         q = self._table.qualified
         conn = self._conn()
-        try:
-            with conn.transaction():
-                # One acquisition of the outbox at a time: each takes an epoch above all others.
-                conn.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (f"harvester_fence {q}",))
-                self._check_shards(conn)
-                row = conn.execute(self._fencing.acquire, (q, self._shard, self._shards, leader_id, q)).fetchone()
-        except psycopg.Error as exc:
-            raise self._failed(conn, exc) from exc
+        with self._guarded(conn), conn.transaction():
+            # One acquisition of the outbox at a time: each takes an epoch above all others.
+            conn.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (f"harvester_fence {q}",))
+            self._check_shards(conn)
+            row = conn.execute(self._fencing.acquire, (q, self._shard, self._shards, leader_id, q)).fetchone()
         assert row is not None
         self._epoch = int(row[0])
         return self._epoch
