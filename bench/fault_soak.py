@@ -2,13 +2,13 @@
 standby, three harvesters each behind its own TCP proxies, steady inserts, and a fault every
 20-40 s drawn from every kind below, in each delivery mode.
 
-    python bench/fault_soak.py --minutes 30 [--delivery both] [--rate 100] [--seed S]
+    python bench/fault_soak.py --minutes 30 [--delivery both] [--rate 100] [--seed S] [--faults K,K]
 
 Fault kinds (each once first, in random order, then at random): the leader SIGKILLed; the broker
 leading an outbox partition SIGKILLed (restarted 5-10 s later); the transaction coordinator's broker
 killed (exactly-once only); the leader group's coordinator killed; the PostgreSQL primary crashed
 and its standby promoted; the leader cut from Kafka, cut from PostgreSQL, or stalled on Kafka (each
-for 8-15 s).
+for 8-15 s). ``--faults`` draws from the kinds it names only (to replay one kind over and over).
 
 Reports per mode: records, lost, per-key order violations, duplicates read ``read_committed``,
 p50 and p99 commit-to-append latency of records committed and appended outside fault windows (a
@@ -88,8 +88,10 @@ class Slot:
 
 
 class Soak:
-    def __init__(self, cluster: KafkaCluster, pair: PgPair, slots: list[Slot], sc: Scenario, seed: int) -> None:
-        self.cluster, self.pair, self.slots, self.sc = cluster, pair, slots, sc
+    def __init__(
+        self, cluster: KafkaCluster, pair: PgPair, slots: list[Slot], sc: Scenario, seed: int, kinds: tuple[str, ...]
+    ) -> None:
+        self.cluster, self.pair, self.slots, self.sc, self.kinds = cluster, pair, slots, sc, kinds
         self.rng = random.Random(f"{seed}/faults")
         self.faults: list[Fault] = []
         self.crashes: list[str] = []
@@ -112,7 +114,8 @@ class Soak:
                 self.spawn(slot)
 
     def run(self, seconds: float, log: bool = True) -> None:
-        kinds = [k for k in KINDS if k != "kill_txn_coordinator" or self.sc.settings.delivery == "exactly_once"]
+        eos = self.sc.settings.delivery == "exactly_once"
+        kinds = [k for k in self.kinds if k != "kill_txn_coordinator" or eos]
         started, self.t0 = time.monotonic(), time.time()
         while True:
             gap = self.rng.uniform(20.0, 40.0)
@@ -246,7 +249,7 @@ def report(delivery: str, minutes: float, soak: Soak, outcome: Outcome, sc: Scen
     return "\n".join(lines), not violations
 
 
-def soak_once(delivery: str, minutes: float, rate: float, seed: int) -> bool:
+def soak_once(delivery: str, minutes: float, rate: float, seed: int, kinds: tuple[str, ...] = KINDS) -> bool:
     cluster = KafkaCluster("fault-soak", free_ports(CLUSTER_PORTS), proxied=3)
     pair = PgPair("fault-soak", free_ports(PGPAIR_PORTS))
     try:
@@ -258,7 +261,7 @@ def soak_once(delivery: str, minutes: float, rate: float, seed: int) -> bool:
             sc = stack.enter_context(
                 Scenario(s, pair.dsn, cluster.bootstrap, topic_config={"message.timestamp.type": "LogAppendTime"})
             )
-            soak = Soak(cluster, pair, slots, sc, seed)
+            soak = Soak(cluster, pair, slots, sc, seed, kinds)
             for slot in slots:
                 soak.spawn(slot)
             if sc.group.wait_leader(60.0) is None:
@@ -291,11 +294,16 @@ def main() -> None:
     parser.add_argument("--delivery", choices=[*delivery_modes(), "both"], default="both")
     parser.add_argument("--rate", type=float, default=100.0, help="records per second over all writers")
     parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--faults", default=",".join(KINDS), help="the fault kinds to draw from, comma-separated")
     ns = parser.parse_args()
+    kinds = tuple(k for k in ns.faults.split(",") if k)
+    unknown = sorted(set(kinds) - set(KINDS))
+    if unknown or not kinds:
+        parser.error(f"--faults: unknown kind {', '.join(unknown)}; choose from {', '.join(KINDS)}")
     seed = ns.seed if ns.seed is not None else random.SystemRandom().randrange(1 << 31)
     print(f"fault soak: seed {seed} (replay: --seed {seed})", flush=True)
     modes = delivery_modes() if ns.delivery == "both" else (ns.delivery,)
-    results = [soak_once(mode, ns.minutes, ns.rate, seed) for mode in modes]
+    results = [soak_once(mode, ns.minutes, ns.rate, seed, kinds) for mode in modes]
     sys.exit(0 if all(results) else 1)
 
 

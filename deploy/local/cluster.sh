@@ -115,8 +115,16 @@ listening() {
   for k in $(seq 1 "$PROXIED"); do port_open "$(proxied_port "$1" "$k")" || return 1; done
 }
 
+# Seconds a node may take to open its ports: 120 on an idle machine, times the load per core when
+# the machine is busier (at a load of 39 on 2 cores a broker took longer than 120 s), at most 900.
+# Read again on every look, so a load that rises during the start-up stretches it too.
+start_budget() {
+  awk -v cores="$(nproc 2>/dev/null || echo 1)" \
+    '{ f = $1 / cores; if (f < 1) f = 1; b = 120 * f; if (b > 900) b = 900; printf "%d\n", b }' /proc/loadavg
+}
+
 wait_node() {
-  local i=$1 deadline=$((SECONDS + 120)) tries=0
+  local i=$1 started=$SECONDS budget=120 now tries=0
   until listening "$i" && running "$i"; do
     if ! running "$i"; then
       # Its ports lie in the kernel's ephemeral range: an outgoing connection of any process may
@@ -126,7 +134,10 @@ wait_node() {
       fi
       tail -n 30 "$(node_dir "$i")/kafka.log" >&2; die "node $i exited during start-up"
     fi
-    [ $SECONDS -ge $deadline ] && die "node $i did not open its port within 120 s (log: $(node_dir "$i")/kafka.log)"
+    now=$(start_budget)
+    [ "$now" -gt "$budget" ] && budget=$now
+    [ $((SECONDS - started)) -ge "$budget" ] &&
+      die "node $i did not open its ports within $budget s (load $(cut -d' ' -f1-3 /proc/loadavg); log: $(node_dir "$i")/kafka.log)"
     sleep 0.5
   done
 }
