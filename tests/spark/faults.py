@@ -14,6 +14,9 @@ Options on top of the real ones:
   attempt of each task holds: on each executor, one task in the middle of its staging COPY, the
   others after their staging transaction committed; each leaves a file ``hold-<where>-p<partition>a<attempt>-<pid>``
   and waits for a file ``release`` (for the executor-loss test, which kills a worker meanwhile);
+- ``faultAt=read`` (a stream read): the first attempt of shard ``faultPartition``'s task of its
+  batch ``faultBatch`` yields half its records, leaves ``hold-read-p<partition>a0-<pid>`` and waits
+  for ``release`` (for the drain's executor-loss test);
 - ``faultDir``: a directory shared by driver and executors; each fault leaves a file there, which
   both proves it fired and makes a commit fault fire only once across query restarts.
 """
@@ -31,10 +34,12 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark import TaskContext
-from pyspark.sql.datasource import WriterCommitMessage
+from pyspark.sql.datasource import InputPartition, WriterCommitMessage
 from pyspark.sql.types import StructType
 
 from harvester.spark import OutboxDataSource, OutboxStreamWriter, OutboxWriter, StagedPartition
+from harvester.spark.drain.options import DrainOptions
+from harvester.spark.drain.reader import OutboxStreamReader, ShardBatch
 
 # How long a held task or commit waits at most (so that a test gone wrong cannot hang a worker).
 HOLD_SECONDS = 240.0
@@ -160,6 +165,23 @@ class FaultyStreamWriter(OutboxStreamWriter):
         self.fault.in_commit("commitAfter", batchId)
 
 
+class FaultyStreamReader(OutboxStreamReader):
+    """The drain's reader, holding one task in the middle of its shard's records."""
+
+    def __init__(self, options: DrainOptions, fault: Fault) -> None:
+        super().__init__(options)
+        self.fault = fault
+
+    def read(self, partition: InputPartition) -> Iterator[tuple[Any, ...]]:
+        """Read as usual; for ``read``, hold halfway through the configured shard batch's first attempt."""
+        assert isinstance(partition, ShardBatch)
+        hold = (self.fault.at, partition.shard, partition.batch) == ("read", self.fault.partition, self.fault.batch)
+        for n, row in enumerate(super().read(partition)):
+            if hold and n == len(partition.ids) // 2 and _task()[1] == 0:
+                self.fault.wait("read")
+            yield row
+
+
 class FaultyOutbox(OutboxDataSource):
     """``format("outbox_faulty")``: the ``outbox`` source plus the fault options."""
 
@@ -175,3 +197,7 @@ class FaultyOutbox(OutboxDataSource):
     def streamWriter(self, schema: StructType, overwrite: bool) -> FaultyStreamWriter:  # noqa: N802
         """The real streaming writer, wrapped."""
         return FaultyStreamWriter(super().streamWriter(schema, overwrite), Fault.of(self.options))
+
+    def streamReader(self, schema: StructType) -> FaultyStreamReader:  # noqa: N802
+        """The real drain, holding a read when configured to."""
+        return FaultyStreamReader(DrainOptions.parse(self.options), Fault.of(self.options))

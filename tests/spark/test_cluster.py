@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -15,13 +15,16 @@ import psycopg
 import pytest
 from psycopg import sql
 
+from examples.spark_pipeline import KAFKA_PACKAGE
+from harvester.core.identity import Identity
 from harvester.postgres.identifiers import TableName
 from harvester.postgres.migrations import migrate
 from harvester.spark.store import SinkTables, clean_stale
 from tests.spark.cluster import StandaloneCluster, kill_tree, spark_submit
 from tests.spark.test_batch import leftovers, records
 from tests.spark.test_stream import PER_FILE, write_inputs
-from tests.support import Services, unique
+from tests.spark_drain.conftest import deduplicated, preload, remaining
+from tests.support import Services, consumed_headers, delete_topics, end_offsets, read_messages, text, unique
 
 # Every driver and server is a JVM of its own: minutes on a loaded two-core machine.
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
@@ -33,6 +36,7 @@ DRIVER_SECONDS = 480.0
 # seconds on a cluster, so there are no more.
 FILES = 3
 LOST_ROWS = 8_000  # four partitions of two Arrow batches each
+DRAIN_RECORDS = 2_000  # ten micro-batches of 200 (100 per shard); shard 0's third is held
 
 
 class Driver:
@@ -104,7 +108,9 @@ class SharedDriver:
     def __init__(self, cluster: StandaloneCluster, shipped: list[Path], root: Path) -> None:
         self.inbox = root / "inbox"
         self.inbox.mkdir()
-        self.driver = Driver(cluster, shipped, "serve", {"inbox": str(self.inbox), "result": str(root / "serve.json")})
+        settings = {"inbox": str(self.inbox), "result": str(root / "serve.json")}
+        # Spark's Kafka sink, for the drain's scenario (resolved from Maven Central, as users do).
+        self.driver = Driver(cluster, shipped, "serve", settings, conf={"spark.jars.packages": KAFKA_PACKAGE})
 
     def start(self, scenario: str, config: dict[str, Any]) -> Path:
         """Hand ``scenario`` to the driver; return where its result will be."""
@@ -303,3 +309,69 @@ def test_executor_lost_mid_write_commits_every_row_once_and_nothing_of_the_lost_
     # One attempt per partition: for the lost ones, the one Spark ran again elsewhere.
     assert sorted(a.split("a")[0] for a in attempts) == ["p0", "p1", "p2", "p3"]
     assert leftovers(pg, outbox) == (0, 0)  # the lost attempts' staged rows are gone
+
+
+def held_batch(checkpoint: Path, shard: int, batch: int) -> set[int]:
+    """The ids the checkpoint's offset log planned for ``shard``'s batch number ``batch``."""
+    for planned in (checkpoint / "offsets").iterdir():
+        if planned.name.isdigit():
+            part = json.loads(planned.read_text().splitlines()[2]).get(str(shard), {})
+            if part.get("batch") == batch:
+                return set(part["ids"])
+    raise AssertionError(f"no batch {batch} of shard {shard} in {checkpoint}")
+
+
+def test_drain_loses_an_executor_mid_batch_and_delivers_every_record_once_through_the_reader(
+    spark_cluster: StandaloneCluster,
+    driver: SharedDriver,
+    services: Services,
+    pg: Conn,
+    outbox: TableName,
+    topics: Callable[..., str],
+    tmp_path: Path,
+) -> None:
+    topic, group = topics(partitions=2), unique("group")
+    ids = preload(pg, outbox, topic, DRAIN_RECORDS, keys=30)
+    settings = config(
+        services,
+        tmp_path,
+        table=outbox.qualified,
+        bootstrap=services.bootstrap,
+        group=group,
+        checkpoint=str(tmp_path / "cp"),
+    )
+    faults = Path(settings["faults"])
+    result = driver.start("drain", settings)
+    victim: int | None = None
+    try:
+        # Shard 0's task of its third batch holds halfway through its records, on one executor.
+        driver.driver.wait_for(lambda: any(faults.glob("hold-read-*")))
+        (held,) = faults.glob("hold-read-*")
+        victim = spark_cluster.worker_of(int(held.name.rsplit("-", 1)[1]))
+        assert victim is not None, held
+        planned = remaining(pg, outbox)
+        assert len(planned) < len(ids)  # batches before it were delivered and purged
+        spark_cluster.kill_worker(victim)  # the executor, its Python workers and the held read
+        (faults / "release").touch()
+        driver.finish(result)
+    finally:
+        (faults / "release").touch()
+        delete_topics(services.bootstrap, [f"{group}.neli"])
+        if victim is not None and spark_cluster.workers[victim] is None:
+            spark_cluster.start_worker(victim)
+
+    assert remaining(pg, outbox) == []  # nothing purged before the retried batch's sink committed
+    messages = read_messages(services.bootstrap, [topic], end_offsets(services.bootstrap, topic, partitions=2))
+    by_key: dict[str, list[int]] = defaultdict(list)
+    for msg in messages:
+        identity = Identity.from_headers(consumed_headers(msg))
+        assert identity is not None
+        by_key[text(msg.key())].append(identity.id)
+    every = [i for got in by_key.values() for i in got]
+    assert sorted(set(every)) == ids  # none lost
+    twice = {i for i, n in Counter(every).items() if n > 1}
+    assert twice <= held_batch(tmp_path / "cp", shard=0, batch=3)  # duplicates: only of the lost attempt's records
+    for got in by_key.values():
+        firsts = list(dict.fromkeys(got))
+        assert firsts == sorted(firsts)  # per-key order, across the lost attempt and its retry
+    assert sorted(deduplicated(services, topic, partitions=2)) == ids  # none twice through the reader
