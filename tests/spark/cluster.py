@@ -87,6 +87,19 @@ def parent_of(pid: int) -> int:
         return 0
 
 
+def executor_of(pid: int) -> int | None:
+    """The executor JVM (``CoarseGrainedExecutorBackend``) that ``pid``, one of its Python workers say,
+    runs under, or None."""
+    while pid > 1:
+        try:
+            if b"CoarseGrainedExecutorBackend" in (Path("/proc") / str(pid) / "cmdline").read_bytes():
+                return pid
+        except OSError:
+            return None
+        pid = parent_of(pid)
+    return None
+
+
 def kill_tree(pid: int) -> list[int]:
     """SIGKILL ``pid`` and its descendants at once, as when their machine dies; return them."""
     doomed = descendants(pid)

@@ -99,7 +99,7 @@ def lost(spark: SparkSession, config: Config) -> dict[str, Any]:
 
 def drain(spark: SparkSession, config: Config) -> dict[str, Any]:
     """Drain an outbox into Kafka through Spark's Kafka sink (``Trigger.AvailableNow``), one read
-    holding while the test kills its worker. Arrow batches of a few rows, so that the held task's
+    holding while the test kills its executor. Arrow batches of a few rows, so that the held task's
     first records leave its Python worker before it holds."""
     arrow = "spark.sql.execution.arrow.maxRecordsPerBatch"
     before = spark.conf.get(arrow)
