@@ -30,6 +30,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import structlog
@@ -49,7 +50,8 @@ FIRST_RESTART = 1.0
 back to the first once a worker ran that long."""
 LAST_RESTART = 30.0
 ASK_TIMEOUT = 2.0
-"""Bound on one request of the supervisor to a worker's endpoint."""
+"""Bound on one request of the supervisor to a worker's endpoint; the workers are asked at once, so
+it bounds a whole probe or scrape too, however many workers hang."""
 
 
 def as_worker(settings: ReaperSettings, worker: str) -> tuple[ReaperSettings, Path]:
@@ -157,6 +159,12 @@ class Worker:
             return 0, ""
 
 
+def ask_all(workers: list[Worker], path: str) -> list[tuple[int, str]]:
+    """:meth:`Worker.ask` of every worker at once, in the workers' order."""
+    with ThreadPoolExecutor(max_workers=max(1, len(workers)), thread_name_prefix="ask") as pool:
+        return list(pool.map(lambda w: w.ask(path), workers))
+
+
 class WorkerProbes:
     """``/healthz`` and ``/readyz`` over the workers, asked at each request."""
 
@@ -164,8 +172,7 @@ class WorkerProbes:
         self._workers = workers
 
     def _each(self, path: str) -> Iterator[tuple[Worker, int, dict[str, object]]]:
-        for w in self._workers:
-            status, body = w.ask(path)
+        for w, (status, body) in zip(self._workers, ask_all(self._workers, path), strict=True):
             try:
                 details = json.loads(body) if body else {}
             except ValueError:
@@ -200,8 +207,7 @@ class WorkerMetrics(Collector):
 
     def collect(self) -> Iterator[Metric]:
         merged: dict[str, Metric] = {}
-        for w in self._workers:
-            status, body = w.ask("/metrics")
+        for w, (status, body) in zip(self._workers, ask_all(self._workers, "/metrics"), strict=True):
             if status != 200:
                 continue
             for family in text_string_to_metric_families(body):
