@@ -73,8 +73,9 @@ def run(settings: ReaperSettings, version: str, announce: Callable[[int | None],
     from prometheus_client import CollectorRegistry, Gauge
 
     # A crash inside a C library (librdkafka's assertions abort the process) prints every thread's
-    # Python stack on stderr, so that it says what the process was doing.
-    faulthandler.enable()
+    # Python stack on stderr, so that it says what the process was doing. File descriptor 2 itself:
+    # an in-process caller may have replaced sys.stderr with an object that has none (pytest's capsys).
+    faulthandler.enable(file=2)
     sections = settings.sections
     several = len(sections) > 1
     validate(settings)
