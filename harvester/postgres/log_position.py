@@ -35,13 +35,19 @@ class PositionedLogStore(LogStore):
         self._stored = sql.SQL("SELECT log_lsn FROM {} WHERE outbox_table = %s AND shard = %s").format(self._fence_row)
 
     def _store_statement(self) -> sql.Composed:
-        """The fenced UPDATE of the fence row; parameters: (lsn, checkpoint position, *fence, epoch)."""
+        """The fenced UPDATE of the fence row; parameters: (lsn, checkpoint position, *fence, epoch).
+        ``f`` is the row before the update, ``v`` the new position."""
         return sql.SQL(
             "UPDATE {} AS f SET log_lsn = greatest(f.log_lsn, v.lsn),"
             " checkpoint_position = greatest(f.checkpoint_position, v.pos)"
-            " FROM (SELECT %s::bigint AS lsn, %s::bigint AS pos) AS v"
+            + self._also_set()
+            + " FROM (SELECT %s::bigint AS lsn, %s::bigint AS pos) AS v"
             " WHERE f.outbox_table = %s AND f.shard = %s AND f.epoch = %s"
         ).format(self._fence_row)
+
+    def _also_set(self) -> str:
+        """More assignments of the same UPDATE (``, col = …``), over ``f`` and ``v``; none here."""
+        return ""
 
     def acquire(self, leader_id: UUID) -> int:
         """As :meth:`LogStore.acquire`; the term skips what an earlier one stored done."""

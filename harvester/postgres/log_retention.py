@@ -75,21 +75,17 @@ class RetainingLogStore(PositionedLogStore):
             " DELETE FROM {t} USING s WHERE EXISTS (SELECT 1 FROM fence) AND " + _OLDER
         ).format(f=self._fence_row, t=self._table.ident)
 
-    def _store_statement(self) -> sql.Composed:
-        """As the position's, and the cut moves on: the pending one becomes the delivered one once
-        the position reaches it, and a new one is taken (the right-hand sides see the old row)."""
+    def _also_set(self) -> str:
+        """The cut moves on with the position: the pending one becomes the delivered one once the
+        position reaches it, and a new one is taken (the right-hand sides see the old row)."""
         reached = "f.log_pending_lsn <= greatest(f.log_lsn, v.lsn)"
-        return sql.SQL(
-            "UPDATE {} AS f SET log_lsn = greatest(f.log_lsn, v.lsn),"
-            " checkpoint_position = greatest(f.checkpoint_position, v.pos),"
-            " log_delivered_xmin = CASE WHEN " + reached + " THEN f.log_pending_xmin ELSE f.log_delivered_xmin END,"
+        return (
+            ", log_delivered_xmin = CASE WHEN " + reached + " THEN f.log_pending_xmin ELSE f.log_delivered_xmin END,"
             " log_pending_xmin = CASE WHEN " + reached + " THEN txid_snapshot_xmin(txid_current_snapshot())"
             " ELSE f.log_pending_xmin END,"
             " log_pending_lsn = CASE WHEN " + reached + " THEN"
             " pg_wal_lsn_diff(pg_current_wal_insert_lsn(), '0/0')::bigint ELSE f.log_pending_lsn END"
-            " FROM (SELECT %s::bigint AS lsn, %s::bigint AS pos) AS v"
-            " WHERE f.outbox_table = %s AND f.shard = %s AND f.epoch = %s"
-        ).format(self._fence_row)
+        )
 
     def acquire(self, leader_id: UUID) -> int:
         """As :meth:`PositionedLogStore.acquire`; the first sweep of the term only reads its cut."""
