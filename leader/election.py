@@ -26,6 +26,7 @@ from leader.clients import common_config, consumer_config, producer_config
 from leader.config import ElectorConfig
 from leader.events import LeaderEvent, LeaderRevoked, LeaderStatus
 from leader.hold import hold
+from leader.members import group_members
 from leader.state import NeliState, decode_heartbeat, encode_heartbeat
 from leader.topic import ensure_leader_topic
 
@@ -189,10 +190,8 @@ class NeliElector:
         """Whether the group has a member besides this one (True when that cannot be told)."""
         if self._admin is None:
             self._admin = AdminClient(common_config(self._config))
-        timeout = self._config.heartbeat_interval
         try:
-            found = self._admin.describe_consumer_groups([self._config.group_id], request_timeout=timeout)
-            return len(found[self._config.group_id].result(timeout=timeout + 1).members) > 1
+            return group_members(self._admin, self._config.group_id, self._config.heartbeat_interval) > 1
         except Exception as exc:  # a lookup that fails says nothing: yield, as the check asked
             log.info("leader_group_lookup_failed", error=str(exc))
             return True

@@ -34,9 +34,10 @@ _GROUPS = (  # path prefix -> group, longest first
     ("tests/faults/", "faults"),
     ("tests/reaper/", "reaper"),
     ("tests/compat/", "compat"),
-    ("tests/deadletter/test_poison.py", "private_kafka"),  # these three use the private_kafka broker
+    ("tests/deadletter/test_poison.py", "private_kafka"),  # these use the private_kafka broker
     ("tests/engine/test_failures.py", "private_kafka"),
     ("tests/leader/test_failover.py", "private_kafka"),
+    ("tests/leader/test_group_members.py", "private_kafka"),
 )
 
 
