@@ -95,6 +95,7 @@ class Soak:
         self.rng = random.Random(f"{seed}/faults")
         self.faults: list[Fault] = []
         self.crashes: list[str] = []
+        self.refused_starts = 0
         self.t0 = time.time()
 
     def spawn(self, slot: Slot) -> None:
@@ -107,7 +108,11 @@ class Soak:
 
     def replace_crashed(self) -> None:
         for slot in self.slots:
-            if slot.proc is not None and slot.proc.proc.poll() is not None:
+            if slot.proc is not None and slot.proc.refused_start():
+                self.refused_starts += 1  # a service under a fault refused it: started again, no crash
+                self.sc.group.running.remove(slot.proc)
+                self.spawn(slot)
+            elif slot.proc is not None and slot.proc.proc.poll() is not None:
                 code = slot.proc.proc.returncode
                 self.crashes.append(f"{slot.proc.name} exited with {code}:\n{crash_tail(slot.proc)}")
                 self.sc.group.running.remove(slot.proc)
@@ -243,6 +248,7 @@ def report(delivery: str, minutes: float, soak: Soak, outcome: Outcome, sc: Scen
         ("p50 commit-to-append, calm (ms)", f"{p50 * 1000:.0f}"),
         ("p99 commit-to-append, calm (ms)", f"{p99 * 1000:.0f}"),
         ("harvester crashes", len(soak.crashes)),
+        ("starts refused (replaced)", soak.refused_starts),
         ("verdict", "FAIL" if violations else "PASS"),
     ]
     lines += ["", *(f"{name:<34}{value!s:>14}" for name, value in rows), *(f"VIOLATION: {v}" for v in violations)]

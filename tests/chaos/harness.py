@@ -326,6 +326,7 @@ class HarvesterGroup:
         self.running: list[HarvesterProcess] = []
         self.retired: list[HarvesterProcess] = []
         self.crashes: list[str] = []
+        self.refused_starts = 0  # processes replaced because a service under a fault refused their start
 
     def spec(self, name: str) -> dict[str, Any]:
         """The run_harvester JSON spec of one process."""
@@ -366,10 +367,14 @@ class HarvesterGroup:
         return self._spawn()
 
     def replace_crashed(self) -> None:
-        """Replace any process that exited without being killed (recorded as a crash)."""
+        """Replace any process that exited without being killed (recorded as a crash, unless a
+        service under a fault refused its start, as a restarted database does)."""
         for proc in list(self.running):
             code = proc.proc.poll()
-            if code is not None:
+            if code is not None and proc.refused_start():
+                self.refused_starts += 1
+                self.replace(proc)
+            elif code is not None:
                 tail = "".join([line for line in list(proc.log) if not line.startswith("%")][-5:]).strip()
                 self.crashes.append(f"{proc.name} exited with {code}: {tail}")
                 self.replace(proc)
@@ -724,6 +729,7 @@ class ChaosReport:
     drain_seconds: float
     leader_acquisitions: int
     crashes: list[str]
+    refused_starts: int
     findings: Findings
     timeline: list[str]
     log_tails: dict[str, list[str]] = field(default_factory=dict)  # when the outbox did not drain
@@ -770,6 +776,7 @@ class ChaosReport:
             ("duplicates after DedupReader", f.dedup_left),
             ("drain time", f"{self.drain_seconds:.1f}s"),
             ("harvester crashes", len(self.crashes)),
+            ("starts refused (replaced)", self.refused_starts),
             ("verdict", "FAIL" if self.violations() else "PASS"),
         ]
         lines += ["", *(f"{name:<32}{value!s:>12}" for name, value in rows)]
@@ -847,6 +854,7 @@ def run_chaos(settings: ChaosSettings, log: Log = print) -> ChaosReport:
             drain_seconds=drain_seconds,
             leader_acquisitions=group.acquisitions(),
             crashes=group.crashes,
+            refused_starts=group.refused_starts,
             findings=findings,
             timeline=group.timeline(started_wall),
             log_tails=tails,

@@ -9,7 +9,10 @@ from typing import cast
 import pytest
 from confluent_kafka import Message
 
+from harvester.postgres.identifiers import TableName
 from tests.chaos.harness import FAULT_KINDS, ChaosReport, ChaosSettings, Fault, analyse, first_copies
+from tests.proc.processes import START_REFUSED, HarvesterProcess, harvester_spec
+from tests.support import free_ports
 
 pytestmark = pytest.mark.unit
 
@@ -72,6 +75,7 @@ def report(
         drain_seconds=1.0,
         leader_acquisitions=3,
         crashes=[],
+        refused_starts=0,
         findings=analyse(read, kept, expected, undelivered),
         timeline=[],
     )
@@ -124,3 +128,16 @@ def test_messages_without_identity_and_missing_fault_kinds_fail() -> None:
     r = report("at_least_once", messages(("a:0", 1)), {"a": 1})
     r.faults = r.faults[1:]
     assert r.violations() == [f"fault kinds never injected: ['{FAULT_KINDS[0]}']"]
+
+
+def test_a_start_the_database_refuses_is_told_from_a_crash() -> None:
+    """A harvester process started while its database is down (a restart under a fault) exits
+    with START_REFUSED, which the harnesses replace without counting a crash."""
+    port = free_ports(1)  # nothing listens there
+    dsn = f"host=127.0.0.1 port={port} user=harvester dbname=harvester connect_timeout=2"
+    spec = harvester_spec(dsn, "127.0.0.1:1", TableName("public", "outbox"), "refused", "refused-h1")
+    proc = HarvesterProcess(spec)
+    assert proc.proc.wait(60) == START_REFUSED, "".join(proc.log)
+    proc.terminate()
+    assert proc.refused_start()
+    assert "cannot connect to PostgreSQL" in next(e["error"] for e in proc.events if e["event"] == "start_refused")

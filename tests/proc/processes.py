@@ -12,6 +12,9 @@ from typing import Any
 from harvester.postgres.identifiers import TableName
 from tests.support import ROOT
 
+# run_harvester's exit code when PostgreSQL or Kafka refused its start (printed as ``start_refused``).
+START_REFUSED = 3
+
 
 class HarvesterProcess:
     """One harvester process; its JSON event lines are collected as they arrive."""
@@ -40,6 +43,10 @@ class HarvesterProcess:
                 except json.JSONDecodeError:
                     pass
             self.log.append(line)
+
+    def refused_start(self) -> bool:
+        """Whether the process exited because a service it needs refused its start."""
+        return self.proc.poll() == START_REFUSED and self.seen("start_refused")
 
     def seen(self, event: str, after: float = 0.0) -> bool:
         return any(e["event"] == event and e["t"] >= after for e in list(self.events))

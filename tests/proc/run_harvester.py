@@ -2,13 +2,17 @@
 
     python -m tests.proc.run_harvester '<json: HarvesterConfig fields + "session_timeout">'
 
-Stops gracefully on SIGTERM and prints a final ``{"event": "exit", ...}`` line with its counters.
+Stops gracefully on SIGTERM and prints a final ``{"event": "exit", ...}`` line with its counters. A
+start that PostgreSQL or Kafka refuses (a service being restarted, as ``Harvester.start`` documents)
+prints ``{"event": "start_refused", ...}`` and exits with :data:`START_REFUSED`: the harnesses start
+another process, as an orchestrator would.
 """
 
 from __future__ import annotations
 
 import faulthandler
 import json
+import os
 import signal
 import sys
 import threading
@@ -17,7 +21,10 @@ from typing import Any
 
 from harvester import Harvester, HarvesterConfig
 from harvester.core.events import Event, MeterRead
+from harvester.core.protocols import StoreUnreachableError
 from leader import ElectorConfig, NeliElector
+from leader.topic import LeaderTopicError
+from tests.proc.processes import START_REFUSED
 
 
 def emit(record: dict[str, Any]) -> None:
@@ -55,7 +62,11 @@ def main() -> None:
     made.append(h)
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
-    h.start()
+    try:
+        h.start()
+    except (StoreUnreachableError, LeaderTopicError) as exc:
+        emit({"event": "start_refused", "error": str(exc)})
+        os._exit(START_REFUSED)  # no clean stop: whatever the failed start left running ends with the process
     emit({"event": "started", "name": config.name})
     done.wait()
     h.stop(timeout=10)
