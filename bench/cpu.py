@@ -8,6 +8,7 @@ connects to is counted, not other PostgreSQL instances on the machine.
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 from dataclasses import dataclass
@@ -100,3 +101,27 @@ def per_thousand(before: CpuSample, after: CpuSample, records: int) -> tuple[flo
     """CPU seconds per 1,000 records: (this process, PostgreSQL)."""
     scale = 1000 / max(1, records)
     return (after.own - before.own) * scale, (after.postgres - before.postgres) * scale
+
+
+class CollectorTime:
+    """CPU seconds this process spent in garbage collections, and how many ran, while installed
+    (``with CollectorTime() as gc_time: ...``): what the harvester's CPU per record owes the collector."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.collections = 0
+        self._started = 0.0
+
+    def _callback(self, phase: str, _info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.process_time()
+        else:
+            self.seconds += time.process_time() - self._started
+            self.collections += 1
+
+    def __enter__(self) -> CollectorTime:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        gc.callbacks.remove(self._callback)

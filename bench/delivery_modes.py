@@ -27,6 +27,7 @@ from harvester.core.records import MarkedRecord
 from harvester.kafka.publisher import KafkaPublisher, producer_config
 from harvester.kafka.topics import ensure_topic
 from harvester.kafka.transactions import KafkaTransactionalPublisher
+from harvester.runtime import tune_garbage_collector
 from leader.events import LeaderAcquired
 
 
@@ -65,6 +66,7 @@ def start(table: TableName, limits: Limits, mode: str, acked: dict[int, float]) 
         dispatcher = exactly_once(store, transactions)
     else:
         dispatcher = at_least_once(store, factory)
+    tune_garbage_collector()  # as the reaper sets it
     engine = Engine(store, dispatcher, limits, HarvesterMetrics(), lambda e: None)
     engine.start()
     engine.on_leader_event(LeaderAcquired(uuid.uuid4()))

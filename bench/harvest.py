@@ -41,6 +41,7 @@ from harvester.core.metrics import HarvesterMetrics
 from harvester.core.protocols import DeliveryCallback
 from harvester.core.records import MarkedRecord
 from harvester.kafka.publisher import KafkaPublisher, producer_config
+from harvester.runtime import tune_garbage_collector
 from leader.events import LeaderAcquired
 
 DSN = os.environ.get(
@@ -163,7 +164,9 @@ def run_engine(
     metrics: HarvesterMetrics | None = None,
     store: PostgresStore | None = None,
 ) -> tuple[Engine, PostgresStore]:
-    """An engine leading at once over ``store`` (default: a mark-purge store of ``table``)."""
+    """An engine leading at once over ``store`` (default: a mark-purge store of ``table``), in a
+    process whose garbage collector is set as the reaper sets its own."""
+    tune_garbage_collector()
     if store is None:
         store = PostgresStore.open(DSN, table, vacuum_every=limits.vacuum_every_records)
     config = producer_config({"bootstrap.servers": BOOTSTRAP}, {})

@@ -64,7 +64,7 @@ from typing import Any
 import harvest
 import psycopg
 from confluent_kafka import Consumer, TopicPartition
-from cpu import CpuMeter, backend_pid, process_seconds
+from cpu import CollectorTime, CpuMeter, backend_pid, process_seconds
 from harvest import VALUE, fresh_outbox, fresh_topic, run_engine, stop, wait_empty
 from peer_services import (
     BOOTSTRAP,
@@ -112,6 +112,10 @@ class Burst:
     cpu_postgres_swept: float | None = None
     rate_swept: float | None = None
     autovacuums: int = 0  # autovacuum/autoanalyze runs on the outbox counted within the measurement
+    # In-process harvester: CPU s per 1,000 records spent in garbage collections (part of cpu_relay),
+    # and how many ran, from the commit to the last record.
+    gc_seconds: float | None = None
+    gc_collections: int = 0
 
 
 GOHARVEST_DDL = """CREATE TABLE {} (
@@ -389,12 +393,13 @@ def harvester_burst(
         else:
             committed, copy_cpu = emit_burst(conn, relay.prefix, relay.topic, records, keys)
         own_after_copy = time.process_time()
-        if relay.prefix is None and not relay.keeps:
-            wait_empty(conn, relay.table)
-        else:  # nothing deleted now: done once the slot is confirmed past the burst
-            row = conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()
-            assert relay.slot is not None and row is not None
-            wait_confirmed(conn, relay.slot, str(row[0]))
+        with CollectorTime() as collector:
+            if relay.prefix is None and not relay.keeps:
+                wait_empty(conn, relay.table)
+            else:  # nothing deleted now: done once the slot is confirmed past the burst
+                row = conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()
+                assert relay.slot is not None and row is not None
+                wait_confirmed(conn, relay.slot, str(row[0]))
         empty = time.time() - committed
         after = meter.sample()
         cpu_swept = rate_swept = None
@@ -416,6 +421,8 @@ def harvester_burst(
         cpu_postgres_swept=cpu_swept,
         rate_swept=rate_swept,
         autovacuums=vacuums,
+        gc_seconds=collector.seconds * scale,
+        gc_collections=collector.collections,
     )
 
 
@@ -566,6 +573,11 @@ def report(results: dict[str, list[Burst]], records: int) -> None:
         extra = max(b.extra for b in bursts)
         if extra:
             notes.append(f"{extra} duplicates on the topic")
+        collected = [b for b in bursts if b.gc_seconds is not None]
+        if collected:
+            gc_cpu = med([b.gc_seconds or 0.0 for b in collected])
+            runs = med([float(b.gc_collections) for b in collected])
+            notes.append(f"relay CPU in garbage collections {gc_cpu:.4f} ({runs:.0f} runs)")
         vacuums = sum(b.autovacuums for b in bursts)
         if vacuums:
             notes.append(f"{vacuums} autovacuum/autoanalyze runs within the measurement")

@@ -18,7 +18,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Sequence
 from uuid import UUID
 
@@ -49,8 +49,9 @@ class AtLeastOnceDispatcher:
         # Per busy key, the records waiting behind it with the monotonic time they were queued.
         self._waiting: dict[str, deque[tuple[float, MarkedRecord]]] = {}
         # How many times each id waits in those FIFOs: a delivered record looks for its re-marked
-        # copy here instead of scanning its key's FIFO (which grows with the queue per key).
-        self._waiting_ids: Counter[int] = Counter()
+        # copy here instead of scanning its key's FIFO (which grows with the queue per key). A plain
+        # dict: a Counter's deletion is a Python-level method, once per record sent from a FIFO.
+        self._waiting_ids: dict[int, int] = {}
         self._queued = 0
         # Ids purged while a mark query ran: the query may have returned them before the purge
         # committed, and dispatching them again would publish a duplicate.
@@ -147,7 +148,7 @@ class AtLeastOnceDispatcher:
                     # Includes a re-marked copy of the record in flight: it is dropped if that
                     # record completes, and is the retry if that record fails.
                     self._waiting.setdefault(key, deque()).append((time.monotonic(), record))
-                    self._waiting_ids[record.id] += 1
+                    self._waiting_ids[record.id] = self._waiting_ids.get(record.id, 0) + 1
                     self._queued += 1
                     continue
                 while len(self._in_flight) >= max_in_flight and state.current(leader_id):
@@ -241,9 +242,9 @@ class AtLeastOnceDispatcher:
         if waiting and may_send and self._state.leader_id is not None and not self._state.force_remark:
             self._queued -= 1
             follower = waiting.popleft()[1]
-            self._waiting_ids[follower.id] -= 1
-            if not self._waiting_ids[follower.id]:
-                del self._waiting_ids[follower.id]
+            left = self._waiting_ids.pop(follower.id, 1) - 1
+            if left:
+                self._waiting_ids[follower.id] = left
             self._send(follower)
         if not waiting:
             del self._waiting[record.key]

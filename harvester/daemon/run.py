@@ -25,6 +25,7 @@ from harvester.daemon.check import connect_pg, in_section, reach_kafka, validate
 from harvester.daemon.errors import FailError
 from harvester.daemon.outboxes import Outbox, OutboxLabels, Probes, in_flight, leader_in_logs
 from harvester.daemon.settings import ReaperSettings, defaulted_connections
+from harvester.runtime import tune_garbage_collector
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -76,6 +77,7 @@ def run(settings: ReaperSettings, version: str, announce: Callable[[int | None],
     # Python stack on stderr, so that it says what the process was doing. File descriptor 2 itself:
     # an in-process caller may have replaced sys.stderr with an object that has none (pytest's capsys).
     faulthandler.enable(file=2)
+    tune_garbage_collector()
     sections = settings.sections
     several = len(sections) > 1
     validate(settings)
