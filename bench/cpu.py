@@ -114,9 +114,9 @@ class CollectorTime:
 
     def _callback(self, phase: str, _info: dict[str, int]) -> None:
         if phase == "start":
-            self._started = time.process_time()
+            self._started = time.thread_time()  # the collection runs on the thread that set it off
         else:
-            self.seconds += time.process_time() - self._started
+            self.seconds += time.thread_time() - self._started
             self.collections += 1
 
     def __enter__(self) -> CollectorTime:

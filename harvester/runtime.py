@@ -6,7 +6,7 @@ CPython collects its youngest generation every 700 net allocations of container 
 older one every tenth time. A harvester keeps tens of thousands of records alive under a backlog
 (received transactions, per-key FIFOs, records in flight), so it allocates far ahead of what it
 frees: in a 200,000-record burst through the log source the collector ran about 1,300 young and
-11 full collections, 1.16 s of the process's 6.9 s of CPU, and found next to nothing (the records
+11 full collections, about 1.1 s of the process's 7 s of CPU, and found next to nothing (the records
 are freed by reference counting; they form no cycles). With the thresholds below it ran 4, for
 0.01 s. ``docs/reaper.md`` has the figures and the command.
 """
