@@ -56,8 +56,10 @@ _INVISIBLE = (
     "SELECT count(*) FROM txid_current_snapshot() AS s, unnest(%s::bigint[]) AS x WHERE NOT txid_visible_in_snapshot("
     "txid_snapshot_xmax(s) - ((txid_snapshot_xmax(s) - x) %% 4294967296 + 4294967296) %% 4294967296, s)"
 )
-# A transaction the stream sent that is not visible yet is checked again this long after.
+# A transaction the stream sent that is not visible yet is checked again this long after, twice
+# within a mark; after that, the idle engine marks again this often until it is.
 _VISIBLE_PAUSE = 0.005
+_INVISIBLE_RECHECK = 0.05
 # Text forms the decoding session writes values in: fixed, whatever the server's defaults are.
 _SESSION = "-c DateStyle=ISO -c TimeZone=UTC -c bytea_output=hex"
 
@@ -387,10 +389,18 @@ class LogStore(PostgresStore):
                     self._close_stream()
 
     def wait_for_insert(self, timeout: float) -> bool:
-        """Until the stream has something to read (or, before it started, as the mark-purge store)."""
+        """Until the stream has something to read (or, before it started, as the mark-purge store).
+        While a received transaction waits to become visible (:meth:`_visible`), at most
+        :data:`_INVISIBLE_RECHECK`: the stream may stay quiet, and the engine's idle back-off would
+        hold its records back for as long."""
         stream = self._stream
         if stream is None:
             return super().wait_for_insert(timeout)
+        with self._state:
+            waiting = self._txns.waiting
+        if waiting:
+            stream.wait(min(timeout, _INVISIBLE_RECHECK))
+            return True
         return stream.wait(timeout)
 
     def slot_bytes(self) -> tuple[int, int] | None:

@@ -349,6 +349,10 @@ def test_a_transaction_goes_out_only_once_its_rows_are_visible(logical_dsn: str,
             store._txns.kept[0].xid = int(row[0]) % 2**32
             assert store.mark(leader, 10) == []
             assert store.mark(leader, 10) == []
+            # The idle engine's wait ends soon, not after its back-off: nothing more may arrive.
+            began = time.monotonic()
+            assert store.wait_for_insert(60.0)
+            assert time.monotonic() - began < 5.0  # the server's keepalive ends the wait after about 10 s
             running.commit()
         records = mark_all(store, leader, 1)
         assert [r.value for r in records] == [b"k:0"]
