@@ -218,8 +218,6 @@ def _group(settings: ReaperSettings, timeout: float) -> tuple[list[Member], str,
     from confluent_kafka import KafkaException
     from confluent_kafka.admin import AdminClient
 
-    from leader.members import describe_group
-
     harvest = settings.harvest
     servers = harvest.base_kafka_config.get("bootstrap.servers", "?")
     quiet = logging.getLogger("reaper.status.kafka")
@@ -233,7 +231,8 @@ def _group(settings: ReaperSettings, timeout: float) -> tuple[list[Member], str,
     while True:
         left = max(1.0, deadline - time.monotonic())
         try:
-            group = describe_group(admin, harvest.group_id, left)
+            described = admin.describe_consumer_groups([harvest.group_id], request_timeout=left)[harvest.group_id]
+            group = described.result()
             break
         except KafkaException as exc:
             reason = kafka_reason(exc)
@@ -245,11 +244,13 @@ def _group(settings: ReaperSettings, timeout: float) -> tuple[list[Member], str,
             ) from None
     members = []
     for m in group.members:
-        held = sorted(p for p in m.partitions.get(harvest.topic, []) if p < harvest.shards)
+        partitions = m.assignment.topic_partitions if m.assignment is not None else []
+        held = sorted(tp.partition for tp in partitions if tp.topic == harvest.topic and tp.partition < harvest.shards)
+        leads = 0 in held
         name = m.client_id.removeprefix(_CLIENT_PREFIX)
-        members.append(Member(name=name, host=m.host.lstrip("/"), member_id=m.member_id, leads=0 in held, shards=held))
+        members.append(Member(name=name, host=m.host.lstrip("/"), member_id=m.member_id, leads=leads, shards=held))
     members.sort(key=lambda m: (not m.leads, m.name))
-    return members, group.state, _last_heartbeats(settings, quiet, deadline)
+    return members, str(group.state.name), _last_heartbeats(settings, quiet, deadline)
 
 
 def _last_heartbeats(settings: ReaperSettings, quiet: logging.Logger, deadline: float) -> dict[int, Heartbeat]:
