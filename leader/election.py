@@ -191,10 +191,13 @@ class NeliElector:
         if self._admin is None:
             self._admin = AdminClient(common_config(self._config))
         try:
-            return group_members(self._admin, self._config.group_id, self._config.heartbeat_interval) > 1
+            members = group_members(self._admin, self._config.group_id, self._config.heartbeat_interval)
         except Exception as exc:  # a lookup that fails says nothing: yield, as the check asked
             log.info("leader_group_lookup_failed", error=str(exc))
             return True
+        # This member is in the group: none found means the lookup missed the group (its coordinator
+        # still loading, say), which says nothing either.
+        return members != 1
 
     def _subscribe(self) -> None:
         assert self._consumer is not None

@@ -1,14 +1,18 @@
 """How many members a consumer group has: the check a leader makes before it yields to another.
 
-Asked with ListGroups and DescribeGroups sent to every broker (``AdminClient.list_groups``), not
-with ``describe_consumer_groups``: the latter goes through librdkafka's coordinator-request path,
-which aborts the whole process (``rd_kafka_enq_once_del_source_return: Assertion
-`eonce->refcnt > 0' failed``, librdkafka 2.16) when a request times out while the coordinator's
-broker restarts. Chaos runs hit that in both delivery modes, and a loop of such lookups aborts on
-the first restart of its broker (``tests/leader/test_group_members.py`` runs one through two).
-``list_groups`` waits on a queue of its own, which it disables on a timeout: a late answer is
-dropped. confluent-kafka marks it deprecated (it warns on each call); the warning is silenced here,
-for this one message only.
+Asked with ListGroups sent to every broker and DescribeGroups to the one that lists the group
+(``AdminClient.list_groups``), not with ``describe_consumer_groups``: the latter goes through
+librdkafka's coordinator-request path, which aborts the whole process
+(``rd_kafka_enq_once_del_source_return: Assertion `eonce->refcnt > 0' failed``, librdkafka 2.16)
+when a request times out while the coordinator's broker restarts. Chaos runs hit that in both
+delivery modes, and a loop of such lookups aborts on the first restart of its broker
+(``tests/leader/test_group_members.py`` runs one through two). ``list_groups`` waits on a queue of
+its own, which it disables on a timeout: a late answer is dropped. Its limits suit the leader's
+question, where "cannot tell" means "yield": it fails unless every broker answers, and it keeps
+the last broker's error only, so a group whose coordinator still loads can be missed (0 members).
+(``reaper status``, which must work with a broker down, keeps the admin API.) confluent-kafka marks
+``list_groups`` deprecated (it warns on each call); the warning is silenced here, for this one
+message only.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ warnings.filterwarnings("ignore", message=r"list_groups\(\) is deprecated", cate
 
 
 def group_members(admin: AdminClient, group_id: str, timeout: float) -> int:
-    """The members of ``group_id`` as its coordinator knows them (0 for an unknown group).
+    """The members of ``group_id`` as its coordinator knows them (0 for a group no broker listed).
 
     Raises :class:`confluent_kafka.KafkaException` when a broker does not answer within ``timeout``
     seconds or reports an error for the group.

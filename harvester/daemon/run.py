@@ -77,7 +77,6 @@ def run(settings: ReaperSettings, version: str, announce: Callable[[int | None],
     # Python stack on stderr, so that it says what the process was doing. File descriptor 2 itself:
     # an in-process caller may have replaced sys.stderr with an object that has none (pytest's capsys).
     faulthandler.enable(file=2)
-    tune_garbage_collector()
     sections = settings.sections
     several = len(sections) > 1
     validate(settings)
@@ -95,6 +94,7 @@ def run(settings: ReaperSettings, version: str, announce: Callable[[int | None],
             known = [_wait_for_kafka(section, index if several else None)]
             waits.append((kafka, known[0]))
         unreachable.append(known[0])
+    tune_garbage_collector()  # once the settings passed their checks: what is loaded now stays
     stop = threading.Event()
     on_event = None if several else leader_in_logs  # several terms run at once: no one leader id
     outboxes = [

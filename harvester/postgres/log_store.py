@@ -56,8 +56,8 @@ _INVISIBLE = (
     "SELECT count(*) FROM txid_current_snapshot() AS s, unnest(%s::bigint[]) AS x WHERE NOT txid_visible_in_snapshot("
     "txid_snapshot_xmax(s) - ((txid_snapshot_xmax(s) - x) %% 4294967296 + 4294967296) %% 4294967296, s)"
 )
-# A transaction the stream sent that is not visible yet is checked again this long after, twice
-# within a mark; after that, the idle engine marks again this often until it is.
+# A transaction the stream sent that is not visible yet is checked again 5 and 20 ms later within a
+# mark; after that, the idle engine marks again this often until it is.
 _VISIBLE_PAUSE = 0.005
 _INVISIBLE_RECHECK = 0.05
 # Text forms the decoding session writes values in: fixed, whatever the server's defaults are.

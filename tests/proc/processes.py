@@ -46,7 +46,10 @@ class HarvesterProcess:
 
     def refused_start(self) -> bool:
         """Whether the process exited because a service it needs refused its start."""
-        return self.proc.poll() == START_REFUSED and self.seen("start_refused")
+        if self.proc.poll() != START_REFUSED:
+            return False
+        self._reader.join(5)  # its last line may still be on its way to the reader thread
+        return self.seen("start_refused")
 
     def seen(self, event: str, after: float = 0.0) -> bool:
         return any(e["event"] == event and e["t"] >= after for e in list(self.events))
