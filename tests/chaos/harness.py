@@ -425,11 +425,11 @@ class HarvesterGroup:
             text = "".join(line for line in list(p.log) if not line.startswith("%"))
             (directory / f"{p.name}.log").write_text(text)
 
-    def log_tails(self, lines: int) -> dict[str, list[str]]:
-        """The last ``lines`` log lines of each running process, librdkafka's own lines left out."""
-        return {
-            p.name: [line.rstrip() for line in list(p.log) if not line.startswith("%")][-lines:] for p in self.running
-        }
+    def log_tails(self, lines: int, retired: bool = False) -> dict[str, list[str]]:
+        """The last ``lines`` log lines of each running process (and with ``retired`` of those that
+        ended), librdkafka's own lines left out."""
+        procs = self.running + (self.retired if retired else [])
+        return {p.name: [line.rstrip() for line in list(p.log) if not line.startswith("%")][-lines:] for p in procs}
 
     def stop(self) -> None:
         """SIGTERM every process at once (each stops gracefully), then wait for them."""

@@ -206,9 +206,14 @@ class Scenario:
         )
 
     def close(self, keep: bool = False) -> None:
-        """Stop everything; drop the tables and topics unless ``keep`` (a failed run's evidence)."""
+        """Stop everything; drop the tables and topics unless ``keep`` (a failed run's evidence, when
+        the processes' timeline and last log lines are printed too: pytest shows them with the failure)."""
         self.writers.stop()
         self.group.stop()
+        if keep:
+            print("harvester events:", *self.group.timeline(self._t0), sep="\n  ")
+            for name, tail in self.group.log_tails(30, retired=True).items():
+                print(f"last log lines of {name}:", *tail, sep="\n  ")
         if not keep:
             self.tables.drop(self.dsn)
             delete_topics(self.bootstrap, self.topics)
