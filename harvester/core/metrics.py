@@ -7,10 +7,12 @@ series without the label, as before sharding existed.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import threading
+from bisect import bisect_left
+from collections.abc import Iterable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.metrics_core import Metric
+from prometheus_client.metrics_core import HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 # Series about the whole outbox (sampled by the meter thread, which shard 0's set holds): exported
@@ -18,6 +20,39 @@ from prometheus_client.registry import Collector
 OUTBOX_WIDE = ("harvester_outbox_backlog_records", "harvester_outbox_oldest_record_age_seconds")
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class BatchHistogram(Collector):
+    """A histogram observed a batch at a time: the publish latency is observed once per delivered
+    record, and ``Histogram.observe`` (a lock and a bucket scan per call) cost about 5% of the
+    relay's CPU per record at full speed."""
+
+    def __init__(self, name: str, documentation: str, buckets: Sequence[float], registry: CollectorRegistry) -> None:
+        self._name, self._documentation = name, documentation
+        self._bounds = tuple(buckets)  # +Inf is the count
+        self._counts = [0] * (len(self._bounds) + 1)
+        self._sum = 0.0
+        self._lock = threading.Lock()
+        registry.register(self)
+
+    def observe_many(self, values: Iterable[float]) -> None:
+        """Observe each of ``values``."""
+        bounds, counts, total = self._bounds, [0] * (len(self._bounds) + 1), 0.0
+        for value in values:
+            counts[bisect_left(bounds, value)] += 1  # a bucket counts values <= its bound
+            total += value
+        with self._lock:
+            self._counts = [a + b for a, b in zip(self._counts, counts, strict=True)]
+            self._sum += total
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            counts, total = self._counts, self._sum
+        cumulative, buckets = 0, []
+        for bound, count in zip((*self._bounds, float("inf")), counts, strict=True):
+            cumulative += count
+            buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), float(cumulative)))
+        yield HistogramMetricFamily(self._name, self._documentation, buckets=buckets, sum_value=total)
 
 
 class HarvesterMetrics:
@@ -70,11 +105,11 @@ class HarvesterMetrics:
         self.mark_seconds = Histogram(
             "harvester_mark_query_seconds", "Duration of mark queries.", buckets=_LATENCY_BUCKETS, registry=r
         )
-        self.publish_latency = Histogram(
+        self.publish_latency = BatchHistogram(
             "harvester_publish_latency_seconds",
             "Time from a record's create_time to its delivery acknowledgement.",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+            _LATENCY_BUCKETS,
+            r,
         )
         self.backlog = Gauge("harvester_outbox_backlog_records", "Outbox records (id span, sampled).", registry=r)
         self.slot_lag = Gauge(

@@ -106,9 +106,10 @@ class Settler:
         if not records:
             return
         now = time.time()
-        for record in records:
-            self._metrics.publish_latency.observe(max(0.0, now - record.create_time.timestamp()))
-            self._attempts.pop(record.id, None)
+        self._metrics.publish_latency.observe_many([max(0.0, now - r.create_time.timestamp()) for r in records])
+        if self._attempts:
+            for record in records:
+                self._attempts.pop(record.id, None)
         self._metrics.purged.inc(len(records))
         self._backoff.succeeded()
 

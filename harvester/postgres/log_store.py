@@ -67,6 +67,10 @@ _SESSION = "-c DateStyle=ISO -c TimeZone=UTC -c bytea_output=hex"
 class LogStore(PostgresStore):
     """:class:`PostgresStore` whose records come from a logical replication slot."""
 
+    # A key's barrier drops at the acknowledgement: a new term streams from the slot in commit order
+    # and skips the rows already deleted, so a crash repeats a suffix of a key's records, in order.
+    release_on_ack = True
+
     def __init__(self, dsn: str, setup: LogSetup, **options: Any) -> None:
         # No vacuum while a backlog drains: it keeps the head of the id index clean for the mark
         # query, and this store reads no rows (its deletes find theirs by id); autovacuum suffices.
@@ -239,28 +243,38 @@ class LogStore(PostgresStore):
     def _fresh(self, taken: Taken) -> list[MarkedRecord]:
         names = self._names
         identity = ((names.epoch, str(self._epoch).encode()), (names.producer, self._ready().producer))
-        records = [(txn, self._record(txn, data)) for txn, data in taken]
-        gone = self._gone(records)
+        id_header = names.id
+        records = self._records(taken)
+        gone = self._gone(taken, records)
         out: list[MarkedRecord] = []
         with self._state:
-            for txn, record in records:
-                if record.id in gone:
-                    txn.done.add(record.id)
-                if self._txns.handed_out(txn, record.id):
-                    record.headers += ((names.id, str(record.id).encode()), *identity)
+            handed_out = self._txns.handed_out
+            for (txn, _), record in zip(taken, records, strict=True):
+                rid = record.id
+                if rid in gone:
+                    txn.done.add(rid)
+                if handed_out(txn, rid):
+                    record.headers += ((id_header, str(rid).encode()), *identity)
                     out.append(record)
         return out
 
-    def _record(self, txn: Transaction, data: bytes) -> MarkedRecord:
-        """The record of an outbox message (an Insert), before the identity headers."""
-        assert txn.columns is not None  # checked as the transaction came in
-        return outbox_record(pgoutput.insert_values(data), txn.columns, self._ready().columns.limits.value_kind)
+    def _records(self, taken: Taken) -> list[MarkedRecord]:
+        """The records of outbox messages (Inserts), before the identity headers."""
+        kind = self._ready().columns.limits.value_kind
+        out: list[MarkedRecord] = []
+        for txn, data in taken:
+            assert txn.columns is not None  # checked as the transaction came in
+            out.append(outbox_record(data, txn.columns, kind))
+        return out
 
-    def _gone(self, records: list[tuple[Transaction, MarkedRecord]]) -> set[int]:
+    def _gone(self, taken: Taken, records: list[MarkedRecord]) -> set[int]:
         """The ids of ``records`` an earlier term delivered and deleted, as the table says (again,
         they would be duplicates a de-duplicating reader may miss, their key having moved on)."""
-        earlier = [record.id for txn, record in records if txn.end_lsn <= self._term_lsn]
-        return set(earlier) - self._existing(earlier) if earlier else set()
+        if not taken or taken[0][0].end_lsn > self._term_lsn:
+            return set()  # commit order: none of them committed before this term
+        term = self._term_lsn
+        earlier = [record.id for (txn, _), record in zip(taken, records, strict=True) if txn.end_lsn <= term]
+        return set(earlier) - self._existing(earlier)
 
     def _existing(self, ids: list[int]) -> set[int]:
         assert self._present is not None

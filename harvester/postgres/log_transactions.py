@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 from uuid import UUID
 
 from harvester.core.protocols import StoreError
@@ -166,7 +167,7 @@ class Transactions:
                     self._received_upto = message.end_lsn
                     txn = Transaction(message.end_lsn, xid, self.columns, inserts, commit_time=when)
                     self.kept.append(txn)
-                    self._buffer.extend((txn, d) for d in inserts)
+                    self._buffer.extend(zip(repeat(txn), inserts))
                 inserts = None
         self._open, self._open_xid, self._open_time = inserts, xid, when
 

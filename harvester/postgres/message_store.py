@@ -65,6 +65,9 @@ class MessageStore(PositionedLogStore):
 
     # ------------------------------------------------------------------ reading
 
+    def _records(self, taken: Taken) -> list[MarkedRecord]:
+        return [self._record(txn, data) for txn, data in taken]
+
     def _record(self, txn: Transaction, data: bytes) -> MarkedRecord:
         rid, payload = pgoutput.logical_message(data, len(self._prefix))
         created = _EPOCH_2000 + timedelta(microseconds=txn.commit_time)
@@ -75,7 +78,7 @@ class MessageStore(PositionedLogStore):
         pairs: list[tuple[str, str | bytes | None]] = [(k, v.encode("utf-8")) for k, v in headers]
         return MarkedRecord(rid, created, topic, key, value, pairs)
 
-    def _gone(self, records: list[tuple[Transaction, MarkedRecord]]) -> set[int]:
+    def _gone(self, taken: Taken, records: list[MarkedRecord]) -> set[int]:
         """None: a new term skips what an earlier one stored done (see :meth:`acquire`)."""
         return set()
 

@@ -48,7 +48,7 @@ class Relation:
 @dataclass(frozen=True, slots=True)
 class Insert:
     relation: int
-    values: tuple[bytes | None, ...]  # text form (UTF-8), None for NULL, in the Relation's column order
+    values: list[bytes | None]  # text form (UTF-8), None for NULL, in the Relation's column order
 
 
 Message = Begin | Commit | Relation | Insert
@@ -59,11 +59,11 @@ def _cstring(data: bytes, at: int) -> tuple[str, int]:
     return data[at:end].decode("utf-8"), end + 1
 
 
-def _tuple(data: bytes, at: int) -> tuple[bytes | None, ...]:
+def _tuple(data: bytes, at: int, columns: int = 0xFFFF) -> list[bytes | None]:
     (count,) = _U16.unpack_from(data, at)
     at += 2
     values: list[bytes | None] = []
-    for _ in range(count):
+    for _ in range(min(count, columns)):
         kind = data[at]
         at += 1
         if kind == 0x74:  # 't': text
@@ -75,14 +75,14 @@ def _tuple(data: bytes, at: int) -> tuple[bytes | None, ...]:
             values.append(None)
         else:  # 'u' (an unchanged TOAST value) never occurs in an insert; 'b' only when asked for binary
             raise ProtocolError(f"unexpected column kind {chr(kind)!r} in an insert")
-    return tuple(values)
+    return values
 
 
-def insert_values(data: bytes) -> tuple[bytes | None, ...]:
-    """The new tuple of an Insert message (``data[:1] == b"I"``)."""
-    if data[5:6] != b"N":
+def insert_values(data: bytes, columns: int = 0xFFFF) -> list[bytes | None]:
+    """The new tuple of an Insert message (``data[:1] == b"I"``), or its first ``columns`` values."""
+    if data[5] != 0x4E:  # 'N'
         raise ProtocolError("an insert without its new tuple")
-    return _tuple(data, 6)
+    return _tuple(data, 6, columns)
 
 
 def parse(data: bytes) -> Message | None:

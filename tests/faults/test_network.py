@@ -120,9 +120,7 @@ def test_leader_cut_from_postgres_yields_to_one_that_reaches_it(services: Servic
     target = (str(pg.get("host", "127.0.0.1")), int(str(pg.get("port") or 5432)))
     with (
         Proxy(target) as proxy,
-        Scenario(
-            s, services.pg_dsn, services.bootstrap, max_in_flight_records=window, statement_timeout="2s"
-        ) as sc,
+        Scenario(s, services.pg_dsn, services.bootstrap, max_in_flight_records=window, statement_timeout="2s") as sc,
     ):
         proxied = make_conninfo(services.pg_dsn, host="127.0.0.1", port=proxy.port)
         cut_off = sc.spawn_leader("cut-pg-a", dsn=proxied)

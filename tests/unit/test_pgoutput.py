@@ -18,7 +18,8 @@ def test_relation_insert_and_commit() -> None:
     )  # fmt: skip
     assert pgoutput.parse(relation) == pgoutput.Relation(42, "s", "outbox", ("id", "kafka_key"))
     insert = b"I" + struct.pack("!I", 42) + b"N" + struct.pack("!H", 2) + b"t" + struct.pack("!i", 1) + b"7n"
-    assert pgoutput.parse(insert) == pgoutput.Insert(42, (b"7", None))
+    assert pgoutput.parse(insert) == pgoutput.Insert(42, [b"7", None])
+    assert pgoutput.insert_values(insert, 1) == [b"7"]  # only the columns asked for
     commit = b"C\0" + struct.pack("!QQq", 0x10, 0x1_0000_0020, 0)
     assert pgoutput.parse(commit) == pgoutput.Commit(0x10, 0x1_0000_0020)
     assert pgoutput.parse(b"D" + b"\0" * 8) is None  # deletes are not the log source's business
