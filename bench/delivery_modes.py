@@ -22,8 +22,7 @@ from harvester.core.at_least_once import at_least_once
 from harvester.core.dispatch import DispatcherFactory
 from harvester.core.exactly_once import exactly_once
 from harvester.core.metrics import HarvesterMetrics
-from harvester.core.protocols import DeliveryCallback
-from harvester.core.records import MarkedRecord
+from harvester.core.protocols import DeliveryCallback, DeliveryReport
 from harvester.kafka.publisher import KafkaPublisher, producer_config
 from harvester.kafka.topics import ensure_topic
 from harvester.kafka.transactions import KafkaTransactionalPublisher
@@ -52,10 +51,10 @@ def start(table: TableName, limits: Limits, mode: str, acked: dict[int, float]) 
     dispatcher: DispatcherFactory
 
     def factory(cb: DeliveryCallback) -> KafkaPublisher:
-        def timed(record: MarkedRecord, error: Exception | None) -> None:
-            if error is None:
-                acked[record.id] = time.time()
-            cb(record, error)
+        def timed(report: DeliveryReport) -> None:
+            if report[1] is None:
+                acked[report[0].id] = time.time()
+            cb(report)
 
         return KafkaPublisher(config, timed)
 

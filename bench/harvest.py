@@ -38,8 +38,7 @@ from psycopg import sql
 from harvester import Engine, Limits, PostgresStore, TableName, migrate
 from harvester.core.at_least_once import at_least_once
 from harvester.core.metrics import HarvesterMetrics
-from harvester.core.protocols import DeliveryCallback
-from harvester.core.records import MarkedRecord
+from harvester.core.protocols import DeliveryCallback, DeliveryReport
 from harvester.kafka.publisher import KafkaPublisher, producer_config
 from harvester.runtime import tune_garbage_collector
 from leader.events import LeaderAcquired
@@ -149,10 +148,10 @@ class TimedPublisher(KafkaPublisher):
     """Records each record's acknowledgement time, for end-to-end latency."""
 
     def __init__(self, config: dict[str, Any], callback: DeliveryCallback, acked: dict[int, float]) -> None:
-        def timed(record: MarkedRecord, error: Exception | None) -> None:
-            if error is None:
-                acked[record.id] = time.time()
-            callback(record, error)
+        def timed(report: DeliveryReport) -> None:
+            if report[1] is None:
+                acked[report[0].id] = time.time()
+            callback(report)
 
         super().__init__(config, timed)
 

@@ -33,14 +33,14 @@ import structlog
 
 from harvester.core.dispatch import Context, Dispatcher, DispatcherFactory, worker
 from harvester.core.failures import MalformedRecordError
-from harvester.core.protocols import PublisherFactory, Purger
+from harvester.core.protocols import DeliveryReport, PublisherFactory, Purger
 from harvester.core.records import MarkedRecord
 
 log = structlog.get_logger("harvester.engine")
 
 _COMPLETION_BATCH = 5000
 
-_Report = tuple[MarkedRecord, Exception | None]
+_Report = DeliveryReport
 # Acknowledged batches one purge takes at most (records), when several wait.
 _PURGE_BATCH = 20_000
 
@@ -70,7 +70,7 @@ class AtLeastOnceDispatcher:
         self._next_queue_check = 0.0
         # Delivery reports; None tells the completion thread to exit.
         self._acks: queue.SimpleQueue[_Report | None] = queue.SimpleQueue()
-        self._publisher = publisher(self._on_delivery)
+        self._publisher = publisher(self._acks.put_nowait)
         self._threads = [worker(self._completion_loop, "harvester-complete", context.labels)]
         # With release_on_ack: completed batches for the purge thread, and how many of their
         # records are acknowledged and not purged yet (guarded by state.cond).
@@ -192,9 +192,6 @@ class AtLeastOnceDispatcher:
 
     # ------------------------------------------------------------------ completion
 
-    def _on_delivery(self, record: MarkedRecord, error: Exception | None) -> None:
-        self._acks.put_nowait((record, error))
-
     def _completion_loop(self) -> None:
         while True:
             first = self._acks.get()
@@ -271,7 +268,8 @@ class AtLeastOnceDispatcher:
                 acknowledged += 1
                 self._in_flight.pop(record.id, None)
                 self._busy.discard(record.key)
-                self._release(record, delivered=True, may_send=may_send)
+                if record.key in self._waiting:
+                    self._release(record, delivered=True, may_send=may_send)
             self._unpurged += acknowledged
             metrics.in_flight.set(len(self._in_flight))
             metrics.queued.set(self._queued)

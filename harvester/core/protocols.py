@@ -108,7 +108,10 @@ class CheckpointStore(Protocol):
         ...
 
 
-DeliveryCallback = Callable[[MarkedRecord, Exception | None], None]
+# A record and its delivery's error (None: Kafka acknowledged it). One argument, so that a queue's
+# put_nowait can take the reports: the callback runs once per record.
+DeliveryReport = tuple[MarkedRecord, Exception | None]
+DeliveryCallback = Callable[[DeliveryReport], None]
 
 
 class Publisher(Protocol):

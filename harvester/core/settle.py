@@ -59,6 +59,19 @@ class RetryBackoff:
         return self._resume_at - time.monotonic()
 
 
+def _latencies(records: Sequence[MarkedRecord]) -> list[float]:
+    """Seconds from each record's create_time to now; records in a row with the same create_time
+    object (the log source shares one per transaction) convert it once."""
+    now, latency, out = time.time(), 0.0, []
+    created: datetime | None = None
+    for record in records:
+        if record.create_time is not created:
+            created = record.create_time
+            latency = max(0.0, now - created.timestamp())
+        out.append(latency)
+    return out
+
+
 class Settler:
     """Books delivered and failed records in the store, retrying through database errors."""
 
@@ -105,8 +118,7 @@ class Settler:
         """Account for purged records: metrics, and the end of any retry back-off."""
         if not records:
             return
-        now = time.time()
-        self._metrics.publish_latency.observe_many([max(0.0, now - r.create_time.timestamp()) for r in records])
+        self._metrics.publish_latency.observe_many(_latencies(records))
         if self._attempts:
             for record in records:
                 self._attempts.pop(record.id, None)

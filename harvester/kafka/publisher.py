@@ -76,7 +76,7 @@ class KafkaPublisher:
         callback = self._on_delivery
 
         def report(err: KafkaError | None, _msg: Message) -> None:
-            callback(record, None if err is None else DeliveryError(err))
+            callback((record, None if err is None else DeliveryError(err)))
 
         while True:
             try:
@@ -92,7 +92,7 @@ class KafkaPublisher:
                 # librdkafka's local queue is full: the poll thread drains it as acks arrive.
                 time.sleep(0.005)
             except KafkaException as exc:
-                callback(record, DeliveryError(exc.args[0]))
+                callback((record, DeliveryError(exc.args[0])))
                 return
 
     def flush(self, timeout: float) -> int:

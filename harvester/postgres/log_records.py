@@ -24,6 +24,9 @@ class Columns:
         except KeyError as exc:
             raise StoreError(f"the published outbox has no column {exc.args[0]}") from None
         self.needed = 1 + max(self.id, self.time, self.topic, self.key, self.value, self.hkeys, self.hvalues)
+        # The last create_time parsed, as text and as parsed: the rows of one transaction usually
+        # share it (DEFAULT now()). Only the mark thread decodes, so no lock.
+        self.last_time: tuple[bytes, datetime] = (b"", datetime.now(UTC))
 
 
 def outbox_record(data: bytes, c: Columns, kind: str) -> MarkedRecord:
@@ -45,10 +48,15 @@ def outbox_record(data: bytes, c: Columns, kind: str) -> MarkedRecord:
     key = values[c.key]
     if key is None:
         why = rows.malformed(None, [], [])
-    created = values[c.time]
+    created, (last, when) = values[c.time], c.last_time
+    if not created:
+        when = datetime.now(UTC)
+    elif created != last:
+        when = datetime.fromisoformat(created.decode())
+        c.last_time = (created, when)
     return MarkedRecord(
         int(values[c.id] or 0),
-        datetime.fromisoformat(created.decode()) if created else datetime.now(UTC),
+        when,
         (values[c.topic] or b"").decode(),
         key.decode() if key is not None else "",
         value,

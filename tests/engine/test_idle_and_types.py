@@ -15,7 +15,7 @@ from harvester import Engine, Harvester, Limits, OutboxRecord, PostgresStore, St
 from harvester.core.at_least_once import at_least_once
 from harvester.core.identity import Identity
 from harvester.core.metrics import HarvesterMetrics
-from harvester.core.protocols import DeliveryCallback
+from harvester.core.protocols import DeliveryCallback, DeliveryReport
 from harvester.core.records import MarkedRecord
 from harvester.kafka.publisher import KafkaPublisher, producer_config
 from harvester.postgres.identifiers import TableName
@@ -33,10 +33,10 @@ class CountingPublisher(KafkaPublisher):
         self.peak = 0
         self.lock = threading.Lock()
 
-        def counted(record: MarkedRecord, error: Exception | None) -> None:
+        def counted(report: DeliveryReport) -> None:
             with self.lock:
                 self.outstanding -= 1
-            callback(record, error)
+            callback(report)
 
         super().__init__(config, counted)
 

@@ -129,7 +129,7 @@ class Acker:
         wait_for(lambda: len(self.pub.sent) > self.done)
         record = self.pub.sent[self.done]
         self.done += 1
-        self.pub.callback(record, error)
+        self.pub.callback((record, error))
         return record
 
 
