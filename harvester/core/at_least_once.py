@@ -283,7 +283,7 @@ class AtLeastOnceDispatcher:
             first = self._purges.get()
             if first is None:
                 return
-            items = first
+            items = list(first)
             while len(items) < _PURGE_BATCH:
                 try:
                     more = self._purges.get_nowait()
@@ -292,7 +292,7 @@ class AtLeastOnceDispatcher:
                 if more is None:
                     self._purges.put_nowait(None)
                     break
-                items = items + more
+                items += more
             acknowledged = sum(1 for _, err in items if err is None)
             try:
                 self._purge(items)
