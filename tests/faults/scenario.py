@@ -120,6 +120,22 @@ class Scenario:
         """The harvesters' election group."""
         return str(self.group.spec("any")["leader_group_id"])
 
+    def wait_group(self, members: int, timeout: float = 60.0) -> None:
+        """Until the election group is stable with ``members`` members. A path cut while a new
+        member's join still rebalances the group can leave the cut member's rejoin pending for the
+        rebalance timeout (max.poll.interval, 300 s): a test of the failover cuts a settled group."""
+        admin = AdminClient({"bootstrap.servers": self.bootstrap})
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                found = [g for g in admin.list_groups(self.leader_group, timeout=5) if g.id == self.leader_group]
+            except KafkaException:
+                found = []
+            if found and found[0].state == "Stable" and len(found[0].members) == members:
+                return
+            time.sleep(0.2)
+        raise RuntimeError(f"the election group did not settle with {members} members in {timeout:.0f} s")
+
     def spawn(self, name: str, *, dsn: str | None = None, bootstrap: str | None = None) -> HarvesterProcess:
         """Start a harvester process, on its own paths if given."""
         spec = self.group.spec(name)

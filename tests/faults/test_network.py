@@ -90,6 +90,7 @@ def test_leader_cut_from_kafka_yields_and_is_fenced(services: Services, whole_cl
     with whole_cluster.proxied() as proxies, Scenario(s, services.pg_dsn, whole_cluster.bootstrap) as sc:
         cut_off = sc.spawn_leader("cut-kafka-a", bootstrap=whole_cluster.proxied_bootstrap())
         other = sc.spawn("cut-kafka-b")
+        sc.wait_group(2)
         sc.writers.start()
         sc.wait_published(150)
         cut = time.time()
