@@ -100,6 +100,11 @@ class Transactions:
         return not self.kept and self._open is None
 
     @property
+    def receiving(self) -> bool:
+        """A transaction is half received: its Begin came, its Commit not yet."""
+        return self._open is not None
+
+    @property
     def waiting(self) -> int:
         """Records received and not handed out in this pass."""
         return len(self._buffer)

@@ -249,6 +249,28 @@ def test_failover_resumes_at_the_slot_with_nothing_lost(
         assert verdict.duplicates == 0
 
 
+def test_a_large_transaction_comes_in_without_a_mark_per_read(
+    logical_dsn: str, log_outbox: TableName, topics: Callable[..., str], make_log_harvester: HarvesterFactory
+) -> None:
+    """The walsender sends a large transaction a few messages at a time; the leader waits for the
+    rest of it in the read instead of ending the mark empty at each (one empty mark per read made
+    about one mark per 4 records, a busy loop beside the walsender)."""
+    topic, records = topics(), 50_000
+    h = make_log_harvester()
+    marks = h.metrics.registry.get_sample_value
+    wait_until(lambda: (marks("harvester_mark_query_seconds_count") or 0) > 0)
+    before = marks("harvester_mark_query_seconds_count") or 0
+    with psycopg.connect(logical_dsn) as conn, conn.cursor() as cur:
+        columns = sql.SQL("COPY {} (kafka_topic, kafka_key, kafka_value) FROM STDIN").format(log_outbox.ident)
+        with cur.copy(columns) as copy:
+            for i in range(records):
+                copy.write_row((topic, f"k{i % 100}", "v"))
+    assert wait_drained(logical_dsn, log_outbox, timeout=120) == 0
+    assert h.metrics.purged._value.get() >= records
+    # About one mark per handed-out batch (hundreds of records) and the idle back-off's.
+    assert (marks("harvester_mark_query_seconds_count") or 0) - before < records / 50
+
+
 def test_an_idle_outbox_lets_the_slot_move_past_other_tables_writes(
     services: Services,
     logical_dsn: str,
