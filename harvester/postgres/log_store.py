@@ -29,7 +29,7 @@ from harvester.core.protocols import StoreError
 from harvester.core.records import Failure, MarkedRecord
 from harvester.postgres import logical, pgoutput
 from harvester.postgres.log_records import outbox_record
-from harvester.postgres.log_transactions import Taken, Transaction, Transactions
+from harvester.postgres.log_transactions import Taken, Transaction, Transactions, reached
 from harvester.postgres.logical import LogSetup
 from harvester.postgres.migrations import fence_table
 from harvester.postgres.replication import SLOT_IN_USE, LogicalStream, StreamError
@@ -43,6 +43,8 @@ _IDLE_CONFIRM_SECONDS = 10.0
 # Read on while fewer records than this wait in the buffer, and at least this often in any case.
 _READ_AHEAD = 20_000
 _READ_SECONDS = 1.0
+# A transaction still coming hands out what arrived after this long (it may come slowly).
+_TRICKLE_SECONDS = 0.02
 # A status update at least this often, whatever else happens, within the walsender's timeout, which
 # the stream sets (PostgreSQL 12+; the default is 60 s).
 _STATUS_SECONDS = 10.0
@@ -87,9 +89,9 @@ class LogStore(PostgresStore):
         self._advanced = 0  # the position confirmed to the server (or to confirm on the next stream)
         self._term_lsn = 0  # the end of the log when this term began
         self._present: sql.Composed | None = None
-        # Exactly-once: (checkpoint position, end LSN of its last transaction) of purged batches
-        # whose position is not stored yet.
-        self._batches: deque[tuple[int, int]] = deque()
+        # Exactly-once: (checkpoint position, its records' transactions) of purged batches whose
+        # position is not stored yet.
+        self._batches: deque[tuple[int, list[Transaction]]] = deque()
         self._next_idle_confirm = 0.0  # monotonic time (mark thread only)
         self._next_read = 0.0  # ... and the next read while records wait in the buffer
         self._takeover: sql.Composed | None = None
@@ -194,7 +196,7 @@ class LogStore(PostgresStore):
             self._txns.start_pass(leader_id)
             waiting = self._txns.waiting
         if not waiting:
-            self._read()
+            self._read(limit)
         elif waiting < _READ_AHEAD or time.monotonic() > self._next_read:
             self._read_some()  # ahead while records go out; and the server's keepalives answered
         self._report_alive()
@@ -270,10 +272,11 @@ class LogStore(PostgresStore):
     def _gone(self, taken: Taken, records: list[MarkedRecord]) -> set[int]:
         """The ids of ``records`` an earlier term delivered and deleted, as the table says (again,
         they would be duplicates a de-duplicating reader may miss, their key having moved on)."""
-        if not taken or taken[0][0].end_lsn > self._term_lsn:
+        # By the commit record's start, known from the Begin: a superset of those ending before it.
+        if not taken or taken[0][0].commit_lsn > self._term_lsn:
             return set()  # commit order: none of them committed before this term
         term = self._term_lsn
-        earlier = [record.id for (txn, _), record in zip(taken, records, strict=True) if txn.end_lsn <= term]
+        earlier = [record.id for (txn, _), record in zip(taken, records, strict=True) if txn.commit_lsn <= term]
         return set(earlier) - self._existing(earlier)
 
     def _existing(self, ids: list[int]) -> set[int]:
@@ -308,14 +311,16 @@ class LogStore(PostgresStore):
                 return
         self._receive(messages)
 
-    def _read(self) -> None:
-        """Receive what the stream has, until a transaction with outbox inserts is complete or
-        nothing more has arrived. While a transaction is half received, wait for its rest here (up
-        to :data:`_READ_SECONDS`): the walsender sends a large one at its own pace, a few messages
-        per read, and returning each time made a whole empty mark of every read (75,000 of them
-        while a 300,000-record transaction came in, taking the CPU the walsender was using)."""
+    def _read(self, want: int) -> None:
+        """Receive what the stream has, until ``want`` records wait, or a transaction came whole,
+        or nothing more has arrived. While a transaction is half received, wait for more of it here:
+        the walsender sends a large one at its own pace, a few messages per read, and returning at
+        each read made a mark of every few records (before records were handed out ahead of their
+        Commit: 75,000 empty marks while a 300,000-record transaction came in). What came within
+        :data:`_TRICKLE_SECONDS` goes out then, whatever its number, and an empty read ends after
+        :data:`_READ_SECONDS`."""
         restarted = False
-        until = time.monotonic() + _READ_SECONDS
+        started = time.monotonic()
         while True:
             with self._slot_lock:
                 if self._stream is None:
@@ -335,11 +340,12 @@ class LogStore(PostgresStore):
                 stream, drained = self._stream, self._stream.drained
             self._receive(messages)
             with self._state:
-                if self._txns.waiting:
-                    return
-                receiving = self._txns.receiving
+                waiting, receiving = self._txns.waiting, self._txns.receiving
+            now = time.monotonic()
+            if waiting and (not receiving or waiting >= want or now - started > _TRICKLE_SECONDS):
+                return
             if drained:
-                left = until - time.monotonic()
+                left = started + (_TRICKLE_SECONDS if waiting else _READ_SECONDS) - now
                 if not receiving or left <= 0 or not stream.wait(left):
                     return
 
@@ -359,12 +365,12 @@ class LogStore(PostgresStore):
         A purge of ids this term did not hand out (the recovery of committed checkpoints) deletes
         their rows and remembers them as done; it leaves the position where it is."""
         with self._state:
-            ends = [end for rid in ids if (end := self._txns.end_of(rid)) is not None]
-            if ends:
-                self._batches.append((position, max(ends)))
+            batch = self._txns.transactions_of(ids)
+            if batch:
+                self._batches.append((position, batch))
             target = self._txns.completed(ids, self._advanced)
             reach, safe = max(target, self._advanced), 0
-            while self._batches and self._batches[0][1] <= reach:
+            while self._batches and reached(self._batches[0][1], reach):
                 safe = self._batches.popleft()[0]
         super().purge_checkpointed(ids, safe)
         if target:

@@ -4,11 +4,13 @@ of it is done, and the pass buffer of what a leader id has not been handed yet.
 Not thread-safe: :class:`~harvester.postgres.log_store.LogStore` calls it under its state lock (the
 mark thread receives and hands out, completion threads settle).
 
-A transaction is kept from its Commit until every record of it is done (acknowledged and deleted,
-or dead-lettered); the leading run of settled transactions is then forgotten, and the end LSN of the
-last one is where the slot may be confirmed to. A new pass (a new leader id) refills the buffer with
-every record of the kept transactions (from memory: the stream goes forward only); records already
-done are skipped as they are handed out.
+A transaction is kept from its Begin until every record of it is done (acknowledged and deleted,
+or dead-lettered) and its Commit came; the leading run of settled transactions is then forgotten,
+and the end LSN of the last one is where the slot may be confirmed to. Its records are handed out
+as they arrive, before its Commit: the walsender sends a transaction only once it committed, and a
+large one takes seconds to come (about 150,000 records a second), which the drain overlaps. A new
+pass (a new leader id) refills the buffer with every record of the kept transactions (from memory:
+the stream goes forward only); records already done are skipped as they are handed out.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from itertools import repeat
 from uuid import UUID
 
 from harvester.core.protocols import StoreError
@@ -26,13 +27,14 @@ from harvester.postgres.log_records import Columns
 
 @dataclass(slots=True, eq=False)
 class Transaction:
-    end_lsn: int
+    commit_lsn: int  # where its commit record starts (its Begin says)
     xid: int
     columns: Columns | None
     inserts: list[bytes]  # its outbox messages, kept until all are done (a new pass re-reads them)
     done: set[int] = field(default_factory=set)  # ids acknowledged (or dead-lettered)
     visible: bool = False  # its rows were found visible to new snapshots (see LogStore._visible)
     commit_time: int = 0  # microseconds since 2000-01-01 UTC
+    end_lsn: int = 0  # a slot advanced to here has consumed it; 0 until its Commit came
 
     @property
     def size(self) -> int:
@@ -40,7 +42,12 @@ class Transaction:
 
     @property
     def settled(self) -> bool:
-        return len(self.done) >= len(self.inserts)
+        return self.end_lsn > 0 and len(self.done) >= len(self.inserts)
+
+
+def reached(transactions: Iterable[Transaction], lsn: int) -> bool:
+    """Whether every one of ``transactions`` came whole and ends at or before ``lsn``."""
+    return all(0 < txn.end_lsn <= lsn for txn in transactions)
 
 
 Taken = list[tuple[Transaction, bytes]]
@@ -66,9 +73,8 @@ class Transactions:
         # recovers; completions of the previous term): skipped when the slot sends them.
         self._recovered: set[int] = set()
         self._settled_upto = 0  # the end of the last transaction this term forgot as settled
-        self._open: list[bytes] | None = None  # messages of the transaction being received
-        self._open_xid = 0  # ... its xid
-        self._open_time = 0  # ... and its commit time
+        self._open: Transaction | None = None  # the transaction being received (kept already)
+        self._skip = 0  # its inserts a restarted stream sends again (received before)
 
     def new_term(self, done_upto: int = 0) -> None:
         """Forget everything received: a new term streams again from the slot's position, skipping
@@ -80,10 +86,13 @@ class Transactions:
         self._of_id.clear()
         self._settled_upto = 0
         self._open = None
+        self._skip = 0
 
     def stream_started(self) -> None:
-        """A new stream begins at a transaction boundary: a half-received one is dropped."""
-        self._open = None
+        """A new stream begins at a transaction boundary: a half-received transaction comes again
+        from its Begin, and the inserts received before are skipped."""
+        if self._open is not None:
+            self._skip = len(self._open.inserts)
 
     # ------------------------------------------------------------------ the pass
 
@@ -132,49 +141,65 @@ class Transactions:
         return True
 
     def unsettled_xids(self) -> list[int]:
-        """The xids of the received transactions not all done, and of one half received."""
-        xids = [txn.xid for txn in self.kept if not txn.settled]
-        if self._open is not None:
-            xids.append(self._open_xid)
-        return xids
+        """The xids of the received transactions not all done, one half received included."""
+        return [txn.xid for txn in self.kept if not txn.settled]
 
     def pending(self) -> int:
         """Records received and not done yet."""
         return sum(txn.size - len(txn.done) for txn in self.kept)
 
-    def end_of(self, rid: int) -> int | None:
-        """The end LSN of the transaction of in-flight record ``rid``."""
-        txn = self._of_id.get(rid)
-        return None if txn is None else txn.end_lsn
+    def transactions_of(self, ids: Iterable[int]) -> list[Transaction]:
+        """The transactions of the in-flight records among ``ids`` (see :func:`reached`)."""
+        return list({txn for rid in ids if (txn := self._of_id.get(rid)) is not None})
 
     # ------------------------------------------------------------------ receiving
 
     def receive(self, messages: Iterable[bytes]) -> None:
-        """Keep the outbox's messages of each transaction that commits, skipping transactions this
+        """Keep the outbox's messages of each transaction as they come, skipping transactions this
         term received already (a restarted stream sends them again)."""
-        kind, match, at, end = self._kind, self._match, self._at, self._end
-        inserts, xid, when = self._open, self._open_xid, self._open_time
+        kind, match, at, oid = self._kind[0], self._match, self._at, self._oid
+        txn, buffer = self._open, self._buffer
         for data in messages:
-            if data[:1] == kind:
-                if inserts is not None and data[at:end] == match:
-                    inserts.append(data)
+            if data[0] == kind:
+                if txn is not None and data.startswith(match, at):
+                    if self._skip:
+                        self._skip -= 1
+                        continue
+                    if oid and txn.columns is None:
+                        raise StoreError("the slot sent inserts of the outbox before its relation")
+                    txn.inserts.append(data)
+                    buffer.append((txn, data))
                 continue
             message = pgoutput.parse(data)
             if isinstance(message, pgoutput.Begin):
-                inserts = [] if message.final_lsn >= self._received_upto else None
-                xid, when = message.xid, message.commit_time
-            elif isinstance(message, pgoutput.Relation) and message.oid == self._oid:
+                txn = self._begin(message)
+            elif isinstance(message, pgoutput.Relation) and message.oid == oid:
                 self.columns = Columns(message)
+                if txn is not None:
+                    txn.columns = self.columns
             elif isinstance(message, pgoutput.Commit):
-                if inserts is not None and message.end_lsn > self._received_upto:
-                    if inserts and self._oid and self.columns is None:
-                        raise StoreError("the slot sent inserts of the outbox before its relation")
-                    self._received_upto = message.end_lsn
-                    txn = Transaction(message.end_lsn, xid, self.columns, inserts, commit_time=when)
-                    self.kept.append(txn)
-                    self._buffer.extend(zip(repeat(txn), inserts))
-                inserts = None
-        self._open, self._open_xid, self._open_time = inserts, xid, when
+                if txn is not None:
+                    txn.end_lsn = self._received_upto = message.end_lsn
+                    self._open, self._skip = None, 0
+                txn = None
+
+    def _begin(self, message: pgoutput.Begin) -> Transaction | None:
+        """The transaction a Begin opens, kept (and open until its Commit); None when this term
+        received it already."""
+        if message.final_lsn < self._received_upto:
+            return None
+        if self._open is not None:  # half received when the stream restarted
+            if self._open.commit_lsn == message.final_lsn:
+                return self._open  # sent again: the inserts received before are skipped
+            # Another cannot come first (the slot did not move past this one); should it, the
+            # half-received one is forgotten (what went out of it goes out again in a new pass).
+            self.kept.remove(self._open)
+        self._skip = 0
+        txn = self._open = Transaction(
+            message.final_lsn, message.xid, self.columns, [], commit_time=message.commit_time
+        )
+        self.kept.append(txn)
+        return txn
 
     # ------------------------------------------------------------------ completion
 

@@ -361,8 +361,8 @@ def test_a_transaction_goes_out_only_once_its_rows_are_visible(logical_dsn: str,
         insert(logical_dsn, log_outbox, [("t", "k", "k:0")])
 
         def received() -> bool:
-            store._read()  # without handing anything out
-            return bool(store._txns.kept)
+            store._read(1)  # without handing anything out
+            return bool(store._txns.kept) and not store._txns.receiving
 
         assert wait_until(received)
         with psycopg.connect(logical_dsn) as running:

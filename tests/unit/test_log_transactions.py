@@ -1,0 +1,72 @@
+"""The log source's bookkeeping of received transactions, from pgoutput messages built byte for
+byte: records go out as they arrive, before their Commit; a transaction settles only once its Commit
+came; a stream restarted in the middle of a transaction skips what was received before."""
+
+from __future__ import annotations
+
+import struct
+from uuid import uuid4
+
+import pytest
+
+from harvester.postgres.log_transactions import Transactions, reached
+from harvester.postgres.logical import PUBLISHED
+
+pytestmark = pytest.mark.unit
+
+OID = 42
+
+
+def begin(final_lsn: int, xid: int = 7) -> bytes:
+    return b"B" + struct.pack("!QqI", final_lsn, 0, xid)
+
+
+def commit(commit_lsn: int, end_lsn: int) -> bytes:
+    return b"C\0" + struct.pack("!QQq", commit_lsn, end_lsn, 0)
+
+
+def relation() -> bytes:
+    columns = b"".join(b"\x00" + name.encode() + b"\0" + struct.pack("!Ii", 25, -1) for name in PUBLISHED)
+    return b"R" + struct.pack("!I", OID) + b"s\0outbox\0d" + struct.pack("!H", len(PUBLISHED)) + columns
+
+
+def insert(rid: int) -> bytes:
+    values = [str(rid).encode(), b"2026-11-26 00:00:00+00", b"t", b"k", b"v", b"{}", b"{}"]
+    body = b"".join(b"t" + struct.pack("!i", len(v)) + v for v in values)
+    return b"I" + struct.pack("!I", OID) + b"N" + struct.pack("!H", len(values)) + body
+
+
+def outbox() -> Transactions:
+    return Transactions(b"I", OID.to_bytes(4, "big"), 1, OID)
+
+
+def test_records_go_out_before_the_commit_and_settle_after_it() -> None:
+    txns, leader = outbox(), uuid4()
+    txns.start_pass(leader)
+    txns.receive([begin(100), relation(), insert(1), insert(2)])
+    assert txns.receiving and txns.waiting == 2
+    taken = txns.take(leader, 10)
+    txn = taken[0][0]
+    assert txn.end_lsn == 0 and not reached([txn], 10**9)
+    assert all(txns.handed_out(t, rid) for (t, _), rid in zip(taken, (1, 2), strict=True))
+    txns.completed([1, 2], 0)
+    assert not txn.settled and txns.settled(0) == 0  # all done, but more may come
+    txns.receive([insert(3), commit(100, 120)])
+    assert not txns.receiving and txns.waiting == 1 and txn.end_lsn == 120
+    assert txns.handed_out(txn, 3)
+    txns.completed([3], 0)
+    assert reached([txn], 120) and txns.settled(0) == 120
+
+
+def test_a_restarted_stream_skips_what_came_before() -> None:
+    txns, leader = outbox(), uuid4()
+    txns.start_pass(leader)
+    txns.receive([begin(80), relation(), insert(0), commit(80, 99)])  # the one before, whole
+    txns.receive([begin(100), relation(), insert(1), insert(2)])
+    assert txns.waiting == 3
+    txns.stream_started()  # the server sends the transaction again from its Begin, after one before
+    txns.receive([begin(80), insert(0), commit(80, 99), begin(100), relation(), insert(1)])
+    txns.receive([insert(2), insert(3), commit(100, 120)])
+    first, txn = txns.kept
+    assert len(first.inserts) == 1 and len(txn.inserts) == 3 and txn.end_lsn == 120
+    assert txns.waiting == 4  # nothing twice
