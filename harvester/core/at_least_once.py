@@ -43,6 +43,11 @@ _COMPLETION_BATCH = 5000
 _Report = DeliveryReport
 # Acknowledged batches one purge takes at most (records), when several wait.
 _PURGE_BATCH = 20_000
+# A purge of fewer records waits this long for more: off the keys' round trip, a purge only frees
+# memory and moves the slot, so at a steady rate (acknowledgements every few milliseconds) fewer,
+# larger statements cost PostgreSQL less per record.
+_PURGE_GATHER = 1_000
+_PURGE_GATHER_SECONDS = 0.05
 
 
 class AtLeastOnceDispatcher:
@@ -284,9 +289,11 @@ class AtLeastOnceDispatcher:
             if first is None:
                 return
             items = list(first)
+            gather_until = time.monotonic() + _PURGE_GATHER_SECONDS
             while len(items) < _PURGE_BATCH:
+                left = gather_until - time.monotonic() if len(items) < _PURGE_GATHER else 0.0
                 try:
-                    more = self._purges.get_nowait()
+                    more = self._purges.get(timeout=left) if left > 0 else self._purges.get_nowait()
                 except queue.Empty:
                     break
                 if more is None:
@@ -314,13 +321,16 @@ class AtLeastOnceDispatcher:
         if settler.retry("purge", self._store.purge, [r.id for r in delivered]):
             settler.delivered(delivered)
             settler.settle(failures)
+        may_send = state.still_leader()
         with state.cond:
             if self._purged_during_mark is not None:
                 self._purged_during_mark.update(r.id for r in delivered)
             for record, _ in failures:
                 self._in_flight.pop(record.id, None)
                 self._busy.discard(record.key)
-                self._release(record, delivered=False, may_send=False)
+                # After the remark the failure forced, the key's next record (its re-marked copy,
+                # likely) waits behind it: sent now, as by the completion thread.
+                self._release(record, delivered=False, may_send=may_send)
             self._ctx.metrics.in_flight.set(len(self._in_flight))
             self._ctx.metrics.queued.set(self._queued)
             state.cond.notify_all()
