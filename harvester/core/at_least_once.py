@@ -4,15 +4,8 @@ purges what Kafka acknowledged and resets what failed.
 Per-key order: at most one record of a key is in flight. A record whose key is busy waits in that
 key's FIFO while records of other keys keep flowing (no head-of-line blocking); when the in-flight
 record of a key completes, the completion thread hands the next record of that key to the
-publisher at once. By default a key's barrier is lowered only after its record's purge committed,
-so a re-publish after a crash can repeat the last record of a key but never reorder it.
-
-A store whose :attr:`~harvester.core.protocols.Purger.release_on_ack` is true (the log source) has
-the barrier lowered at the acknowledgement instead, and its purges run on a thread of their own,
-one after another in acknowledgement order, so a purge is off each key's round trip. A key's later
-record is acknowledged after its earlier one, so its purge commits after it too: whatever a crash
-leaves unpurged is, per key, the latest records, and a new leader, which re-reads unpurged records
-in their order, repeats them in order (a suffix of the key's records, not only the last one).
+publisher at once. A key's barrier is lowered only after its record's purge committed, so a
+re-publish after a crash can repeat the last record of a key but never reorder it.
 
 A failed delivery resets its record and forces a remark: queued records are discarded and the
 leader id is refreshed, so the next mark picks up everything unacknowledged, in id order. A record
@@ -41,13 +34,6 @@ log = structlog.get_logger("harvester.engine")
 _COMPLETION_BATCH = 5000
 
 _Report = DeliveryReport
-# Acknowledged batches one purge takes at most (records), when several wait.
-_PURGE_BATCH = 20_000
-# A purge of fewer records waits this long for more: off the keys' round trip, a purge only frees
-# memory and moves the slot, so at a steady rate (acknowledgements every few milliseconds) fewer,
-# larger statements cost PostgreSQL less per record.
-_PURGE_GATHER = 1_000
-_PURGE_GATHER_SECONDS = 0.05
 
 
 class AtLeastOnceDispatcher:
@@ -77,13 +63,6 @@ class AtLeastOnceDispatcher:
         self._acks: queue.SimpleQueue[_Report | None] = queue.SimpleQueue()
         self._publisher = publisher(self._acks.put_nowait)
         self._threads = [worker(self._completion_loop, "harvester-complete", context.labels)]
-        # With release_on_ack: completed batches for the purge thread, and how many of their
-        # records are acknowledged and not purged yet (guarded by state.cond).
-        self._release_on_ack = store.release_on_ack
-        self._purges: queue.SimpleQueue[list[_Report] | None] = queue.SimpleQueue()
-        self._unpurged = 0
-        if self._release_on_ack:
-            self._threads.append(worker(self._purge_loop, "harvester-purge", context.labels))
 
     @property
     def threads(self) -> Sequence[threading.Thread]:
@@ -94,8 +73,7 @@ class AtLeastOnceDispatcher:
         """Nothing beyond the fence: a new term re-marks whatever is unacknowledged."""
 
     def close(self, timeout: float) -> None:
-        """Flush the publisher (bounded), then end the completion thread (and the purge thread,
-        once it purged what was acknowledged)."""
+        """Flush the publisher (bounded), then end the completion thread."""
         self._publisher.close(timeout)
         self._acks.put_nowait(None)
 
@@ -103,12 +81,10 @@ class AtLeastOnceDispatcher:
 
     def has_room(self) -> bool:
         limits = self._ctx.limits
-        return (
-            len(self._in_flight) + self._unpurged < limits.in_flight_bound and self._queued < limits.max_queued_records
-        )
+        return len(self._in_flight) < limits.in_flight_bound and self._queued < limits.max_queued_records
 
     def busy(self) -> bool:
-        return bool(self._in_flight) or self._unpurged > 0
+        return bool(self._in_flight)
 
     def mark_started(self) -> None:
         self._purged_during_mark = set()
@@ -176,7 +152,7 @@ class AtLeastOnceDispatcher:
                     self._waiting_ids[record.id] = self._waiting_ids.get(record.id, 0) + 1
                     self._queued += 1
                     continue
-                while len(self._in_flight) + self._unpurged >= max_in_flight and state.current(leader_id):
+                while len(self._in_flight) >= max_in_flight and state.current(leader_id):
                     state.cond.wait(0.05)
                 if not state.current(leader_id):
                     return
@@ -201,7 +177,6 @@ class AtLeastOnceDispatcher:
         while True:
             first = self._acks.get()
             if first is None:
-                self._purges.put_nowait(None)
                 return
             items = [first]
             while len(items) < _COMPLETION_BATCH:
@@ -214,23 +189,17 @@ class AtLeastOnceDispatcher:
                     break
                 items.append(item)
             try:
-                if self._release_on_ack:
-                    self._release_acknowledged(items)
-                else:
-                    self._complete(items)
+                self._complete(items)
             except Exception:
                 # Never let the completion thread die: its records would hold their keys for good.
                 # A remark re-publishes whatever was not purged.
                 log.exception("completion_failed", records=len(items))
-                self._abandon(items)
-
-    def _abandon(self, items: list[_Report]) -> None:
-        with self._state.cond:
-            for record, _ in items:
-                self._in_flight.pop(record.id, None)
-                self._busy.discard(record.key)
-            self._state.force_remark = True
-            self._state.cond.notify_all()
+                with self._state.cond:
+                    for record, _ in items:
+                        self._in_flight.pop(record.id, None)
+                        self._busy.discard(record.key)
+                    self._state.force_remark = True
+                    self._state.cond.notify_all()
 
     def _complete(self, items: list[_Report]) -> None:
         state, metrics, settler = self._state, self._ctx.metrics, self._ctx.settler
@@ -256,84 +225,6 @@ class AtLeastOnceDispatcher:
             state.cond.notify_all()
             released = self._published - published
         metrics.published.inc(released)
-
-    def _release_acknowledged(self, items: list[_Report]) -> None:
-        """``release_on_ack``: lower the barriers of the acknowledged records (sending their keys'
-        next records) and hand the batch to the purge thread; a failed record holds its key until
-        its failure is settled there, after the purges before it."""
-        state, metrics = self._state, self._ctx.metrics
-        may_send = state.still_leader()
-        acknowledged = 0
-        with state.cond:
-            published = self._published
-            for record, err in items:
-                if err is not None:
-                    state.force_remark = True
-                    continue
-                acknowledged += 1
-                self._in_flight.pop(record.id, None)
-                self._busy.discard(record.key)
-                if record.key in self._waiting:
-                    self._release(record, delivered=True, may_send=may_send)
-            self._unpurged += acknowledged
-            metrics.in_flight.set(len(self._in_flight))
-            metrics.queued.set(self._queued)
-            state.cond.notify_all()
-            released = self._published - published
-        metrics.published.inc(released)
-        self._purges.put_nowait(items)
-
-    def _purge_loop(self) -> None:
-        while True:
-            first = self._purges.get()
-            if first is None:
-                return
-            items = list(first)
-            gather_until = time.monotonic() + _PURGE_GATHER_SECONDS
-            while len(items) < _PURGE_BATCH:
-                left = gather_until - time.monotonic() if len(items) < _PURGE_GATHER else 0.0
-                try:
-                    more = self._purges.get(timeout=left) if left > 0 else self._purges.get_nowait()
-                except queue.Empty:
-                    break
-                if more is None:
-                    self._purges.put_nowait(None)
-                    break
-                items += more
-            acknowledged = sum(1 for _, err in items if err is None)
-            try:
-                self._purge(items)
-            except Exception:
-                # As in the completion thread: a remark re-publishes whatever was not purged.
-                log.exception("purge_failed", records=len(items))
-                self._abandon(items)
-            finally:
-                with self._state.cond:
-                    self._unpurged -= acknowledged
-                    self._state.cond.notify_all()
-
-    def _purge(self, items: list[_Report]) -> None:
-        """Purge the acknowledged records of ``items`` and settle the failed ones, then release the
-        failed records' keys (``release_on_ack``)."""
-        state, settler = self._state, self._ctx.settler
-        delivered = [r for r, err in items if err is None]
-        failures = [(r, err) for r, err in items if err is not None]
-        if settler.retry("purge", self._store.purge, [r.id for r in delivered]):
-            settler.delivered(delivered)
-            settler.settle(failures)
-        may_send = state.still_leader()
-        with state.cond:
-            if self._purged_during_mark is not None:
-                self._purged_during_mark.update(r.id for r in delivered)
-            for record, _ in failures:
-                self._in_flight.pop(record.id, None)
-                self._busy.discard(record.key)
-                # After the remark the failure forced, the key's next record (its re-marked copy,
-                # likely) waits behind it: sent now, as by the completion thread.
-                self._release(record, delivered=False, may_send=may_send)
-            self._ctx.metrics.in_flight.set(len(self._in_flight))
-            self._ctx.metrics.queued.set(self._queued)
-            state.cond.notify_all()
 
     def _release(self, record: MarkedRecord, delivered: bool, may_send: bool) -> None:
         """Lower ``record``'s key barrier and send the key's next waiting record, if any (caller
