@@ -137,7 +137,9 @@ def _check_log_source(conn: Any, settings: ReaperSettings) -> list[str]:
     harvest = settings.harvest
     if harvest.source != "log":
         return []
-    problems = logical.missing(conn, logical.LogSetup(harvest.table, harvest.slot, harvest.publication, harvest.prefix))
+    problems = logical.missing(
+        conn, logical.LogSetup(harvest.table, harvest.slot, harvest.publication, harvest.prefix)
+    )
     state = "ready" if not problems else "not ready"
     print(f"log source: slot {harvest.slot}, publication {harvest.publication}: {state}")
     return [f"log source: {p}" for p in problems]

@@ -310,11 +310,10 @@ class LogStore(PostgresStore):
     def _read(self, want: int) -> None:
         """Receive what the stream has, until ``want`` records wait, or a transaction came whole,
         or nothing more has arrived. While a transaction is half received, wait for more of it here:
-        the walsender sends a large one at its own pace, a few messages per read, and returning at
-        each read made a mark of every few records (before records were handed out ahead of their
-        Commit: 75,000 empty marks while a 300,000-record transaction came in). What came within
-        :data:`_TRICKLE_SECONDS` goes out then, whatever its number, and an empty read ends after
-        :data:`_READ_SECONDS`."""
+        the walsender sends a large one at its own pace, a few messages per read, and ending the
+        mark at each read made one mark per few records (75,000 while a 300,000-record transaction
+        came in). What came within :data:`_TRICKLE_SECONDS` goes out then, whatever its number, and
+        a read that receives nothing ends after :data:`_READ_SECONDS`."""
         restarted = False
         started = time.monotonic()
         while True:

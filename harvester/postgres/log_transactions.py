@@ -188,12 +188,12 @@ class Transactions:
         received it already."""
         if message.final_lsn < self._received_upto:
             return None
-        if self._open is not None:  # half received when the stream restarted
-            if self._open.commit_lsn == message.final_lsn:
-                return self._open  # sent again: the inserts received before are skipped
-            # Another cannot come first (the slot did not move past this one); should it, the
-            # half-received one is forgotten (what went out of it goes out again in a new pass).
-            self.kept.remove(self._open)
+        # A transaction half received when the stream restarted is sent again: the inserts received
+        # before are skipped. Another cannot come first (the slot was not confirmed past it); should
+        # it, the half-received one stays kept and never settles: the slot stops before it (its lag
+        # alert fires) rather than move past records that never came.
+        if self._open is not None and self._open.commit_lsn == message.final_lsn:
+            return self._open
         self._skip = 0
         txn = self._open = Transaction(
             message.final_lsn, message.xid, self.columns, [], commit_time=message.commit_time

@@ -163,3 +163,4 @@ def test_after_a_fence_a_new_assignment_also_waits_for_proof(how: str) -> None:
     # Once proven, the next orderly hand-back and re-assignment is fast again.
     assert state.released(lost=False) == LeaderRevoked(probe)
     assert isinstance(state.assigned(5.0), LeaderAcquired)
+

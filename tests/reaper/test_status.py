@@ -53,7 +53,9 @@ def test_status_with_nobody_then_a_leader_then_after_a_handover(
     group = unique("reaper-status")
     config = tmp_path / "reaper.yaml"
     config.write_text(goharvest_yaml(services, table, group))
-    assert run_reaper("migrate", "-f", str(config)).returncode == 0
+    assert (
+        run_reaper("migrate", "-f", str(config)).returncode == 0
+    )
 
     # Before any reaper ran: three records an hour old and one dead letter waiting.
     insert(pg, table, topic, 0, 3)

@@ -70,3 +70,16 @@ def test_a_restarted_stream_skips_what_came_before() -> None:
     first, txn = txns.kept
     assert len(first.inserts) == 1 and len(txn.inserts) == 3 and txn.end_lsn == 120
     assert txns.waiting == 4  # nothing twice
+
+
+def test_a_half_received_transaction_the_stream_skips_holds_the_slot() -> None:
+    """Cannot happen with a slot not confirmed past it; should it, nothing moves past it."""
+    txns, leader = outbox(), uuid4()
+    txns.start_pass(leader)
+    txns.receive([begin(100), relation(), insert(1)])
+    txns.stream_started()
+    txns.receive([begin(130), insert(2), commit(130, 150)])
+    half, whole = txns.kept
+    assert half.end_lsn == 0 and whole.end_lsn == 150
+    assert all(txns.handed_out(t, rid) for (t, _), rid in zip(txns.take(leader, 10), (1, 2), strict=True))
+    assert txns.completed([1, 2], 0) == 0  # the slot stays before the half-received one
