@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from harvester.client.async_stasher import AsyncStasher
-    from harvester.client.dedup import DedupReader, DedupState
+    from harvester.client.dedup import DedupReader
+    from harvester.client.dedup_state import DedupState
     from harvester.client.message_stasher import AsyncMessageStasher, MessageStasher
     from harvester.client.stasher import Stasher, stash
     from harvester.config import HarvesterConfig
@@ -39,7 +40,7 @@ _EXPORTS = {
     "AsyncStasher": "harvester.client.async_stasher",
     "ColumnLimits": "harvester.core.records",
     "DedupReader": "harvester.client.dedup",
-    "DedupState": "harvester.client.dedup",
+    "DedupState": "harvester.client.dedup_state",
     "Engine": "harvester.core.engine",
     "Event": "harvester.core.events",
     "Harvester": "harvester.harvester",

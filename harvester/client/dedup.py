@@ -4,47 +4,8 @@ The harvester publishes at least once: a record can reach Kafka again after a de
 but landed, a forced remark, or a failover. Every copy carries the same identity headers
 (:mod:`harvester.core.identity`), so a reader can tell a re-delivery from a new record by its
 (producer, outbox id). :class:`DedupReader` wraps a confluent-kafka consumer and drops re-deliveries;
-it never drops a record whose identity it has not seen.
-
-Why "drop if id <= highest seen" is wrong: outbox ids are taken at insert time and become visible at
-commit, so two transactions writing the same key can publish id 11 before id 10. Only an exact
-match of an id already seen is dropped.
-
-What is remembered, per (producer, topic, key) and per epoch (leadership term) of that key:
-
-* ``stack``: the ids of that term, most recent last, that no higher id of the same term has
-  followed yet (a strictly decreasing list; at most ``depth`` long);
-* ``first``: the first ``depth`` distinct ids the term published in that key.
-
-Why this catches every duplicate the harvester produces (engine facts, see
-:mod:`harvester.core.engine`): per key at most one record is in flight, and a key's next record is sent
-only after the previous one was acknowledged and purged.
-
-1. A live re-publication of X (remark after a failed delivery, or a new leader re-marking X because
-   the old one never purged it) is preceded, since X's previous copy, only by ids lower than X of
-   its key: anything higher waits behind X, and a remark or a new term marks in id order. So X is
-   still on the stack of the term that sent the previous copy.
-2. A fenced zombie can still hold X in librdkafka's queue and deliver it late, after newer terms'
-   records of the key (at most one such copy per key per zombie term). Its earlier copy was sent
-   either by the zombie's own term (X is on that term's stack, by 1.) or by the first later term
-   that published it, which sent X after only the lower, late-committed ids of the key: X is
-   among that term's ``first`` ids.
-
-The Spark drain (``readStream.format("outbox")``) publishes a whole micro-batch at once, many records
-of a key in flight, and a failed batch is replayed with its epoch, ids and order: 1. does not hold,
-so its copies carry the batch number and the id of the key's record before them in the batch
-(``previous``, absent for the key's first). Per key, the reader keeps the latest (epoch, batch) and
-``high``, the end of the chain of that batch's records it read from the key's first one on, each
-link checked by ``previous``: every record of the key in that batch up to ``high`` was read, so a
-copy of the same (epoch, batch) with an id at or below ``high`` is a re-delivery. (A record between
-two links of one attempt that an earlier attempt held was deleted in between, that is purged by a
-newer term, which published it.) A copy whose ``previous`` is not ``high`` (a record before it was
-lost with a failed attempt) leaves the chain as it is: ids are never dropped on a guess.
-
-So the state suffices when a key has fewer than ``depth`` late-committed lower ids pending at once,
-the zombie terms still to be heard from are among the key's ``terms`` most recent epochs, and the
-key stays among the ``capacity`` most recently read keys until its re-delivery arrives. State
-dropped to keep those bounds is counted by ``harvester_dedup_state_evictions``.
+it never drops a record whose identity it has not seen. What it remembers, and why that catches
+every duplicate the harvester produces, is :class:`harvester.client.dedup_state.DedupState`'s.
 
 Checkpointing follows the consumer-checkpoint idea of Gazette: the reader's state and the
 consumer's next offsets are written in the same database transaction as the effects of the messages
@@ -54,11 +15,8 @@ point (:meth:`DedupReader.load`, then :meth:`DedupReader.on_assign` or :meth:`De
 
 from __future__ import annotations
 
-import base64
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any
 
 import psycopg
@@ -68,164 +26,16 @@ from prometheus_client import CollectorRegistry, Counter
 from psycopg import sql
 from psycopg.types.json import Jsonb
 
+from harvester.client.dedup_state import DEFAULT_CAPACITY, DEFAULT_DEPTH, DEFAULT_TERMS, DedupState
 from harvester.core.identity import Identity, IdentityHeaders
 from harvester.postgres.identifiers import TableName
 
 log = structlog.get_logger("harvester.dedup")
 
-DEFAULT_CAPACITY = 100_000
-DEFAULT_DEPTH = 4
-DEFAULT_TERMS = 4
 DEFAULT_TABLE = "harvester_dedup_checkpoint"
 DEFAULT_HEADERS = IdentityHeaders()
-_STATE_VERSION = 2
-_STATE_VERSIONS = (1, 2)  # version 1 had no batch chains
 
-StreamKey = tuple[str, str, bytes | None]
-"""(producer, topic, message key): the unit within which the harvester orders records."""
-
-
-@dataclass(slots=True)
-class _Term:
-    first: list[int] = field(default_factory=list)
-    stack: list[int] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class _Chain:
-    """A key's latest Spark micro-batch: every record of the key in it up to ``high`` was read
-    (None: its first record was not, so nothing is known)."""
-
-    epoch: int
-    batch: int
-    high: int | None
-
-
-class DedupState:
-    """The bounded memory of record identities seen, independent of any Kafka client.
-
-    ``capacity`` bounds the keys remembered (least recently read first out), ``terms`` the epochs
-    per key, ``depth`` the ids per epoch (see the module docstring for why these bounds suffice).
-    ``on_evict`` is told the reason (``key``, ``term`` or ``depth``) whenever state is dropped.
-    Not thread-safe: one reader thread owns it.
-    """
-
-    def __init__(
-        self,
-        *,
-        capacity: int = DEFAULT_CAPACITY,
-        depth: int = DEFAULT_DEPTH,
-        terms: int = DEFAULT_TERMS,
-        on_evict: Callable[[str], None] | None = None,
-    ) -> None:
-        if capacity < 1 or depth < 1 or terms < 1:
-            raise ValueError("capacity, depth and terms must be at least 1")
-        self.capacity = capacity
-        self.depth = depth
-        self.terms = terms
-        self._on_evict = on_evict
-        self._keys: OrderedDict[StreamKey, dict[int, _Term]] = OrderedDict()
-        self._chains: dict[StreamKey, _Chain] = {}  # keys whose latest record came from the Spark drain
-
-    def __len__(self) -> int:
-        return len(self._keys)
-
-    def observe(self, stream: StreamKey, identity: Identity) -> bool:
-        """Record one copy of ``identity`` read in ``stream``; True if it re-delivers a remembered id."""
-        terms = self._keys.get(stream)
-        if terms is None:
-            terms = self._keys[stream] = {}
-            if len(self._keys) > self.capacity:
-                evicted, _ = self._keys.popitem(last=False)
-                self._chains.pop(evicted, None)
-                self._evicted("key")
-        else:
-            self._keys.move_to_end(stream)
-        rid = identity.id
-        duplicate = any(rid in t.stack or rid in t.first for t in terms.values())
-        if identity.batch is not None:
-            duplicate = self._chained(stream, identity) or duplicate
-        term = terms.get(identity.epoch)
-        if term is None:
-            term = terms[identity.epoch] = _Term()
-            if len(terms) > self.terms:
-                del terms[min(terms)]
-                self._evicted("term")
-        self._remember(term, rid)
-        return duplicate
-
-    def _chained(self, stream: StreamKey, identity: Identity) -> bool:
-        """Follow the key's chain in its micro-batch; True if the copy is at or below its end."""
-        assert identity.batch is not None
-        chain = self._chains.get(stream)
-        if chain is None or (chain.epoch, chain.batch) != (identity.epoch, identity.batch):
-            start = identity.id if identity.previous is None else None
-            self._chains[stream] = _Chain(identity.epoch, identity.batch, start)
-            return False
-        if chain.high is not None and identity.id <= chain.high:
-            return True
-        if chain.high is not None and identity.previous == chain.high:
-            chain.high = identity.id
-        return False
-
-    def _remember(self, term: _Term, rid: int) -> None:
-        if len(term.first) < self.depth and rid not in term.first:
-            term.first.append(rid)
-        stack = term.stack
-        # A higher id of the same term means every lower one before it was purged: never re-sent live.
-        while stack and stack[-1] < rid:
-            stack.pop()
-        if not stack or stack[-1] != rid:
-            stack.append(rid)
-            if len(stack) > self.depth:
-                del stack[0]
-                self._evicted("depth")
-
-    def _evicted(self, reason: str) -> None:
-        if self._on_evict is not None:
-            self._on_evict(reason)
-
-    def snapshot(self) -> dict[str, Any]:
-        """The state as a compact JSON-compatible dict (keys in least-recently-read order)."""
-        producers: dict[str, int] = {}
-        topics: dict[str, int] = {}
-        entries: list[list[Any]] = []
-        for stream, terms in self._keys.items():
-            producer, topic, key = stream
-            entry: list[Any] = [
-                producers.setdefault(producer, len(producers)),
-                topics.setdefault(topic, len(topics)),
-                None if key is None else base64.b64encode(key).decode("ascii"),
-                [[epoch, list(t.first), list(t.stack)] for epoch, t in terms.items()],
-            ]
-            chain = self._chains.get(stream)
-            if chain is not None:
-                entry.append([chain.epoch, chain.batch, chain.high])
-            entries.append(entry)
-        return {"version": _STATE_VERSION, "producers": list(producers), "topics": list(topics), "keys": entries}
-
-    def restore(self, snapshot: Mapping[str, Any]) -> None:
-        """Replace the state with a :meth:`snapshot`; bounds smaller than the saved ones trim it."""
-        if snapshot.get("version") not in _STATE_VERSIONS:
-            raise ValueError(f"unsupported dedup state version {snapshot.get('version')!r}")
-        producers: list[str] = list(snapshot["producers"])
-        topics: list[str] = list(snapshot["topics"])
-        restored: OrderedDict[StreamKey, dict[int, _Term]] = OrderedDict()
-        chains: dict[StreamKey, _Chain] = {}
-        for pi, ti, key, terms, *chain in snapshot["keys"]:
-            stream = (producers[pi], topics[ti], None if key is None else base64.b64decode(key))
-            if chain:
-                epoch, batch, high = chain[0]
-                chains[stream] = _Chain(int(epoch), int(batch), None if high is None else int(high))
-            kept = sorted(terms, key=lambda t: int(t[0]))[-self.terms :]
-            restored[stream] = {
-                int(epoch): _Term([int(i) for i in first][: self.depth], [int(i) for i in stack][-self.depth :])
-                for epoch, first, stack in kept
-            }
-        while len(restored) > self.capacity:
-            restored.popitem(last=False)
-        self._keys = restored
-        self._chains = {stream: chain for stream, chain in chains.items() if stream in restored}
+__all__ = ["DedupReader", "DedupState"]
 
 
 class DedupReader:

@@ -13,6 +13,11 @@ from dataclasses import dataclass
 
 DEFAULT_PREFIX = "outbox-"
 
+UNPURGED_RUN = 3
+"""How many acknowledged records of a key a leader may hold unpurged while the key's next one is in
+flight (:mod:`harvester.core.release_on_ack`): a crash repeats at most this many plus one, in order.
+:class:`harvester.client.dedup.DedupReader` remembers one more id per key and term by default."""
+
 
 @dataclass(frozen=True, slots=True)
 class IdentityHeaders:

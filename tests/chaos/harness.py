@@ -160,9 +160,16 @@ class Tables:
         return self.outbox.schema
 
     def drop(self, dsn: str) -> None:
-        """Drop the run's schema."""
+        """Drop the run's schema, and its publication and slot if it had them: a slot outlives its
+        table and holds one of the cluster's few (``max_replication_slots``) for good."""
+        config = HarvesterConfig(outbox_table=self.outbox.qualified)
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(self.schema)))
+            conn.execute(sql.SQL("DROP PUBLICATION IF EXISTS {}").format(sql.Identifier(config.publication)))
+            conn.execute(
+                "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = %s",
+                (config.slot,),
+            )
 
     def expected(self, dsn: str) -> dict[str, int]:
         """Committed records per key, from the ledger."""

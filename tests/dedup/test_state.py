@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import base64
 import json
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from harvester.client.dedup import DedupState
+from harvester.client.dedup_state import DedupState
 from harvester.core.identity import Identity
 from tests.dedup.model import ACTIONS, Copy, first_copies, run
 
@@ -30,6 +31,42 @@ def test_republish_after_late_lower_ids_is_dropped() -> None:
     # 21 was acknowledged but not purged; the new leader re-marks in id order: 19, 20 first, then 21.
     stream = [("k", 21, 1), ("k", 19, 2), ("k", 20, 2), ("k", 21, 2), ("k", 22, 2)]
     assert feed(DedupState(), stream) == [("k", 21, 1), ("k", 19, 2), ("k", 20, 2), ("k", 22, 2)]
+
+
+def test_a_new_term_repeating_a_run_of_a_key_drops_each_repeat() -> None:
+    # Log source: 10-12 were acknowledged but not deleted yet and 13 in flight when term 1 crashed;
+    # term 2 streams them again, in order. Each higher id popped the lower ones off term 1's stack
+    # (it holds 13 only) and its first ids are 1-4: only the recent ids know 10-12.
+    evicted: list[str] = []
+    earlier = [("k", i, 1) for i in range(1, 10)]
+    repeated = [("k", i, 1) for i in (10, 11, 12, 13)]
+    state = DedupState(depth=4, on_evict=evicted.append)
+    assert feed(state, [*earlier, *repeated]) == [*earlier, *repeated]
+    assert feed(state, [("k", i, 2) for i in (10, 11, 12, 13, 14)]) == [("k", 14, 2)]
+    assert evicted == []  # the window of recent ids is no eviction
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(
+    ids=st.lists(st.integers(1, 1000), min_size=1, max_size=30, unique=True),
+    crashes=st.lists(st.tuples(st.integers(0, 12), st.integers(0, 4), st.booleans()), max_size=3),
+)
+def test_runs_log_source_leaders_repeat_after_crashes_are_dropped(
+    ids: list[int], crashes: list[tuple[int, int, bool]]
+) -> None:
+    """A log-source leader sends a key's records in commit order (any id order) and deletes them in
+    that order; a crash leaves at most ``depth`` of the latest it sent undeleted (acknowledged ones
+    and the one in flight, which may be lost), and the next term sends the key again from there."""
+    depth = 4
+    stream: list[Copy] = []
+    start = 0  # ids[:start] are deleted
+    for epoch, (sends, left, in_flight_lost) in enumerate(crashes, start=1):
+        end = min(len(ids), start + sends)
+        lost = int(in_flight_lost and end > start)
+        stream += [("k", i, epoch) for i in ids[start : end - lost]]
+        start = end - min(max(left, lost), end - start, depth)  # a lost record is not deleted
+    stream += [("k", i, len(crashes) + 1) for i in ids[start:]]
+    assert feed(DedupState(depth=depth, terms=4), stream) == first_copies(stream)
 
 
 @pytest.mark.parametrize("landed_before_fence", [False, True])
@@ -122,3 +159,33 @@ def test_snapshot_is_compact_json_and_validated() -> None:
     smaller.restore(snap)
     assert len(smaller) == 1
     assert smaller.observe(("p", "t", "k\u00e9".encode()), Identity("p", 3, 2))
+
+
+def test_a_version_2_snapshot_loads_without_recent_ids_and_saves_as_version_3() -> None:
+    # Term 1 read 5 then 7: 5 is among its first ids only, 7 on its stack too.
+    key = base64.b64encode(b"k").decode("ascii")
+    v2 = {"version": 2, "producers": ["p"], "topics": ["t"], "keys": [[0, 0, key, [[1, [5, 7], [7]]]]]}
+    state = DedupState()
+    state.restore(json.loads(json.dumps(v2)))
+    assert feed(state, [("k", 5, 2), ("k", 7, 2), ("k", 8, 2)]) == [("k", 8, 2)]
+    snap = state.snapshot()
+    assert snap["version"] == 3
+    assert snap["keys"][0][3] == [[1, [5, 7], [7], []], [2, [5, 7, 8], [8], [5, 7, 8]]]
+    smaller = DedupState(depth=1)
+    smaller.restore(v2)
+    assert smaller.snapshot()["keys"][0][3] == [[1, [5], [7], []]]
+
+
+def test_recent_ids_survive_a_snapshot() -> None:
+    # depth 2: term 1's first ids are 1 and 2, its stack holds 11, its recent ids are 10 and 11.
+    state = DedupState(depth=2)
+    feed(state, [("k", i, 1) for i in (1, 2, 3, 10, 11)])
+    snap = json.loads(json.dumps(state.snapshot()))
+    assert snap["keys"][0][3] == [[1, [1, 2], [11], [10, 11]]]
+    restored = DedupState(depth=2)
+    restored.restore(snap)
+    assert restored.snapshot() == snap
+    assert feed(restored, [("k", 10, 2), ("k", 3, 2)]) == [("k", 3, 2)]
+    trimmed = DedupState(depth=1)
+    trimmed.restore(snap)
+    assert trimmed.snapshot()["keys"][0][3] == [[1, [1], [11], [11]]]

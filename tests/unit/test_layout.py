@@ -38,6 +38,7 @@ def loaded_after(code: str) -> set[str]:
         "from harvester import AsyncStasher",
         "import harvester.client",
         "from harvester.client import AsyncStasher, Identity, OutboxRecord, Stasher",
+        "from harvester import DedupState",
         "from leader.events import LeaderAcquired",
     ],
 )
@@ -60,8 +61,11 @@ def test_every_public_name_resolves(package: object) -> None:
         package.no_such_name  # type: ignore[attr-defined]  # noqa: B018
 
 
-def test_the_old_dedup_path_is_the_client_reader() -> None:
-    from harvester.client.dedup import DedupReader
+def test_the_old_dedup_paths_are_the_client_reader_and_state() -> None:
+    from harvester.client.dedup import DedupReader, DedupState
+    from harvester.client.dedup_state import DedupState as State
     from harvester.dedup import DedupReader as Old
+    from harvester.dedup import DedupState as OldState
 
     assert Old is DedupReader
+    assert OldState is DedupState is State is harvester.DedupState
