@@ -5,7 +5,8 @@ Per-key order: at most one record of a key is in flight. A record whose key is b
 key's FIFO while records of other keys keep flowing (no head-of-line blocking); when the in-flight
 record of a key completes, the completion thread hands the next record of that key to the
 publisher at once. A key's barrier is lowered only after its record's purge committed, so a
-re-publish after a crash can repeat the last record of a key but never reorder it.
+re-publish after a crash can repeat the last record of a key but never reorder it. (The log source
+lowers it at the acknowledgement instead: :mod:`harvester.core.release_on_ack`.)
 
 A failed delivery resets its record and forces a remark: queued records are discarded and the
 leader id is refreshed, so the next mark picks up everything unacknowledged, in id order. A record
@@ -86,6 +87,9 @@ class AtLeastOnceDispatcher:
     def busy(self) -> bool:
         return bool(self._in_flight)
 
+    def _window_full(self) -> bool:
+        return len(self._in_flight) >= self._ctx.limits.in_flight_bound
+
     def mark_started(self) -> None:
         self._purged_during_mark = set()
 
@@ -131,7 +135,6 @@ class AtLeastOnceDispatcher:
         """Send each record whose key is free, queue the others behind their keys; waits while
         the in-flight window is full."""
         state, metrics = self._state, self._ctx.metrics
-        max_in_flight = self._ctx.limits.in_flight_bound
         published = self._published
         now = time.monotonic()
         if not state.still_leader():  # asked without the lock: the elector may hold its own
@@ -152,7 +155,7 @@ class AtLeastOnceDispatcher:
                     self._waiting_ids[record.id] = self._waiting_ids.get(record.id, 0) + 1
                     self._queued += 1
                     continue
-                while len(self._in_flight) >= max_in_flight and state.current(leader_id):
+                while self._window_full() and state.current(leader_id):
                     state.cond.wait(0.05)
                 if not state.current(leader_id):
                     return
@@ -177,6 +180,7 @@ class AtLeastOnceDispatcher:
         while True:
             first = self._acks.get()
             if first is None:
+                self._completions_ended()
                 return
             items = [first]
             while len(items) < _COMPLETION_BATCH:
@@ -194,12 +198,19 @@ class AtLeastOnceDispatcher:
                 # Never let the completion thread die: its records would hold their keys for good.
                 # A remark re-publishes whatever was not purged.
                 log.exception("completion_failed", records=len(items))
-                with self._state.cond:
-                    for record, _ in items:
-                        self._in_flight.pop(record.id, None)
-                        self._busy.discard(record.key)
-                    self._state.force_remark = True
-                    self._state.cond.notify_all()
+                self._abandon(items)
+
+    def _completions_ended(self) -> None:
+        """The completion thread is about to exit: every report before close() was handled."""
+
+    def _abandon(self, items: list[_Report]) -> None:
+        """Free the keys of records whose completion failed, and force a remark."""
+        with self._state.cond:
+            for record, _ in items:
+                self._in_flight.pop(record.id, None)
+                self._busy.discard(record.key)
+            self._state.force_remark = True
+            self._state.cond.notify_all()
 
     def _complete(self, items: list[_Report]) -> None:
         state, metrics, settler = self._state, self._ctx.metrics, self._ctx.settler
@@ -253,6 +264,10 @@ def at_least_once(store: Purger, publisher: PublisherFactory) -> DispatcherFacto
     takes it."""
 
     def build(context: Context) -> Dispatcher:
+        if store.release_on_ack:
+            from harvester.core.release_on_ack import AckReleasingDispatcher
+
+            return AckReleasingDispatcher(context, store, publisher)
         return AtLeastOnceDispatcher(context, store, publisher)
 
     return build

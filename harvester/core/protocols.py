@@ -85,6 +85,12 @@ class FailedRecords(Protocol):
 class Purger(Protocol):
     """At-least-once completion: delivered records leave the outbox."""
 
+    @property
+    def release_on_ack(self) -> bool:
+        """Whether a key's barrier may drop when Kafka acknowledges its record, before its purge
+        commits (:mod:`harvester.core.release_on_ack` says what a crash repeats then)."""
+        ...
+
     def purge(self, ids: Sequence[int]) -> None:
         """Delete delivered records (one statement for all ids)."""
         ...

@@ -57,6 +57,10 @@ class PostgresStore(Fenced):
     ``shard`` of its ``shards`` (:mod:`harvester.postgres.sharding`): then it marks only that
     shard's rows and runs under that shard's fence row."""
 
+    # A key's barrier drops once its record's purge committed: a re-mark after a crash repeats only
+    # a key's last record (a concurrent re-mark would otherwise publish acknowledged records again).
+    release_on_ack = False
+
     def __init__(
         self,
         dsn: str,

@@ -15,6 +15,7 @@ from harvester import Engine, Limits
 from harvester.core.at_least_once import at_least_once
 from harvester.core.events import Event, LeaderRefreshed
 from harvester.core.exactly_once import exactly_once
+from harvester.core.identity import UNPURGED_RUN
 from harvester.core.metrics import HarvesterMetrics
 from harvester.core.protocols import DeliveryCallback, StoreError
 from harvester.core.records import Failure, MarkedRecord
@@ -36,6 +37,7 @@ class MemoryStore:
         return 1
 
     tracks_attempts = True
+    release_on_ack = False
 
     def fail(self, failures: Sequence[Failure]) -> None:
         self.reset([f.id for f in failures])
@@ -99,8 +101,11 @@ def wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
         time.sleep(0.005)
 
 
-def build(rows: Sequence[tuple[str, str]], **limits: object) -> tuple[Engine, MemoryStore, HandPublisher, list[Event]]:
+def build(
+    rows: Sequence[tuple[str, str]], release_on_ack: bool = False, **limits: object
+) -> tuple[Engine, MemoryStore, HandPublisher, list[Event]]:
     store = MemoryStore(rows)
+    store.release_on_ack = release_on_ack
     made: list[HandPublisher] = []
     events: list[Event] = []
 
@@ -129,8 +134,93 @@ class Acker:
         return record
 
 
-def test_busy_key_waits_while_other_keys_flow() -> None:
-    engine, _, pub, _ = build([("a", "a0"), ("a", "a1"), ("b", "b0"), ("c", "c0"), ("a", "a2"), ("d", "d0")])
+# Both ways a key's barrier may drop: after the purge (mark-purge) and at the acknowledgement (log).
+ON_ACK = pytest.mark.parametrize("release_on_ack", [False, True], ids=["after_purge", "on_ack"])
+
+
+class GatedStore(MemoryStore):
+    """Purges wait until ``gate`` opens, and are logged in the order they commit."""
+
+    def __init__(self, rows: Sequence[tuple[str, str]]) -> None:
+        super().__init__(rows)
+        self.gate = threading.Event()
+        self.purged: list[int] = []
+
+    def purge(self, ids: Sequence[int]) -> None:
+        self.gate.wait(10)
+        super().purge(ids)
+        self.purged += ids
+
+
+@pytest.mark.parametrize("release_on_ack", [False, True])
+def test_a_key_is_released_at_the_ack_only_when_the_store_allows_it(release_on_ack: bool) -> None:
+    store = GatedStore([("a", "a0"), ("a", "a1"), ("b", "b0")])
+    store.release_on_ack = release_on_ack
+    made: list[HandPublisher] = []
+
+    def factory(cb: DeliveryCallback) -> HandPublisher:
+        made.append(HandPublisher(cb))
+        return made[0]
+
+    engine = Engine(
+        store, at_least_once(store, factory), Limits(), HarvesterMetrics(), lambda e: None, listen_notify=False
+    )
+    engine.start()
+    ManualElector().start(engine.on_leader_event)
+    wait_for(lambda: len(made) == 1 and len(made[0].sent) == 2)
+    acker = Acker(made[0])
+    acker.ack_next()  # a0, whose purge waits at the gate
+    time.sleep(0.2)
+    assert made[0].values() == (["a0", "b0", "a1"] if release_on_ack else ["a0", "b0"])
+    assert not engine.drain(0.1)  # an acknowledged record not purged yet still counts
+    store.gate.set()
+    wait_for(lambda: len(made[0].sent) == 3)
+    acker.ack_next()  # b0
+    acker.ack_next()  # a1
+    assert engine.drain(5)
+    assert store.purged == [1, 3, 2]  # in acknowledgement order: a key's later record purges after
+    engine.close(1)
+
+
+def test_a_key_released_at_the_ack_leaves_at_most_a_bounded_run_unpurged() -> None:
+    # What a crash repeats of a key is its acknowledged records not purged yet plus the one in
+    # flight: DedupReader recognises a repeated run only up to its depth.
+    rows = [("a", f"a{i}") for i in range(UNPURGED_RUN + 3)]
+    store = GatedStore(rows)
+    store.release_on_ack = True
+    made: list[HandPublisher] = []
+
+    def factory(cb: DeliveryCallback) -> HandPublisher:
+        made.append(HandPublisher(cb))
+        return made[0]
+
+    engine = Engine(
+        store, at_least_once(store, factory), Limits(), HarvesterMetrics(), lambda e: None, listen_notify=False
+    )
+    engine.start()
+    ManualElector().start(engine.on_leader_event)
+    wait_for(lambda: len(made) == 1 and len(made[0].sent) == 1)
+    acker = Acker(made[0])
+    for _ in range(UNPURGED_RUN + 1):  # every purge waits at the gate
+        acker.ack_next()
+    time.sleep(0.2)
+    # The run is full: the key's next record waits for a purge instead of going out.
+    assert made[0].values() == [f"a{i}" for i in range(UNPURGED_RUN + 1)]
+    store.gate.set()
+    wait_for(lambda: len(made[0].sent) == UNPURGED_RUN + 2)
+    acker.ack_next()
+    acker.ack_next()
+    assert engine.drain(5)
+    assert store.purged == list(range(1, len(rows) + 1))
+    engine.close(1)
+
+
+@ON_ACK
+def test_busy_key_waits_while_other_keys_flow(release_on_ack: bool) -> None:
+    engine, _, pub, _ = build(
+        release_on_ack=release_on_ack,
+        rows=[("a", "a0"), ("a", "a1"), ("b", "b0"), ("c", "c0"), ("a", "a2"), ("d", "d0")],
+    )
     elector = ManualElector()
     elector.start(engine.on_leader_event)
     wait_for(lambda: len(pub.sent) == 4)
@@ -143,8 +233,11 @@ def test_busy_key_waits_while_other_keys_flow() -> None:
     engine.close(1)
 
 
-def test_throttle_bounds_in_flight_records() -> None:
-    engine, store, pub, _ = build([(f"k{i}", f"v{i}") for i in range(50)], max_in_flight_records=7)
+@ON_ACK
+def test_throttle_bounds_in_flight_records(release_on_ack: bool) -> None:
+    engine, store, pub, _ = build(
+        release_on_ack=release_on_ack, rows=[(f"k{i}", f"v{i}") for i in range(50)], max_in_flight_records=7
+    )
     ManualElector().start(engine.on_leader_event)
     acker = Acker(pub)
     peak = 0
@@ -157,8 +250,9 @@ def test_throttle_bounds_in_flight_records() -> None:
     engine.close(1)
 
 
-def test_failed_delivery_forces_remark_and_keeps_key_order() -> None:
-    engine, store, pub, events = build([("a", "a0"), ("a", "a1"), ("b", "b0")])
+@ON_ACK
+def test_failed_delivery_forces_remark_and_keeps_key_order(release_on_ack: bool) -> None:
+    engine, store, pub, events = build(release_on_ack=release_on_ack, rows=[("a", "a0"), ("a", "a1"), ("b", "b0")])
     ManualElector().start(engine.on_leader_event)
     wait_for(lambda: len(pub.sent) == 2)
     acker = Acker(pub)
@@ -177,8 +271,11 @@ def test_failed_delivery_forces_remark_and_keeps_key_order() -> None:
     engine.close(1)
 
 
-def test_fenced_leader_publishes_nothing_more() -> None:
-    engine, store, pub, _ = build([("a", "a0"), ("a", "a1"), ("b", "b0")], mark_query_records=10)
+@ON_ACK
+def test_fenced_leader_publishes_nothing_more(release_on_ack: bool) -> None:
+    engine, store, pub, _ = build(
+        release_on_ack=release_on_ack, rows=[("a", "a0"), ("a", "a1"), ("b", "b0")], mark_query_records=10
+    )
     elector = ManualElector()
     elector.start(engine.on_leader_event)
     wait_for(lambda: len(pub.sent) == 2)
