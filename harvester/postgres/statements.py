@@ -12,7 +12,7 @@ which halves the row versions a record costs.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from psycopg import sql
@@ -36,6 +36,12 @@ _IDS = "ANY((SELECT %s::bigint[])::bigint[])"
 # server instead of about 2 (docs/sharding.md). What the planner now sees of the ids cannot lead it
 # away from the index walk: with sorts off, only an index gives the mark's order.
 _SKIP = "ALL(%s::bigint[])"
+# A purge of ids close together (a burst's acknowledgements: consecutive ids, some still in flight)
+# walks their range of the primary key once and keeps the given ids, a constant array hashed as the
+# mark's skipped ids are (``id + 0`` keeps the array out of the index condition), instead of one
+# descent of the index per id: about a quarter less of the server's CPU per deleted row. Ids far
+# apart would walk every row between them: those keep the descents (``purge``).
+_IN_RANGE = "id BETWEEN %s AND %s AND id + 0 = ANY(%s::bigint[])"
 
 # The options of every store connection. Custom plans: a generic plan made while the outbox was
 # small (an idle outbox, before a burst) would scan the whole table on every mark and purge until
@@ -46,6 +52,13 @@ _SKIP = "ALL(%s::bigint[])"
 # scan of the whole table (shard) and a sort of it (120 ms per mark of a 200,000-row burst with the
 # statistics of an empty outbox, instead of 1 ms). No statement of the store needs to sort many rows.
 PLANNER_OPTIONS = "-c plan_cache_mode=force_custom_plan -c enable_sort=off"
+
+
+def dense_range(ids: Sequence[int]) -> tuple[int, int] | None:
+    """The lowest and highest of ``ids`` when they lie close enough together for ``purge_range`` (a
+    range of at most 4 ids per id given), else None."""
+    low, high = min(ids), max(ids)
+    return (low, high) if high - low < 4 * len(ids) else None
 
 
 def id_array(ids: Iterable[int]) -> str:
@@ -64,6 +77,7 @@ class Statements:
     mark: sql.Composed
     pending: sql.Composed
     purge: sql.Composed
+    purge_range: sql.Composed  # parameters: (table, epoch), lowest id, highest id, ids
     fail: sql.Composed | None  # None without the attempt columns: a failure is a reset then
     dead_letter: sql.Composed
     purge_checkpointed: sql.Composed
@@ -130,6 +144,9 @@ class Statements:
                 " AND {own}id <> " + _SKIP + "{held} ORDER BY {order} LIMIT %s"
             ).format(t=t, f=f, own=own, held=held, order=order, bad=MALFORMED_SQL, value=sql.SQL(value)),
             purge=sql.SQL(_GUARD + "DELETE FROM {t} WHERE EXISTS (SELECT 1 FROM fence) AND id = " + _IDS).format(
+                t=t, f=f
+            ),
+            purge_range=sql.SQL(_GUARD + "DELETE FROM {t} WHERE EXISTS (SELECT 1 FROM fence) AND " + _IN_RANGE).format(
                 t=t, f=f
             ),
             fail=fail,

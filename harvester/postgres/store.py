@@ -37,7 +37,7 @@ from harvester.postgres.marks import HandedOut
 from harvester.postgres.migrations import notify_channel
 from harvester.postgres.rows import Pending
 from harvester.postgres.rows import malformed as rows_malformed
-from harvester.postgres.statements import PLANNER_OPTIONS, Statements, id_array
+from harvester.postgres.statements import PLANNER_OPTIONS, Statements, dense_range, id_array
 from harvester.postgres.vacuum import Vacuumer
 
 __all__ = ["FencedError", "OutboxMissingError", "PostgresStore", "ShardCountError", "StoreError"]
@@ -267,7 +267,12 @@ class PostgresStore(Fenced):
         """Delete delivered records in one statement (idempotent)."""
         if not ids:
             return
-        cur = self._execute(self._ready().statements.purge, (*self._fence, self._epoch, id_array(ids)))
+        statements, guard = self._ready().statements, (*self._fence, self._epoch)
+        dense = dense_range(ids)
+        if dense is not None:
+            cur = self._execute(statements.purge_range, (*guard, *dense, id_array(ids)))
+        else:
+            cur = self._execute(statements.purge, (*guard, id_array(ids)))
         if cur.rowcount < len(ids):
             # Fenced, a retry of a purge that already committed, or rows a trigger kept: as with a
             # mark written into the rows, they stay marked until the leader id is refreshed.

@@ -5,15 +5,17 @@ not by whole-table scans until autoanalyze happens to run."""
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Callable
 
 import psycopg
 import pytest
 from psycopg import sql
 
-from harvester import Harvester
+from harvester import Harvester, PostgresStore
 from harvester.postgres.identifiers import TableName
-from tests.engine.workload import wait_until
+from harvester.postgres.statements import dense_range
+from tests.engine.workload import insert, wait_until
 from tests.support import HarvesterFactory, Services
 
 pytestmark = pytest.mark.integration
@@ -64,3 +66,23 @@ def test_a_burst_into_an_idle_outbox_is_drained_by_index_scans(
     assert wait_until(lambda: scans(pg, outbox)[1] - idx_before >= BURST // 100, timeout=15)
     seq_after, _ = scans(pg, outbox)
     assert seq_after - seq_before <= 5, "marks or purges scanned the whole table"
+
+
+def test_a_purge_deletes_exactly_its_ids_close_together_or_far_apart(services: Services, outbox: TableName) -> None:
+    # Ids close together are deleted by one walk of their range (purge_range), which passes the
+    # rows between them that are still in flight: those must stay.
+    insert(services.pg_dsn, outbox, [("t", f"k{i}", "v") for i in range(40)])
+    store = PostgresStore.open(services.pg_dsn, outbox)
+    try:
+        store.acquire(uuid.uuid4())
+        ids = [r.id for r in store.mark(uuid.uuid4(), 40)]
+        close = ids[2:12:2]  # every other id: the range holds as many rows not purged
+        far = [ids[0], ids[-1]]
+        assert dense_range(close) is not None and dense_range(far) is None
+        store.purge(close)
+        store.purge(far)
+        with psycopg.connect(services.pg_dsn) as conn:
+            left = [r[0] for r in conn.execute(sql.SQL("SELECT id FROM {} ORDER BY id").format(outbox.ident))]
+        assert left == [i for i in ids if i not in close and i not in far]
+    finally:
+        store.close()
