@@ -67,36 +67,32 @@ def encode(record: OutboxRecord) -> bytes:
     return bytes(out)
 
 
-class _Reader:
-    __slots__ = ("at", "data")
+def _uvarint_at(data: bytes, at: int) -> tuple[int, int]:
+    """The uvarint at ``data[at]`` and where the next field starts."""
+    if at >= len(data):
+        raise PayloadError("truncated payload")
+    byte = data[at]
+    if byte < 0x80:  # one byte: every length below 128
+        return byte, at + 1
+    n, shift = byte & 0x7F, 7
+    for i in range(at + 1, min(len(data), at + 10)):
+        byte = data[i]
+        n |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return n, i + 1
+        shift += 7
+    raise PayloadError("truncated or overlong length")
 
-    def __init__(self, data: bytes) -> None:
-        self.data, self.at = data, 1
 
-    def uvarint(self) -> int:
-        n, shift = 0, 0
-        while True:
-            if self.at >= len(self.data) or shift > 63:
-                raise PayloadError("truncated or overlong length")
-            byte = self.data[self.at]
-            self.at += 1
-            n |= (byte & 0x7F) << shift
-            if byte < 0x80:
-                return n
-            shift += 7
-
-    def take(self, size: int) -> bytes:
-        end = self.at + size
-        if end > len(self.data):
-            raise PayloadError("truncated payload")
-        chunk, self.at = self.data[self.at : end], end
-        return chunk
-
-    def text(self) -> str:
-        try:
-            return self.take(self.uvarint()).decode("utf-8")
-        except UnicodeDecodeError:
-            raise PayloadError("text that is not UTF-8") from None
+def _text_at(data: bytes, at: int) -> tuple[str, int]:
+    size, at = _uvarint_at(data, at)
+    end = at + size
+    if end > len(data):
+        raise PayloadError("truncated payload")
+    try:
+        return data[at:end].decode("utf-8"), end
+    except UnicodeDecodeError:
+        raise PayloadError("text that is not UTF-8") from None
 
 
 Decoded = tuple[str, str, bytes | None, list[tuple[str, str]]]
@@ -108,12 +104,21 @@ def decode(payload: bytes) -> Decoded:
         raise PayloadError("empty payload")
     if payload[0] != VERSION:
         raise PayloadError(f"payload version {payload[0]}, this reader knows {VERSION}")
-    reader = _Reader(payload)
-    topic = reader.text()
-    key = reader.text()
-    size = reader.uvarint()
-    value = reader.take(size - 1) if size else None
-    headers = [(reader.text(), reader.text()) for _ in range(reader.uvarint())]
-    if reader.at != len(payload):
+    # Fields read by offset, without a reader object: once per record of a table-less burst.
+    topic, at = _text_at(payload, 1)
+    key, at = _text_at(payload, at)
+    size, at = _uvarint_at(payload, at)
+    value: bytes | None = None
+    if size:
+        value, at = payload[at : at + size - 1], at + size - 1
+        if at > len(payload):
+            raise PayloadError("truncated payload")
+    count, at = _uvarint_at(payload, at)
+    headers: list[tuple[str, str]] = []
+    for _ in range(count):
+        name, at = _text_at(payload, at)
+        text, at = _text_at(payload, at)
+        headers.append((name, text))
+    if at != len(payload):
         raise PayloadError("bytes after the record")
     return topic, key, value, headers

@@ -54,6 +54,8 @@ class MessageStore(PositionedLogStore):
         super().__init__(dsn, setup, **options)
         self._prefix = setup.prefix.encode("utf-8")
         self._content: dict[int, MarkedRecord] = {}  # handed out, not done: what a dead letter keeps
+        # The last transaction's commit time as a datetime, shared by its records (mark thread only).
+        self._created: tuple[Transaction | None, datetime] = (None, _EPOCH_2000)
 
     def _read_columns(self, conn: psycopg.Connection[Any]) -> OutboxColumns:
         """No table: records hold bytes, as Kafka does."""
@@ -70,7 +72,10 @@ class MessageStore(PositionedLogStore):
 
     def _record(self, txn: Transaction, data: bytes) -> MarkedRecord:
         rid, payload = pgoutput.logical_message(data, len(self._prefix))
-        created = _EPOCH_2000 + timedelta(microseconds=txn.commit_time)
+        last, created = self._created
+        if txn is not last:
+            created = _EPOCH_2000 + timedelta(microseconds=txn.commit_time)
+            self._created = (txn, created)
         try:
             topic, key, value, headers = message_format.decode(payload)
         except message_format.PayloadError as exc:
