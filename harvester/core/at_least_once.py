@@ -212,14 +212,22 @@ class AtLeastOnceDispatcher:
             self._state.force_remark = True
             self._state.cond.notify_all()
 
-    def _complete(self, items: list[_Report]) -> None:
-        state, metrics, settler = self._state, self._ctx.metrics, self._ctx.settler
+    def _purge_and_settle(
+        self, items: list[_Report]
+    ) -> tuple[list[MarkedRecord], list[tuple[MarkedRecord, Exception]]]:
+        """Purge the acknowledged records of ``items`` and settle the failed ones; (delivered, failed)."""
+        settler = self._ctx.settler
         delivered = [r for r, err in items if err is None]
         failures = [(r, err) for r, err in items if err is not None]
-        # Fenced: the records stay marked for the new leader to re-mark; only bookkeeping is left.
+        # Fenced: the records stay for the new leader; only bookkeeping is left.
         if settler.retry("purge", self._store.purge, [r.id for r in delivered]):
             settler.delivered(delivered)
             settler.settle(failures)
+        return delivered, failures
+
+    def _complete(self, items: list[_Report]) -> None:
+        state, metrics = self._state, self._ctx.metrics
+        _, failures = self._purge_and_settle(items)
         may_send = state.still_leader()
         with state.cond:
             if failures:
@@ -265,6 +273,7 @@ def at_least_once(store: Purger, publisher: PublisherFactory) -> DispatcherFacto
 
     def build(context: Context) -> Dispatcher:
         if store.release_on_ack:
+            # A subclass of this module's dispatcher, so imported here rather than at the top.
             from harvester.core.release_on_ack import AckReleasingDispatcher
 
             return AckReleasingDispatcher(context, store, publisher)

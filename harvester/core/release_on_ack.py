@@ -131,13 +131,8 @@ class AckReleasingDispatcher(AtLeastOnceDispatcher):
     def _purge(self, items: list[DeliveryReport]) -> None:
         """Purge the acknowledged records of ``items`` and settle the failed ones, then release the
         keys held until then."""
-        state, settler = self._state, self._ctx.settler
-        delivered = [r for r, err in items if err is None]
-        failures = [(r, err) for r, err in items if err is not None]
-        # Fenced: the records stay for the new leader; only bookkeeping is left.
-        if settler.retry("purge", self._store.purge, [r.id for r in delivered]):
-            settler.delivered(delivered)
-            settler.settle(failures)
+        state = self._state
+        delivered, failures = self._purge_and_settle(items)
         may_send = state.still_leader()
         with state.cond:
             if self._purged_during_mark is not None:

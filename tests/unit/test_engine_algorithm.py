@@ -152,10 +152,8 @@ class GatedStore(MemoryStore):
         self.purged += ids
 
 
-@pytest.mark.parametrize("release_on_ack", [False, True])
-def test_a_key_is_released_at_the_ack_only_when_the_store_allows_it(release_on_ack: bool) -> None:
-    store = GatedStore([("a", "a0"), ("a", "a1"), ("b", "b0")])
-    store.release_on_ack = release_on_ack
+def leading(store: MemoryStore) -> tuple[Engine, list[HandPublisher]]:
+    """An engine over ``store`` that leads, and the publisher it makes (in a list, once made)."""
     made: list[HandPublisher] = []
 
     def factory(cb: DeliveryCallback) -> HandPublisher:
@@ -167,6 +165,14 @@ def test_a_key_is_released_at_the_ack_only_when_the_store_allows_it(release_on_a
     )
     engine.start()
     ManualElector().start(engine.on_leader_event)
+    return engine, made
+
+
+@pytest.mark.parametrize("release_on_ack", [False, True])
+def test_a_key_is_released_at_the_ack_only_when_the_store_allows_it(release_on_ack: bool) -> None:
+    store = GatedStore([("a", "a0"), ("a", "a1"), ("b", "b0")])
+    store.release_on_ack = release_on_ack
+    engine, made = leading(store)
     wait_for(lambda: len(made) == 1 and len(made[0].sent) == 2)
     acker = Acker(made[0])
     acker.ack_next()  # a0, whose purge waits at the gate
@@ -188,17 +194,7 @@ def test_a_key_released_at_the_ack_leaves_at_most_a_bounded_run_unpurged() -> No
     rows = [("a", f"a{i}") for i in range(UNPURGED_RUN + 3)]
     store = GatedStore(rows)
     store.release_on_ack = True
-    made: list[HandPublisher] = []
-
-    def factory(cb: DeliveryCallback) -> HandPublisher:
-        made.append(HandPublisher(cb))
-        return made[0]
-
-    engine = Engine(
-        store, at_least_once(store, factory), Limits(), HarvesterMetrics(), lambda e: None, listen_notify=False
-    )
-    engine.start()
-    ManualElector().start(engine.on_leader_event)
+    engine, made = leading(store)
     wait_for(lambda: len(made) == 1 and len(made[0].sent) == 1)
     acker = Acker(made[0])
     for _ in range(UNPURGED_RUN + 1):  # every purge waits at the gate
