@@ -30,6 +30,7 @@ from harvester.core.records import Failure, MarkedRecord
 from harvester.postgres import logical, pgoutput
 from harvester.postgres.log_records import outbox_record
 from harvester.postgres.log_transactions import Taken, Transaction, Transactions, reached
+from harvester.postgres.log_visibility import INVISIBLE_RECHECK, visible
 from harvester.postgres.logical import LogSetup
 from harvester.postgres.migrations import fence_table
 from harvester.postgres.replication import SLOT_IN_USE, LogicalStream, StreamError
@@ -52,16 +53,6 @@ _SENDER_TIMEOUT = "30s"
 # Starting the stream while the slot's previous reader is still exiting: tries, and the pause between.
 _START_TRIES = 50
 _START_PAUSE = 0.1
-# How many of the given transactions a new snapshot does not see yet (their 32-bit xids made 64-bit
-# against the snapshot's xmax: a decoded transaction is at most one wraparound behind it).
-_INVISIBLE = (
-    "SELECT count(*) FROM txid_current_snapshot() AS s, unnest(%s::bigint[]) AS x WHERE NOT txid_visible_in_snapshot("
-    "txid_snapshot_xmax(s) - ((txid_snapshot_xmax(s) - x) %% 4294967296 + 4294967296) %% 4294967296, s)"
-)
-# A transaction the stream sent that is not visible yet is checked again 5 and 20 ms later within a
-# mark; after that, the idle engine marks again this often until it is.
-_VISIBLE_PAUSE = 0.005
-_INVISIBLE_RECHECK = 0.05
 # Text forms the decoding session writes values in: fixed, whatever the server's defaults are.
 _SESSION = "-c DateStyle=ISO -c TimeZone=UTC -c bytea_output=hex"
 
@@ -219,28 +210,12 @@ class LogStore(PostgresStore):
                 taken = self._txns.take(leader_id, limit - len(out))
             if not taken:
                 break
-            if not self._visible({txn for txn, _ in taken if not txn.visible}):
+            if not visible(self._run, {txn for txn, _ in taken if not txn.visible}):
                 with self._state:
                     self._txns.put_back(leader_id, taken)
                 break
             out += self._fresh(taken)
         return out
-
-    def _visible(self, transactions: set[Transaction]) -> bool:
-        """Whether the rows of ``transactions`` are visible to new snapshots. The walsender sends a
-        transaction once its commit record is flushed, a moment before the committing session makes
-        it visible: a purge in that moment would delete none of its rows, yet count its records
-        done, and the slot would move past rows left in the table for good."""
-        if not transactions:
-            return True
-        xids = [txn.xid for txn in transactions]
-        for pause in (0.0, _VISIBLE_PAUSE, _VISIBLE_PAUSE * 4):
-            time.sleep(pause)
-            if not int(self._run(_INVISIBLE, (xids,))[0][0]):
-                for txn in transactions:
-                    txn.visible = True
-                return True
-        return False
 
     def _fresh(self, taken: Taken) -> list[MarkedRecord]:
         names = self._names
@@ -418,16 +393,16 @@ class LogStore(PostgresStore):
 
     def wait_for_insert(self, timeout: float) -> bool:
         """Until the stream has something to read (or, before it started, as the mark-purge store).
-        While a received transaction waits to become visible (:meth:`_visible`), at most
-        :data:`_INVISIBLE_RECHECK`: the stream may stay quiet, and the engine's idle back-off would
-        hold its records back for as long."""
+        While a received transaction waits to become visible (:mod:`.log_visibility`), at most
+        ``INVISIBLE_RECHECK``: the stream may stay quiet, and the engine's idle back-off would hold
+        its records back for as long."""
         stream = self._stream
         if stream is None:
             return super().wait_for_insert(timeout)
         with self._state:
             waiting = self._txns.waiting
         if waiting:
-            stream.wait(min(timeout, _INVISIBLE_RECHECK))
+            stream.wait(min(timeout, INVISIBLE_RECHECK))
             return True
         return stream.wait(timeout)
 

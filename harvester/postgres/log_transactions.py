@@ -32,7 +32,7 @@ class Transaction:
     columns: Columns | None
     inserts: list[bytes]  # its outbox messages, kept until all are done (a new pass re-reads them)
     done: set[int] = field(default_factory=set)  # ids acknowledged (or dead-lettered)
-    visible: bool = False  # its rows were found visible to new snapshots (see LogStore._visible)
+    visible: bool = False  # its rows were found visible to new snapshots (see harvester.postgres.log_visibility)
     commit_time: int = 0  # microseconds since 2000-01-01 UTC
     end_lsn: int = 0  # a slot advanced to here has consumed it; 0 until its Commit came
 
