@@ -81,8 +81,7 @@ class AtLeastOnceDispatcher:
     # ------------------------------------------------------------------ state (caller holds the lock)
 
     def has_room(self) -> bool:
-        limits = self._ctx.limits
-        return len(self._in_flight) < limits.in_flight_bound and self._queued < limits.max_queued_records
+        return not self._window_full() and self._queued < self._ctx.limits.max_queued_records
 
     def busy(self) -> bool:
         return bool(self._in_flight)

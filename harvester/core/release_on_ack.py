@@ -55,17 +55,12 @@ class AckReleasingDispatcher(AtLeastOnceDispatcher):
 
     # ------------------------------------------------------------------ state (caller holds the lock)
 
-    def has_room(self) -> bool:
-        limits = self._ctx.limits
-        return (
-            len(self._in_flight) + self._unpurged < limits.in_flight_bound and self._queued < limits.max_queued_records
-        )
-
     def busy(self) -> bool:
         # A remark waits for the purges too: it would re-read acknowledged records not purged yet.
         return bool(self._in_flight) or self._unpurged > 0
 
     def _window_full(self) -> bool:
+        # Acknowledged records not purged yet hold memory as in-flight ones do.
         return len(self._in_flight) + self._unpurged >= self._ctx.limits.in_flight_bound
 
     # ------------------------------------------------------------------ completion

@@ -21,7 +21,6 @@ from psycopg import sql
 from harvester.core.protocols import FencedError
 from harvester.postgres import migrations
 from harvester.postgres.log_store import LogStore
-from harvester.postgres.log_transactions import reached
 from harvester.postgres.logical import LogSetup
 
 
@@ -76,14 +75,8 @@ class PositionedLogStore(LogStore):
         then confirm the slot there. Ids this term did not hand out (recovered from committed
         checkpoints) count as done when the slot sends them; the position stays."""
         with self._state:
-            batch = self._txns.transactions_of(ids)
-            if batch:
-                self._batches.append((position, batch))
-            target = self._txns.completed(ids, self._advanced)
+            target, reach, safe = self._checkpointed(ids, position)
             self._drop_kept(ids)
-            reach, safe = max(target, self._advanced), 0
-            while self._batches and reached(self._batches[0][1], reach):
-                safe = self._batches.popleft()[0]
         if target or safe:
             self._store(reach, safe)
         if target:

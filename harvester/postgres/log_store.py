@@ -339,16 +339,23 @@ class LogStore(PostgresStore):
         A purge of ids this term did not hand out (the recovery of committed checkpoints) deletes
         their rows and remembers them as done; it leaves the position where it is."""
         with self._state:
-            batch = self._txns.transactions_of(ids)
-            if batch:
-                self._batches.append((position, batch))
-            target = self._txns.completed(ids, self._advanced)
-            reach, safe = max(target, self._advanced), 0
-            while self._batches and reached(self._batches[0][1], reach):
-                safe = self._batches.popleft()[0]
+            target, _, safe = self._checkpointed(ids, position)
         super().purge_checkpointed(ids, safe)
         if target:
             self._confirm(target)
+
+    def _checkpointed(self, ids: Sequence[int], position: int) -> tuple[int, int, int]:
+        """Exactly-once bookkeeping of the purged batch ``ids`` of checkpoint ``position`` (caller
+        holds ``_state``): the position to confirm now (0: none), the position reached with it, and
+        the newest checkpoint position whose transactions are all reached (0: none)."""
+        batch = self._txns.transactions_of(ids)
+        if batch:
+            self._batches.append((position, batch))
+        target = self._txns.completed(ids, self._advanced)
+        reach, safe = max(target, self._advanced), 0
+        while self._batches and reached(self._batches[0][1], reach):
+            safe = self._batches.popleft()[0]
+        return target, reach, safe
 
     def purge(self, ids: Sequence[int]) -> None:
         """Delete delivered records (one fenced statement), then confirm every transaction whose
