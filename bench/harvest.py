@@ -147,13 +147,15 @@ def ceiling_delete(conn: psycopg.Connection[Any], records: int, keys: int, batch
 class TimedPublisher(KafkaPublisher):
     """Records each record's acknowledgement time, for end-to-end latency."""
 
-    def __init__(self, config: dict[str, Any], callback: DeliveryCallback, acked: dict[int, float]) -> None:
+    def __init__(
+        self, config: dict[str, Any], callback: DeliveryCallback, acked: dict[int, float], in_order: bool
+    ) -> None:
         def timed(report: DeliveryReport) -> None:
             if report[1] is None:
                 acked[report[0].id] = time.time()
             callback(report)
 
-        super().__init__(config, timed)
+        super().__init__(config, timed, in_order=in_order)
 
 
 def run_engine(
@@ -170,9 +172,10 @@ def run_engine(
         store = PostgresStore.open(DSN, table, vacuum_every=limits.vacuum_every_records)
     config = producer_config({"bootstrap.servers": BOOTSTRAP}, {})
     sink: dict[int, float] = acked if acked is not None else {}
+    in_order = store.release_on_ack
 
     def factory(cb: DeliveryCallback) -> KafkaPublisher:
-        return TimedPublisher(config, cb, sink)
+        return TimedPublisher(config, cb, sink, in_order)
 
     engine = Engine(store, at_least_once(store, factory), limits, metrics or HarvesterMetrics(), lambda e: None)
     engine.start()

@@ -70,7 +70,7 @@ def dispatcher(config: HarvesterConfig, store: PostgresStore, shard: int) -> Dis
         return exactly_once(store, transactions)
 
     def publisher(callback: DeliveryCallback) -> KafkaPublisher:
-        return KafkaPublisher(kafka, callback)
+        return KafkaPublisher(kafka, callback, in_order=store.release_on_ack)
 
     return at_least_once(store, publisher)
 

@@ -6,7 +6,8 @@ key's FIFO while records of other keys keep flowing (no head-of-line blocking); 
 record of a key completes, the completion thread hands the next record of that key to the
 publisher at once. A key's barrier is lowered only after its record's purge committed, so a
 re-publish after a crash can repeat the last record of a key but never reorder it. (The log source
-lowers it at the acknowledgement instead: :mod:`harvester.core.release_on_ack`.)
+lowers it earlier and may keep several records of a key in flight:
+:mod:`harvester.core.release_on_ack`.)
 
 A failed delivery resets its record and forces a remark: queued records are discarded and the
 leader id is refreshed, so the next mark picks up everything unacknowledged, in id order. A record
@@ -147,9 +148,10 @@ class AtLeastOnceDispatcher:
                 if record.id in purged:
                     continue
                 key = record.key
-                if key in self._busy or key in self._waiting:
-                    # Includes a re-marked copy of the record in flight: it is dropped if that
-                    # record completes, and is the retry if that record fails.
+                if key in self._busy or key in self._waiting or record.id in self._in_flight:
+                    # Includes a re-marked copy of a record in flight (whose key is busy unless it
+                    # may have several in flight): it is dropped if that record completes, and is
+                    # the retry if that record fails.
                     self._waiting.setdefault(key, deque()).append((now, record))
                     self._waiting_ids[record.id] = self._waiting_ids.get(record.id, 0) + 1
                     self._queued += 1

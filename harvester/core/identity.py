@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 DEFAULT_PREFIX = "outbox-"
 
-UNPURGED_RUN = 3
-"""How many acknowledged records of a key a leader may hold unpurged while the key's next one is in
-flight (:mod:`harvester.core.release_on_ack`): a crash repeats at most this many plus one, in order.
-:class:`harvester.client.dedup.DedupReader` remembers one more id per key and term by default."""
+KEY_RUN = 8
+"""How many records of a key a log-source leader may have sent and not purged at once, in flight or
+acknowledged (:mod:`harvester.core.release_on_ack`): a crash repeats at most this many, in order.
+:class:`harvester.client.dedup.DedupReader` remembers as many ids per key and term by default."""
 
 
 @dataclass(frozen=True, slots=True)

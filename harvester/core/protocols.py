@@ -117,6 +117,13 @@ DeliveryCallback = Callable[[DeliveryReport], None]
 class Publisher(Protocol):
     """Asynchronous publishing with one delivery report per record."""
 
+    @property
+    def keeps_order(self) -> bool:
+        """Whether, of the records published to one partition, those written are always the first
+        ones in publish order, and none of them fails but with all after it: then several records of
+        a key may be in flight at once without reordering it."""
+        ...
+
     def publish(self, record: MarkedRecord) -> None:
         """Enqueue ``record``; its delivery report reaches the callback given at construction."""
         ...

@@ -3,15 +3,21 @@
 
 With the barrier lowered after the purge, each key's round trip holds a database statement; here
 the purges run on a thread of their own, one after another in acknowledgement order, so a key's
-next record goes out as soon as the previous one was acknowledged.
+next record goes out as soon as the previous one was acknowledged. When the publisher keeps order
+(:attr:`~harvester.core.protocols.Publisher.keeps_order`: what a partition holds of a key's records
+in flight is always their first ones, in order), a key does not even wait for that: several of its
+records are in flight at once, which the barrier's round trips would otherwise bound to one per key.
 
 What a crash repeats: a key's later record is acknowledged after its earlier one, so its purge
 commits after it too, and whatever a crash leaves unpurged is, per key, its latest records. A new
 leader re-reads unpurged records in their order, so it repeats them in order: a run of the key's
-records, not only its last one. A key is released at the acknowledgement only while it has fewer
-than :data:`~harvester.core.identity.UNPURGED_RUN` acknowledged records not purged yet, otherwise
-after the purge, so the run a crash repeats is at most that long, plus the one record in flight;
-:class:`harvester.client.dedup.DedupReader` remembers that many ids per key and term.
+records, not only its last one. A key has at most :data:`~harvester.core.identity.KEY_RUN` records
+sent and not purged yet (in flight or acknowledged), so the run a crash repeats is at most that
+long; :class:`harvester.client.dedup.DedupReader` remembers that many ids per key and term.
+
+A failed record closes its key until the failure is settled, after the purges before it; a later
+record of the key already in flight fails with it (the publisher keeps order) or is the key's only
+one (it does not).
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import structlog
 
 from harvester.core.at_least_once import AtLeastOnceDispatcher
 from harvester.core.dispatch import Context, worker
-from harvester.core.identity import UNPURGED_RUN
+from harvester.core.identity import KEY_RUN
 from harvester.core.protocols import DeliveryReport, PublisherFactory, Purger
 from harvester.core.records import MarkedRecord
 
@@ -39,18 +45,22 @@ _PURGE_GATHER_SECONDS = 0.05
 
 
 class AckReleasingDispatcher(AtLeastOnceDispatcher):
-    """:class:`AtLeastOnceDispatcher` that lowers a key's barrier at its record's acknowledgement
-    (bounded by :data:`~harvester.core.identity.UNPURGED_RUN`) and purges on a thread of its own."""
+    """:class:`AtLeastOnceDispatcher` that sends a key's next record before its previous one's purge
+    (bounded by :data:`~harvester.core.identity.KEY_RUN`) and purges on a thread of its own."""
 
     def __init__(self, context: Context, store: Purger, publisher: PublisherFactory) -> None:
         super().__init__(context, store, publisher)
+        # Records of one key in flight at once.
+        self._flights = KEY_RUN if self._publisher.keeps_order else 1
         # Completed batches for the purge thread; None tells it to exit.
         self._purges: queue.SimpleQueue[list[DeliveryReport] | None] = queue.SimpleQueue()
-        # Guarded by state.cond: acknowledged records not purged yet, in all and per key, and the
-        # ids of those whose key stays busy until their purge (the key's run was full).
-        self._unpurged = 0
+        # Guarded by state.cond, per key: records in flight (a failed one until it is settled),
+        # acknowledged records not purged yet (and their total), and failures not settled yet. A key
+        # is in _busy exactly while these leave it no room (_open).
+        self._flying_of: dict[str, int] = {}
         self._unpurged_of: dict[str, int] = {}
-        self._held: set[int] = set()
+        self._unpurged = 0
+        self._failing_of: dict[str, int] = {}
         self._threads.append(worker(self._purge_loop, "harvester-purge", context.labels))
 
     # ------------------------------------------------------------------ state (caller holds the lock)
@@ -63,39 +73,92 @@ class AckReleasingDispatcher(AtLeastOnceDispatcher):
         # Acknowledged records not purged yet hold memory as in-flight ones do.
         return len(self._in_flight) + self._unpurged >= self._ctx.limits.in_flight_bound
 
+    @property
+    def in_flight_keys(self) -> int:
+        return len(self._flying_of)
+
+    def _open(self, key: str) -> bool:
+        """Whether ``key`` may send its next record now."""
+        flying = self._flying_of.get(key, 0)
+        return (
+            flying < self._flights and flying + self._unpurged_of.get(key, 0) < KEY_RUN and key not in self._failing_of
+        )
+
+    def _send(self, record: MarkedRecord) -> None:
+        key = record.key
+        self._flying_of[key] = self._flying_of.get(key, 0) + 1
+        super()._send(record)
+        if self._open(key):
+            self._busy.discard(key)
+
+    def _reopen(self, record: MarkedRecord, may_send: bool) -> None:
+        """``record``'s key may have room again: send its waiting records while it has, up to a
+        re-marked copy of one still in flight (dropped or sent when that one completes)."""
+        key = record.key
+        while self._open(key):
+            self._busy.discard(key)
+            waiting = self._waiting.get(key)
+            if not waiting or not may_send or waiting[0][1].id in self._in_flight:
+                return
+            if self._state.leader_id is None or self._state.force_remark:
+                return
+            self._release(record, delivered=False, may_send=True)
+
+    @staticmethod
+    def _count_down(counts: dict[str, int], key: str) -> None:
+        left = counts[key] - 1
+        if left:
+            counts[key] = left
+        else:
+            del counts[key]
+
     # ------------------------------------------------------------------ completion
 
     def _completions_ended(self) -> None:
         self._purges.put_nowait(None)
 
     def _complete(self, items: list[DeliveryReport]) -> None:
-        """Lower the barriers of the acknowledged records whose key's run has room (sending their
-        keys' next records) and hand the batch to the purge thread; a failed record holds its key
-        until its failure is settled there, after the purges before it."""
+        """Count the acknowledged records as unpurged, close the keys of the failed ones, send what
+        the acknowledgements made room for, and hand the batch to the purge thread."""
         state, metrics = self._state, self._ctx.metrics
         may_send = state.still_leader()
         with state.cond:
             published = self._published
+            # Counts first, sends after: if a send raises, _abandon finds every count made.
             for record, err in items:
+                key = record.key
                 if err is not None:
+                    # Stays in flight until the purge thread settles it.
                     state.force_remark = True
+                    self._failing_of[key] = self._failing_of.get(key, 0) + 1
+                    self._busy.add(key)
                     continue
                 self._in_flight.pop(record.id, None)
+                self._count_down(self._flying_of, key)
                 self._unpurged += 1
-                run = self._unpurged_of.get(record.key, 0) + 1
-                self._unpurged_of[record.key] = run
-                if run > UNPURGED_RUN:
-                    self._held.add(record.id)
-                    continue
-                self._busy.discard(record.key)
-                if record.key in self._waiting:
-                    self._release(record, delivered=True, may_send=may_send)
+                self._unpurged_of[key] = self._unpurged_of.get(key, 0) + 1
+            for record, err in items:
+                if err is None and record.key in self._waiting:  # a re-marked copy waits: dropped
+                    self._release(record, delivered=True, may_send=False)
+            for record, _ in items:
+                if record.key in self._busy or record.key in self._waiting:
+                    self._reopen(record, may_send)
             metrics.in_flight.set(len(self._in_flight))
             metrics.queued.set(self._queued)
             state.cond.notify_all()
             released = self._published - published
         metrics.published.inc(released)
         self._purges.put_nowait(items)
+
+    def _abandon(self, items: list[DeliveryReport]) -> None:
+        """As the purge would, but without purging or sending: force a remark instead."""
+        with self._state.cond:
+            self._forget([r for r, err in items if err is None])
+            self._settle([(r, err) for r, err in items if err is not None])
+            for record, _ in items:
+                self._reopen(record, may_send=False)
+            self._state.force_remark = True
+            self._state.cond.notify_all()
 
     def _purge_loop(self) -> None:
         while True:
@@ -119,41 +182,38 @@ class AckReleasingDispatcher(AtLeastOnceDispatcher):
             except Exception:
                 # As in the completion thread: a remark re-publishes whatever was not purged.
                 log.exception("purge_failed", records=len(items))
-                with self._state.cond:
-                    self._forget([r for r, err in items if err is None], may_send=False)
                 self._abandon(items)
 
     def _purge(self, items: list[DeliveryReport]) -> None:
-        """Purge the acknowledged records of ``items`` and settle the failed ones, then release the
-        keys held until then."""
+        """Purge the acknowledged records of ``items`` and settle the failed ones, then send what
+        that made room for; after the remark a failure forced, a key's next record is likely its
+        re-marked copy."""
         state = self._state
         delivered, failures = self._purge_and_settle(items)
         may_send = state.still_leader()
         with state.cond:
             if self._purged_during_mark is not None:
                 self._purged_during_mark.update(r.id for r in delivered)
-            self._forget(delivered, may_send)
-            for record, _ in failures:
-                self._in_flight.pop(record.id, None)
-                self._busy.discard(record.key)
-                # After the remark the failure forced, the key's next record (its re-marked copy,
-                # likely) waits behind it: sent now, as the completion thread does.
-                self._release(record, delivered=False, may_send=may_send)
+            self._forget(delivered)
+            self._settle(failures)
+            for record, _ in items:
+                if record.key in self._busy or record.key in self._waiting:
+                    self._reopen(record, may_send)
             self._ctx.metrics.in_flight.set(len(self._in_flight))
             self._ctx.metrics.queued.set(self._queued)
             state.cond.notify_all()
 
-    def _forget(self, delivered: list[MarkedRecord], may_send: bool) -> None:
-        """``delivered`` are purged (or abandoned): they leave their keys' runs, and a key held
-        until then is released (caller holds the lock)."""
+    def _forget(self, delivered: list[MarkedRecord]) -> None:
+        """``delivered`` are purged (or abandoned): they leave their keys' runs (caller holds the
+        lock)."""
         self._unpurged -= len(delivered)
         for record in delivered:
-            left = self._unpurged_of[record.key] - 1
-            if left:
-                self._unpurged_of[record.key] = left
-            else:
-                del self._unpurged_of[record.key]
-            if record.id in self._held:
-                self._held.discard(record.id)
-                self._busy.discard(record.key)
-                self._release(record, delivered=True, may_send=may_send)
+            self._count_down(self._unpurged_of, record.key)
+
+    def _settle(self, failures: list[tuple[MarkedRecord, Exception]]) -> None:
+        """``failures`` are settled (or abandoned): they leave flight and stop closing their keys
+        (caller holds the lock)."""
+        for record, _ in failures:
+            if self._in_flight.pop(record.id, None) is not None:
+                self._count_down(self._flying_of, record.key)
+            self._count_down(self._failing_of, record.key)

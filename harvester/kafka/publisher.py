@@ -57,11 +57,30 @@ def producer_config(base: Mapping[str, Any], producer: Mapping[str, Any]) -> dic
     }
 
 
-class KafkaPublisher:
-    """:class:`harvester.core.protocols.Publisher` backed by one idempotent producer."""
+# The delivery timeout's two names; a message that times out in librdkafka's queue leaves a gap in
+# its partition that later ones fill (its INTRODUCTION.md, "Message timeout considerations").
+_TIMEOUTS = ("message.timeout.ms", "delivery.timeout.ms")
 
-    def __init__(self, config: Mapping[str, Any], on_delivery: DeliveryCallback) -> None:
-        self._producer = Producer(dict(config))
+
+class KafkaPublisher:
+    """:class:`harvester.core.protocols.Publisher` backed by one idempotent producer.
+
+    With ``in_order``, it keeps order (:attr:`keeps_order`) unless the configuration sets a delivery
+    timeout: the idempotent producer writes a partition's records in sequence, retrying what a broker
+    did not acknowledge, and only a timeout lets a later record through without an earlier one. So
+    records wait out an unreachable broker instead of failing after librdkafka's default 5 minutes.
+    An error about the record itself (too large, invalid) still fails it alone, while its key's next
+    records may be written: it is retried until it is dead-lettered, so it lands out of order only if
+    a retry succeeds, after a broker limit was raised in between.
+    """
+
+    def __init__(self, config: Mapping[str, Any], on_delivery: DeliveryCallback, *, in_order: bool = False) -> None:
+        settings = dict(config)
+        self.keeps_order = in_order and not any(int(settings.get(name, 0)) for name in _TIMEOUTS)
+        if self.keeps_order:
+            settings["message.timeout.ms"] = 0  # no timeout
+            settings.pop("delivery.timeout.ms", None)
+        self._producer = Producer(settings)
         self._on_delivery = on_delivery
         self._closing = threading.Event()
         self._poller = threading.Thread(target=self._poll, name="harvester-delivery", daemon=True)

@@ -84,13 +84,16 @@ def drop_slot(conn: psycopg.Connection[Any], slot: str) -> None:
 def make_log_harvester(services: Services, logical_dsn: str, log_outbox: TableName) -> Iterator[HarvesterFactory]:
     """Build (and afterwards stop) log-source harvesters on this test's outbox."""
 
-    def config(*, delivery: Any = "at_least_once", **limits: Any) -> HarvesterConfig:
+    def config(
+        *, delivery: Any = "at_least_once", producer: dict[str, Any] | None = None, **limits: Any
+    ) -> HarvesterConfig:
         return HarvesterConfig(
             data_source=logical_dsn,
             outbox_table=log_outbox.qualified,
             source="log",
             delivery=delivery,
             base_kafka_config={"bootstrap.servers": services.bootstrap},
+            producer_kafka_config=producer or {},
             limits=Limits(**{"io_error_backoff": "100ms", **limits}),
         )
 

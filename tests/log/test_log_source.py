@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -16,6 +17,7 @@ import pytest
 from psycopg import sql
 
 from harvester import HarvesterConfig, OutboxRecord, Stasher
+from harvester.core.identity import KEY_RUN
 from harvester.core.protocols import FencedError, StoreError
 from harvester.core.records import MarkedRecord
 from harvester.postgres.identifiers import TableName
@@ -71,6 +73,45 @@ def test_drains_every_key_in_order_and_advances_the_slot(
     assert wait_drained(logical_dsn, log_outbox) == 0
     assert wait_until(lambda: not at_or_after(logical_dsn, before, slot_position(logical_dsn, log_outbox)))
     assert h.metrics.purged._value.get() >= 700
+
+
+@pytest.mark.parametrize(
+    ("producer", "per_key"),
+    [({}, KEY_RUN), ({"delivery.timeout.ms": 60000}, 1)],
+    ids=["in-order", "with-a-delivery-timeout"],
+)
+def test_a_key_has_several_records_in_flight_unless_a_delivery_timeout_is_set(
+    services: Services,
+    logical_dsn: str,
+    log_outbox: TableName,
+    topics: Callable[..., str],
+    make_log_harvester: HarvesterFactory,
+    producer: dict[str, Any],
+    per_key: int,
+) -> None:
+    # A delivery timeout can let a key's later record land without an earlier one: then one at a time.
+    topic = topics(partitions=2)
+    h = make_log_harvester(producer=producer)
+    peak = 0.0
+    done = threading.Event()
+
+    def sample() -> None:
+        nonlocal peak
+        while not done.is_set():
+            peak = max(peak, h.metrics.in_flight._value.get())
+            time.sleep(0.002)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        insert(logical_dsn, log_outbox, [(topic, f"k{i % 2}", f"k{i % 2}:{i // 2}") for i in range(4000)])
+        messages = read_messages(services.bootstrap, [topic], 4000)
+    finally:
+        done.set()
+        sampler.join()
+    verdict = check(messages, {"k0": 2000, "k1": 2000})
+    assert verdict.lost == [] and verdict.out_of_order == []
+    assert (2 < peak <= 2 * per_key) if per_key > 1 else peak <= 2
 
 
 @DELIVERY

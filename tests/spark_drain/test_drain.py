@@ -137,7 +137,7 @@ def test_a_failed_batch_is_never_purged_and_a_restart_replays_only_it(
         firsts = list(dict.fromkeys(got))
         assert firsts == sorted(firsts)  # per-key order, across the failure and the restart
         assert [i for i in got if i > ids[599]] == sorted(i for i in got if i > ids[599])
-    # 10 records of each key in the replayed batch, beyond the reader's stacks (depth 4): the
+    # 10 records of each key in the replayed batch, beyond the reader's stacks (depth 8): the
     # batch headers let it drop every copy.
     assert sorted(deduplicated(services, topic, partitions=2)) == ids
 

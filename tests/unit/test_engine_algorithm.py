@@ -15,7 +15,7 @@ from harvester import Engine, Limits
 from harvester.core.at_least_once import at_least_once
 from harvester.core.events import Event, LeaderRefreshed
 from harvester.core.exactly_once import exactly_once
-from harvester.core.identity import UNPURGED_RUN
+from harvester.core.identity import KEY_RUN
 from harvester.core.metrics import HarvesterMetrics
 from harvester.core.protocols import DeliveryCallback, StoreError
 from harvester.core.records import Failure, MarkedRecord
@@ -77,7 +77,8 @@ class MemoryStore:
 class HandPublisher:
     """Records what was published; the test decides when and how each delivery completes."""
 
-    def __init__(self, callback: DeliveryCallback) -> None:
+    def __init__(self, callback: DeliveryCallback, keeps_order: bool = False) -> None:
+        self.keeps_order = keeps_order
         self.callback = callback
         self.sent: list[MarkedRecord] = []
         self.lock = threading.Lock()
@@ -152,12 +153,12 @@ class GatedStore(MemoryStore):
         self.purged += ids
 
 
-def leading(store: MemoryStore) -> tuple[Engine, list[HandPublisher]]:
+def leading(store: MemoryStore, keeps_order: bool = False) -> tuple[Engine, list[HandPublisher]]:
     """An engine over ``store`` that leads, and the publisher it makes (in a list, once made)."""
     made: list[HandPublisher] = []
 
     def factory(cb: DeliveryCallback) -> HandPublisher:
-        made.append(HandPublisher(cb))
+        made.append(HandPublisher(cb, keeps_order))
         return made[0]
 
     engine = Engine(
@@ -188,26 +189,57 @@ def test_a_key_is_released_at_the_ack_only_when_the_store_allows_it(release_on_a
     engine.close(1)
 
 
-def test_a_key_released_at_the_ack_leaves_at_most_a_bounded_run_unpurged() -> None:
-    # What a crash repeats of a key is its acknowledged records not purged yet plus the one in
-    # flight: DedupReader recognises a repeated run only up to its depth.
-    rows = [("a", f"a{i}") for i in range(UNPURGED_RUN + 3)]
+# One record of a key in flight at once, or several when the publisher keeps order.
+KEEPS_ORDER = pytest.mark.parametrize("keeps_order", [False, True], ids=["one_in_flight", "in_order"])
+
+
+@KEEPS_ORDER
+def test_a_key_released_at_the_ack_leaves_at_most_a_bounded_run_unpurged(keeps_order: bool) -> None:
+    # What a crash repeats of a key is its records sent and not purged yet: DedupReader recognises a
+    # repeated run only up to its depth.
+    rows = [("a", f"a{i}") for i in range(KEY_RUN + 2)]
     store = GatedStore(rows)
     store.release_on_ack = True
-    engine, made = leading(store)
-    wait_for(lambda: len(made) == 1 and len(made[0].sent) == 1)
+    engine, made = leading(store, keeps_order)
+    wait_for(lambda: len(made) == 1 and len(made[0].sent) == (KEY_RUN if keeps_order else 1))
+    time.sleep(0.1)
+    assert len(made[0].sent) == (KEY_RUN if keeps_order else 1)  # in flight at once
     acker = Acker(made[0])
-    for _ in range(UNPURGED_RUN + 1):  # every purge waits at the gate
+    for _ in range(KEY_RUN):  # every purge waits at the gate
         acker.ack_next()
     time.sleep(0.2)
     # The run is full: the key's next record waits for a purge instead of going out.
-    assert made[0].values() == [f"a{i}" for i in range(UNPURGED_RUN + 1)]
+    assert made[0].values() == [f"a{i}" for i in range(KEY_RUN)]
     store.gate.set()
-    wait_for(lambda: len(made[0].sent) == UNPURGED_RUN + 2)
     acker.ack_next()
     acker.ack_next()
     assert engine.drain(5)
     assert store.purged == list(range(1, len(rows) + 1))
+    engine.close(1)
+
+
+def test_a_failure_closes_a_key_with_several_in_flight_until_it_is_settled() -> None:
+    # An order-keeping publisher fails a key's later records in flight with the earlier one; the
+    # re-marked copies go out after the failures are settled, in order, each once.
+    store = GatedStore([("b", "b0"), ("a", "a0"), ("a", "a1"), ("a", "a2")])
+    store.release_on_ack = True
+    store.gate.set()
+    engine, made = leading(store, keeps_order=True)
+    wait_for(lambda: len(made) == 1 and len(made[0].sent) == 4)
+    pub = made[0]
+    acker = Acker(pub)
+    acker.ack_next()  # b0
+    wait_for(lambda: 1 not in store.rows)
+    for _ in range(3):
+        acker.ack_next(RuntimeError("broker said no"))  # a0, a1, a2
+    wait_for(lambda: len(pub.sent) == 7)
+    time.sleep(0.1)
+    assert pub.values() == ["b0", "a0", "a1", "a2", "a0", "a1", "a2"]
+    for _ in range(3):
+        acker.ack_next()
+    assert engine.drain(5)
+    assert not store.rows
+    assert len(pub.sent) == 7
     engine.close(1)
 
 
