@@ -44,6 +44,7 @@ class AtLeastOnceDispatcher:
     def __init__(self, context: Context, store: Purger, publisher: PublisherFactory) -> None:
         self._ctx = context
         self._state = context.state
+        self._bound = context.limits.in_flight_bound
         self._store = store
         # Guarded by state.cond:
         self._in_flight: dict[int, MarkedRecord] = {}
@@ -88,7 +89,7 @@ class AtLeastOnceDispatcher:
         return bool(self._in_flight)
 
     def _window_full(self) -> bool:
-        return len(self._in_flight) >= self._ctx.limits.in_flight_bound
+        return len(self._in_flight) >= self._bound
 
     def mark_started(self) -> None:
         self._purged_during_mark = set()
@@ -143,7 +144,9 @@ class AtLeastOnceDispatcher:
             purged = self._purged_during_mark or set()
             self._purged_during_mark = None
             for record in batch:
-                if state.leader_id != leader_id or state.force_remark:  # state.current(), inlined: per record
+                # state.current(), inlined: per record, identity first (UUID's == is Python code).
+                current = state.leader_id
+                if (current is not leader_id and current != leader_id) or state.force_remark:
                     return  # the rest is re-marked after the refresh
                 if record.id in purged:
                     continue
@@ -168,12 +171,16 @@ class AtLeastOnceDispatcher:
     def _send(self, record: MarkedRecord) -> None:
         # Caller holds the lock; publish() never blocks on it (reports go to a queue).
         self._in_flight[record.id] = record
-        self._busy.add(record.key)
+        self._occupy(record.key)
         if record.malformed is not None:
             self._acks.put_nowait((record, MalformedRecordError(record.malformed)))
             return
         self._publisher.publish(record)
         self._published += 1
+
+    def _occupy(self, key: str) -> None:
+        """A record of ``key`` goes out: the key is busy until it completes."""
+        self._busy.add(key)
 
     # ------------------------------------------------------------------ completion
 

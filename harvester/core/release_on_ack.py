@@ -71,7 +71,7 @@ class AckReleasingDispatcher(AtLeastOnceDispatcher):
 
     def _window_full(self) -> bool:
         # Acknowledged records not purged yet hold memory as in-flight ones do.
-        return len(self._in_flight) + self._unpurged >= self._ctx.limits.in_flight_bound
+        return len(self._in_flight) + self._unpurged >= self._bound
 
     @property
     def in_flight_keys(self) -> int:
@@ -84,12 +84,12 @@ class AckReleasingDispatcher(AtLeastOnceDispatcher):
             flying < self._flights and flying + self._unpurged_of.get(key, 0) < KEY_RUN and key not in self._failing_of
         )
 
-    def _send(self, record: MarkedRecord) -> None:
-        key = record.key
-        self._flying_of[key] = self._flying_of.get(key, 0) + 1
-        super()._send(record)
-        if self._open(key):
-            self._busy.discard(key)
+    def _occupy(self, key: str) -> None:
+        flying = self._flying_of.get(key, 0) + 1
+        self._flying_of[key] = flying
+        # Closes it as _open() would say, inlined (per record); a failing key is busy already.
+        if flying >= self._flights or flying + self._unpurged_of.get(key, 0) >= KEY_RUN:
+            self._busy.add(key)
 
     def _reopen(self, record: MarkedRecord, may_send: bool) -> None:
         """``record``'s key may have room again: send its waiting records while it has, up to a

@@ -102,7 +102,7 @@ class KafkaPublisher:
                 self._producer.produce(
                     record.topic,
                     value=record.value,
-                    key=record.key.encode("utf-8"),
+                    key=record.key,  # encoded to UTF-8 by the client
                     headers=record.headers,
                     on_delivery=report,
                 )
