@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import json
 import logging
+import multiprocessing
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
+from multiprocessing.connection import Connection
 from typing import Any
 
 from harvester.daemon.check import connect_pg, kafka_reason, pg_reason
@@ -212,9 +214,56 @@ def _report(settings: ReaperSettings, timeout: float) -> tuple[Status, bool]:
     return report, leader is not None and every
 
 
-def _group(settings: ReaperSettings, timeout: float) -> tuple[list[Member], str, dict[int, Heartbeat]]:
+_Group = tuple[list[Member], str, dict[int, Heartbeat]]
+
+
+def _group(settings: ReaperSettings, timeout: float) -> _Group:
     """The leader group's members and state, as the group coordinator knows them, and the newest
-    heartbeat of each shard."""
+    heartbeat of each shard; asked in a child process.
+
+    librdkafka's group describe can abort the whole process when a request times out while the
+    coordinator's broker restarts (``leader/members.py`` says more); ``reaper status`` is most wanted
+    just then, so a child that dies that way is a lookup that failed, said in one line.
+    """
+    context = multiprocessing.get_context("fork")  # the child needs the settings, not a re-import
+    answers, answer = context.Pipe(duplex=False)
+    child = context.Process(target=_group_in_child, args=(settings, timeout, answer), daemon=True)
+    child.start()
+    answer.close()
+    got: tuple[bool, _Group | str] | None = None
+    try:
+        if answers.poll(timeout + 30):  # the lookup has its own deadline; this is a backstop
+            got = answers.recv()
+    except EOFError:
+        pass
+    finally:
+        answers.close()
+        child.join(5)
+        if child.is_alive():
+            child.kill()
+    if got is None:
+        code = child.exitcode
+        why = (
+            f"it was killed by signal {-code} (librdkafka aborts so when a broker restarts mid-request): try again"
+            if code is not None and code < 0
+            else f"exit code {code}"
+        )
+        raise FailError(f"Kafka: the lookup of group {settings.harvest.group_id} ended without an answer: {why}")
+    ok, result = got
+    if not ok:
+        raise FailError(str(result))
+    assert not isinstance(result, str)
+    return result
+
+
+def _group_in_child(settings: ReaperSettings, timeout: float, answer: Connection) -> None:
+    try:
+        answer.send((True, _lookup_group(settings, timeout)))
+    except FailError as exc:
+        answer.send((False, str(exc)))
+
+
+def _lookup_group(settings: ReaperSettings, timeout: float) -> _Group:
     from confluent_kafka import KafkaException
     from confluent_kafka.admin import AdminClient
 

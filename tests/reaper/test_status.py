@@ -4,11 +4,13 @@ leading reaper and a standby, after a handover, and its one-line mistakes (exit 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import psycopg
@@ -53,9 +55,7 @@ def test_status_with_nobody_then_a_leader_then_after_a_handover(
     group = unique("reaper-status")
     config = tmp_path / "reaper.yaml"
     config.write_text(goharvest_yaml(services, table, group))
-    assert (
-        run_reaper("migrate", "-f", str(config)).returncode == 0
-    )
+    assert run_reaper("migrate", "-f", str(config)).returncode == 0
 
     # Before any reaper ran: three records an hour old and one dead letter waiting.
     insert(pg, table, topic, 0, 3)
@@ -207,3 +207,17 @@ def test_a_leader_without_recent_heartbeats_is_flagged(age: float, warned: bool)
     assert ("warning: no heartbeat for more than harvest.limits.heartbeatTimeout (5 s): a may have" in text) is warned
     beat = {"member": "a", "leader_id": "l1", "age_seconds": age, "in_flight": None}
     assert json.loads(report.to_json())["heartbeat"] == beat
+
+
+@pytest.mark.unit
+def test_a_group_lookup_that_aborts_is_a_one_line_failure(monkeypatch: pytest.MonkeyPatch) -> None:
+    # librdkafka can abort the process during a broker restart: only the lookup's child dies.
+    from harvester.daemon import status as module
+    from harvester.daemon.errors import FailError
+
+    monkeypatch.setattr(module, "_lookup_group", lambda settings, timeout: os.abort())
+    settings = SimpleNamespace(harvest=SimpleNamespace(group_id="g"))
+    with pytest.raises(
+        FailError, match=r"^Kafka: the lookup of group g ended without an answer: it was killed by signal 6"
+    ):
+        module._group(settings, 5.0)  # type: ignore[arg-type]
