@@ -62,12 +62,20 @@ def producer_config(base: Mapping[str, Any], producer: Mapping[str, Any]) -> dic
 _TIMEOUTS = ("message.timeout.ms", "delivery.timeout.ms")
 
 
+def _ordered(settings: Mapping[str, Any]) -> bool:
+    """Whether ``settings`` make an idempotent producer without a delivery timeout (values as given,
+    booleans or text)."""
+    idempotent = str(settings.get("enable.idempotence", "false")).strip().lower() in ("true", "1")
+    return idempotent and all(str(settings.get(name, "0")).strip() == "0" for name in _TIMEOUTS)
+
+
 class KafkaPublisher:
     """:class:`harvester.core.protocols.Publisher` backed by one idempotent producer.
 
     With ``in_order``, it keeps order (:attr:`keeps_order`) unless the configuration sets a delivery
-    timeout: the idempotent producer writes a partition's records in sequence, retrying what a broker
-    did not acknowledge, and only a timeout lets a later record through without an earlier one. So
+    timeout or turns idempotence off: the idempotent producer writes a partition's records in
+    sequence, retrying what a broker did not acknowledge, and only a timeout lets a later record
+    through without an earlier one. So
     records wait out an unreachable broker instead of failing after librdkafka's default 5 minutes.
     An error about the record itself (too large, invalid) still fails it alone, while its key's next
     records may be written: it is retried until it is dead-lettered, so it lands out of order only if
@@ -76,7 +84,7 @@ class KafkaPublisher:
 
     def __init__(self, config: Mapping[str, Any], on_delivery: DeliveryCallback, *, in_order: bool = False) -> None:
         settings = dict(config)
-        self.keeps_order = in_order and not any(int(settings.get(name, 0)) for name in _TIMEOUTS)
+        self.keeps_order = in_order and _ordered(settings)
         if self.keeps_order:
             settings["message.timeout.ms"] = 0  # no timeout
             settings.pop("delivery.timeout.ms", None)

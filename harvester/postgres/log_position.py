@@ -55,8 +55,7 @@ class PositionedLogStore(LogStore):
         done = int(self._run(self._stored, self._fence)[0][0])
         with self._state:
             self._txns.new_term(done)
-        with self._slot_lock:
-            self._advanced = max(self._advanced, done)  # confirmed when the stream starts
+        self._slot.confirm_on_start(done)
         return epoch
 
     def head(self) -> tuple[int, float | None]:
@@ -87,7 +86,7 @@ class PositionedLogStore(LogStore):
 
     def _done(self, ids: Sequence[int]) -> None:
         with self._state:
-            target = self._txns.completed(ids, self._advanced)
+            target = self._txns.completed(ids, self._slot.advanced)
             self._drop_kept(ids)
         if target:
             self._advance_to(target)

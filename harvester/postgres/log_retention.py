@@ -37,7 +37,6 @@ from harvester.core.protocols import StoreError
 from harvester.core.records import MarkedRecord
 from harvester.postgres.log_position import PositionedLogStore
 from harvester.postgres.logical import LogSetup
-from harvester.postgres.replication import StreamError
 
 # How long, and in reads of how many messages, a leader that stops reads the stream on for its
 # final cut (see the module's doc).
@@ -120,7 +119,7 @@ class RetainingLogStore(PositionedLogStore):
         if self._epoch:
             try:
                 now = self._run(_NOW, ())[0]
-                self._store(self._advanced, 0)  # the pending cut becomes the delivered one if reached
+                self._store(self._slot.advanced, 0)  # the pending cut becomes the delivered one if reached
                 cut = max(self._delivered_cut(), self._final_cut(int(now[0]), int(now[1])))
                 if cut:
                     self._delete_older(cut)
@@ -132,16 +131,11 @@ class RetainingLogStore(PositionedLogStore):
         """The cut ``xmin``, taken with the end of the log at ``lsn``, lowered to the oldest
         transaction received and not done, once the stream was read past ``lsn`` (else 0)."""
         deadline = time.monotonic() + _FINAL_READ_SECONDS
-        stream = self._stream
-        try:
-            while stream is not None and stream.server_end < lsn and time.monotonic() < deadline:
-                stream.wait(0.1)
-                with self._slot_lock:
-                    messages = stream.read(_FINAL_READ_MESSAGES)
-                self._receive(messages)
-        except StreamError:
-            return 0
-        if stream is None or stream.server_end < lsn:
+        slot = self._slot
+        while slot.streaming and slot.server_end < lsn and time.monotonic() < deadline:
+            slot.wait(0.1)
+            self._receive(slot.read_open(_FINAL_READ_MESSAGES))  # nothing, and no stream, if it broke
+        if not slot.streaming or slot.server_end < lsn:
             return 0
         with self._state:
             xids = self._txns.unsettled_xids()

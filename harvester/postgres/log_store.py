@@ -1,7 +1,7 @@
 """The log source: the outbox's inserts read from a logical replication slot (``pgoutput`` over a
 publication of the table), in commit order, instead of marked in the table.
 
-The leader streams the slot (:mod:`harvester.postgres.replication`); the received transactions are
+The leader streams the slot (:mod:`harvester.postgres.log_slot`); the received transactions are
 kept until all their records are done (:mod:`harvester.postgres.log_transactions`), then the done
 prefix is confirmed to the server, which moves the slot. A confirmation follows a fenced statement
 of the same round (the delete of the delivered rows, or an epoch check), and a new leader, once it
@@ -29,11 +29,12 @@ from harvester.core.protocols import StoreError
 from harvester.core.records import Failure, MarkedRecord
 from harvester.postgres import logical, pgoutput
 from harvester.postgres.log_records import outbox_record
+from harvester.postgres.log_slot import SlotStream
 from harvester.postgres.log_transactions import Taken, Transaction, Transactions, reached
 from harvester.postgres.log_visibility import INVISIBLE_RECHECK, visible
 from harvester.postgres.logical import LogSetup
 from harvester.postgres.migrations import fence_table
-from harvester.postgres.replication import SLOT_IN_USE, LogicalStream, StreamError
+from harvester.postgres.replication import StreamError
 from harvester.postgres.store import PostgresStore
 
 # Messages one read takes from the stream at most (completions wait for the stream meanwhile).
@@ -50,9 +51,6 @@ _TRICKLE_SECONDS = 0.02
 # the stream sets (PostgreSQL 12+; the default is 60 s).
 _STATUS_SECONDS = 10.0
 _SENDER_TIMEOUT = "30s"
-# Starting the stream while the slot's previous reader is still exiting: tries, and the pause between.
-_START_TRIES = 50
-_START_PAUSE = 0.1
 # Text forms the decoding session writes values in: fixed, whatever the server's defaults are.
 _SESSION = "-c DateStyle=ISO -c TimeZone=UTC -c bytea_output=hex"
 
@@ -70,14 +68,12 @@ class LogStore(PostgresStore):
         super().__init__(dsn, setup.table, **{**options, "vacuum_every": 0})
         self._setup = setup
         self._options = f"{self._options} {_SESSION}"
-        self._conninfo = psycopg.conninfo.make_conninfo(
+        self._slot = SlotStream(setup, self._take_over, self._stream_started)
+        self._slot.conninfo = psycopg.conninfo.make_conninfo(
             dsn, connect_timeout=5, application_name=self._app, options=self._options
         )
-        self._slot_lock = threading.Lock()  # guards the stream (mark thread reads, completions confirm)
-        self._stream: LogicalStream | None = None
         self._state = threading.Lock()  # guards everything below (mark and completion threads)
         self._txns = Transactions(b"I", b"", 1)  # the outbox's oid is known once prepared
-        self._advanced = 0  # the position confirmed to the server (or to confirm on the next stream)
         self._term_lsn = 0  # the end of the log when this term began
         self._present: sql.Composed | None = None
         # Exactly-once: (checkpoint position, its records' transactions) of purged batches whose
@@ -104,7 +100,7 @@ class LogStore(PostgresStore):
                 # database shuts down) lets its walsender go, so the shutdown can finish; the stream
                 # starts again on the next read.
                 options = f"{self._options} -c wal_sender_timeout={_SENDER_TIMEOUT}"
-                self._conninfo = psycopg.conninfo.make_conninfo(self._conninfo, options=options)
+                self._slot.conninfo = psycopg.conninfo.make_conninfo(self._slot.conninfo, options=options)
             self._takeover = logical.takeover(fence_table(self._table), version)
         return columns
 
@@ -129,9 +125,7 @@ class LogStore(PostgresStore):
         # before it can hold records it delivered.
         row = self._run("SELECT pg_current_wal_lsn()::text", ())
         self._term_lsn = pgoutput.lsn_value(str(row[0][0]))
-        with self._slot_lock:
-            self._close_stream()
-            self._take_over()
+        self._slot.take_over()
         with self._state:
             self._txns.new_term()
             self._batches.clear()
@@ -146,41 +140,14 @@ class LogStore(PostgresStore):
             raise StoreError(f"replication slot {self._setup.slot} does not exist")
         return pgoutput.lsn_value(str(found[0][0]))
 
-    def _start(self) -> LogicalStream:
-        """A stream from the slot's position, once its previous reader has let go (caller holds
-        ``_slot_lock``)."""
-        for tries in range(_START_TRIES, 0, -1):
-            confirmed = self._take_over()
-            try:
-                stream = LogicalStream(
-                    self._conninfo,
-                    self._setup.slot,
-                    self._setup.publication,
-                    confirmed,
-                    messages=self._setup.prefix is not None,
-                )
-            except StreamError as exc:
-                if exc.sqlstate != SLOT_IN_USE or tries == 1:
-                    raise
-                time.sleep(_START_PAUSE)
-                continue
-            with self._state:
-                self._txns.stream_started()
-            self._advanced = max(self._advanced, confirmed)
-            if self._advanced > confirmed:  # done before the previous stream could confirm it
-                stream.confirm(self._advanced)
-            return stream
-        raise AssertionError("unreachable")
-
-    def _close_stream(self) -> None:
-        if self._stream is not None:
-            self._stream.close()
-            self._stream = None
+    def _stream_started(self) -> None:
+        with self._state:
+            self._txns.stream_started()
 
     def mark(self, leader_id: UUID, limit: int) -> list[MarkedRecord]:
         """Up to ``limit`` records in commit order, not yet handed out under ``leader_id``."""
         with self._state:
-            settled = self._txns.settled(self._advanced)
+            settled = self._txns.settled(self._slot.advanced)
         if settled:  # confirming failed after the last completion: again, before reading
             self._advance_to(settled)
         with self._state:
@@ -189,11 +156,14 @@ class LogStore(PostgresStore):
         if not waiting:
             self._read(limit)
         elif waiting < _READ_AHEAD or time.monotonic() > self._next_read:
-            self._read_some()  # ahead while records go out; and the server's keepalives answered
-        self._report_alive()
+            # Ahead while records go out; and the server's keepalives answered.
+            self._next_read = time.monotonic() + _READ_SECONDS
+            self._receive(self._slot.read_open(_READ_MESSAGES))
+        # The stream is still wanted, however long the buffer takes to drain.
+        self._slot.keep_alive(_STATUS_SECONDS)
         out = self._hand_out(leader_id, limit)
         with self._state:
-            settled = self._txns.settled(self._advanced)
+            settled = self._txns.settled(self._slot.advanced)
             idle = not out and self._txns.idle and time.monotonic() > self._next_idle_confirm
         if settled and not out:
             self._advance_to(settled)
@@ -262,29 +232,9 @@ class LogStore(PostgresStore):
         """Confirm how far the server decoded, all received being done: the slot moves past what
         other tables wrote meanwhile, which an idle outbox would otherwise keep in the log."""
         self._next_idle_confirm = time.monotonic() + _IDLE_CONFIRM_SECONDS
-        stream = self._stream
-        if stream is not None and stream.server_end > self._advanced:
-            self._advance_to(stream.server_end)
-
-    def _report_alive(self) -> None:
-        """Tell the server the stream is still wanted, however long the buffer takes to drain."""
-        with self._slot_lock:
-            if self._stream is not None:
-                try:
-                    self._stream.keep_alive(_STATUS_SECONDS)
-                except StreamError:
-                    self._close_stream()  # the next read starts another
-
-    def _read_some(self) -> None:
-        with self._slot_lock:
-            stream = self._stream
-            self._next_read = time.monotonic() + _READ_SECONDS
-            try:
-                messages = stream.read(_READ_MESSAGES) if stream is not None else []
-            except StreamError:
-                self._close_stream()  # the next read starts another
-                return
-        self._receive(messages)
+        end = self._slot.server_end
+        if end > self._slot.advanced:
+            self._advance_to(end)
 
     def _read(self, want: int) -> None:
         """Receive what the stream has, until ``want`` records wait, or a transaction came whole,
@@ -296,22 +246,16 @@ class LogStore(PostgresStore):
         restarted = False
         started = time.monotonic()
         while True:
-            with self._slot_lock:
-                if self._stream is None:
-                    self._stream = self._start()
-                self._next_read = time.monotonic() + _READ_SECONDS
-                try:
-                    messages = self._stream.read(_READ_MESSAGES)
-                except StreamError:
-                    # Broken (the server's wal_sender_timeout while nobody read, a restart): once
-                    # more from the slot's position, skipping what was received; then the engine's
-                    # retry.
-                    self._close_stream()
-                    if restarted:
-                        raise
-                    restarted = True
-                    continue
-                stream, drained = self._stream, self._stream.drained
+            self._next_read = time.monotonic() + _READ_SECONDS
+            try:
+                messages, drained = self._slot.read(_READ_MESSAGES)
+            except StreamError:
+                # Broken (the server's wal_sender_timeout while nobody read, a restart): once more
+                # from the slot's position, skipping what was received; then the engine's retry.
+                if restarted:
+                    raise
+                restarted = True
+                continue
             self._receive(messages)
             with self._state:
                 waiting, receiving = self._txns.waiting, self._txns.receiving
@@ -320,7 +264,7 @@ class LogStore(PostgresStore):
                 return
             if drained:
                 left = started + (_TRICKLE_SECONDS if waiting else _READ_SECONDS) - now
-                if not receiving or left <= 0 or not stream.wait(left):
+                if not receiving or left <= 0 or not self._slot.wait(left):
                     return
 
     def _receive(self, messages: list[bytes]) -> None:
@@ -351,8 +295,9 @@ class LogStore(PostgresStore):
         batch = self._txns.transactions_of(ids)
         if batch:
             self._batches.append((position, batch))
-        target = self._txns.completed(ids, self._advanced)
-        reach, safe = max(target, self._advanced), 0
+        advanced = self._slot.advanced
+        target = self._txns.completed(ids, advanced)
+        reach, safe = max(target, advanced), 0
         while self._batches and reached(self._batches[0][1], reach):
             safe = self._batches.popleft()[0]
         return target, reach, safe
@@ -377,7 +322,7 @@ class LogStore(PostgresStore):
     def _done(self, ids: Sequence[int]) -> None:
         """After a fenced statement about ``ids`` succeeded: they are done."""
         with self._state:
-            target = self._txns.completed(ids, self._advanced)
+            target = self._txns.completed(ids, self._slot.advanced)
         if target:
             self._confirm(target)
 
@@ -388,30 +333,23 @@ class LogStore(PostgresStore):
 
     def _confirm(self, lsn: int) -> None:
         """Report everything before ``lsn`` consumed; call only right after a fenced statement
-        found the epoch current. Without a stream (or when it broke), the next one reports it when
-        it starts: the records are done either way, so no error reaches the caller."""
-        with self._slot_lock:
-            self._advanced = max(self._advanced, lsn)
-            if self._stream is not None:
-                try:
-                    self._stream.confirm(self._advanced)
-                except StreamError:
-                    self._close_stream()
+        found the epoch current. No error reaches the caller: the records are done either way (a
+        stream that broke meanwhile is followed by one that reports it when it starts)."""
+        self._slot.confirm(lsn)
 
     def wait_for_insert(self, timeout: float) -> bool:
         """Until the stream has something to read (or, before it started, as the mark-purge store).
         While a received transaction waits to become visible (:mod:`.log_visibility`), at most
         ``INVISIBLE_RECHECK``: the stream may stay quiet, and the engine's idle back-off would hold
         its records back for as long."""
-        stream = self._stream
-        if stream is None:
+        if not self._slot.streaming:
             return super().wait_for_insert(timeout)
         with self._state:
             waiting = self._txns.waiting
         if waiting:
-            stream.wait(min(timeout, INVISIBLE_RECHECK))
+            self._slot.wait(min(timeout, INVISIBLE_RECHECK))
             return True
-        return stream.wait(timeout)
+        return self._slot.wait(timeout)
 
     def slot_bytes(self) -> tuple[int, int] | None:
         """(WAL bytes not consumed by the slot, WAL bytes it retains), or None without the slot."""
@@ -423,6 +361,5 @@ class LogStore(PostgresStore):
 
     def close(self) -> None:
         """Stop streaming and close every connection."""
-        with self._slot_lock:
-            self._close_stream()
+        self._slot.close()
         super().close()
