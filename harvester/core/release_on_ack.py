@@ -178,18 +178,21 @@ class AckReleasingDispatcher(AtLeastOnceDispatcher):
                     break
                 items += more
             try:
-                self._purge(items)
+                delivered, failures = self._purge_and_settle(items)
             except Exception:
                 # As in the completion thread: a remark re-publishes whatever was not purged.
                 log.exception("purge_failed", records=len(items))
                 self._abandon(items)
+                continue
+            self._purged(items, delivered, failures)
 
-    def _purge(self, items: list[DeliveryReport]) -> None:
-        """Purge the acknowledged records of ``items`` and settle the failed ones, then send what
+    def _purged(
+        self, items: list[DeliveryReport], delivered: list[MarkedRecord], failures: list[tuple[MarkedRecord, Exception]]
+    ) -> None:
+        """The acknowledged records of ``items`` are purged and the failed ones settled: send what
         that made room for; after the remark a failure forced, a key's next record is likely its
         re-marked copy."""
         state = self._state
-        delivered, failures = self._purge_and_settle(items)
         may_send = state.still_leader()
         with state.cond:
             if self._purged_during_mark is not None:
