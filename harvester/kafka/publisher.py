@@ -75,11 +75,11 @@ class KafkaPublisher:
     With ``in_order``, it keeps order (:attr:`keeps_order`) unless the configuration sets a delivery
     timeout or turns idempotence off: the idempotent producer writes a partition's records in
     sequence, retrying what a broker did not acknowledge, and only a timeout lets a later record
-    through without an earlier one. So
-    records wait out an unreachable broker instead of failing after librdkafka's default 5 minutes.
-    An error about the record itself (too large, invalid) still fails it alone, while its key's next
-    records may be written: it is retried until it is dead-lettered, so it lands out of order only if
-    a retry succeeds, after a broker limit was raised in between.
+    through without an earlier one. So records wait out an unreachable broker instead of failing
+    after librdkafka's default 5 minutes. An error about the record itself (too large, invalid)
+    still fails it alone, while its key's next records may be written: it is retried until it is
+    dead-lettered, so it lands out of order only if a retry succeeds, after a broker limit was raised
+    in between.
     """
 
     def __init__(self, config: Mapping[str, Any], on_delivery: DeliveryCallback, *, in_order: bool = False) -> None:
