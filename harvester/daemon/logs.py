@@ -229,8 +229,15 @@ class Folder:
         return seen[1] if seen is not None else 0
 
 
+# Broker answers librdkafka waits out by itself, which a cluster just started gives every new client
+# once (the coordinator that hands out producer ids still loading its topic): information, not a
+# warning.
+_LOADING = ("Coordinator load in progress", "Coordinator not available")
+
+
 class FoldRepeats(logging.Filter):
-    """A :class:`Folder` over the lines of a logger; a line let through after repeats says how many."""
+    """A :class:`Folder` over the lines of a logger; a line let through after repeats says how many.
+    A retry of a coordinator still loading is logged at info level."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -238,6 +245,10 @@ class FoldRepeats(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         text = record.getMessage()
+        if record.levelno == logging.WARNING and text.endswith(": retrying") and any(m in text for m in _LOADING):
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            if not logging.getLogger(record.name).isEnabledFor(logging.INFO):
+                return False
         folded = self.folder.admit(text)
         if folded:
             record.msg, record.args = f"{text} ({folded} repeat(s) folded)", ()

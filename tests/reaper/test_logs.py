@@ -147,3 +147,23 @@ def test_librdkafka_repeats_are_folded(out: io.StringIO) -> None:
     finally:
         for f in list(rdkafka.filters):
             rdkafka.removeFilter(f)
+
+
+@pytest.mark.parametrize("level", ["info", "warning"])
+def test_a_coordinator_still_loading_is_information(level: str) -> None:
+    """librdkafka retries by itself when the coordinator that hands out producer ids still loads (a
+    cluster just started): that line is info, shown only at info level, other warnings stay."""
+    stream = io.StringIO()
+    logs.configure(level, "json", instance="i", stream=stream)
+    rdkafka = logs.librdkafka_logger()
+    try:
+        rdkafka.warning(
+            "GETPID [rdkafka#producer-5] [thrd:main]: Failed to acquire idempotence PID from broker"
+            " 127.0.0.1:9092/1: Broker: Coordinator load in progress: retrying"
+        )
+        rdkafka.warning("FAIL [rdkafka#producer-5] [thrd:b]: 127.0.0.1:9/bootstrap: Connection refused")
+        got = [(g["level"], str(g["event"])[:4]) for g in lines(stream)]
+        assert got == ([("info", "GETP")] if level == "info" else []) + [("warning", "FAIL")]
+    finally:
+        for f in list(rdkafka.filters):
+            rdkafka.removeFilter(f)
