@@ -104,6 +104,12 @@ class AckReleasingDispatcher(AtLeastOnceDispatcher):
                 return
             self._release(record, delivered=False, may_send=True)
 
+    def _reopen_keys(self, items: list[DeliveryReport], may_send: bool) -> None:
+        """:meth:`_reopen` the keys of ``items`` that are closed or have records waiting."""
+        for record, _ in items:
+            if record.key in self._busy or record.key in self._waiting:
+                self._reopen(record, may_send)
+
     @staticmethod
     def _count_down(counts: dict[str, int], key: str) -> None:
         left = counts[key] - 1
@@ -140,9 +146,7 @@ class AckReleasingDispatcher(AtLeastOnceDispatcher):
             for record, err in items:
                 if err is None and record.key in self._waiting:  # a re-marked copy waits: dropped
                     self._release(record, delivered=True, may_send=False)
-            for record, _ in items:
-                if record.key in self._busy or record.key in self._waiting:
-                    self._reopen(record, may_send)
+            self._reopen_keys(items, may_send)
             metrics.in_flight.set(len(self._in_flight))
             metrics.queued.set(self._queued)
             state.cond.notify_all()
@@ -155,8 +159,7 @@ class AckReleasingDispatcher(AtLeastOnceDispatcher):
         with self._state.cond:
             self._forget([r for r, err in items if err is None])
             self._settle([(r, err) for r, err in items if err is not None])
-            for record, _ in items:
-                self._reopen(record, may_send=False)
+            self._reopen_keys(items, may_send=False)
             self._state.force_remark = True
             self._state.cond.notify_all()
 
@@ -199,9 +202,7 @@ class AckReleasingDispatcher(AtLeastOnceDispatcher):
                 self._purged_during_mark.update(r.id for r in delivered)
             self._forget(delivered)
             self._settle(failures)
-            for record, _ in items:
-                if record.key in self._busy or record.key in self._waiting:
-                    self._reopen(record, may_send)
+            self._reopen_keys(items, may_send)
             self._ctx.metrics.in_flight.set(len(self._in_flight))
             self._ctx.metrics.queued.set(self._queued)
             state.cond.notify_all()
