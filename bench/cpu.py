@@ -60,6 +60,16 @@ def librdkafka_seconds(pid: int) -> float:
     return total
 
 
+def own_seconds() -> float:
+    """CPU seconds of this process and of its live children: the harvester in-process, with the
+    producer process the log source starts (harvester.kafka.process_publisher)."""
+    me, total = os.getpid(), time.process_time()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (fields := proc_stat(int(entry.name))) is not None and int(fields[1]) == me:
+            total += cpu_seconds(fields, children=False)
+    return total
+
+
 def backend_pid(conn: psycopg.Connection[Any]) -> int:
     """The server process of ``conn``."""
     row = conn.execute("SELECT pg_backend_pid()").fetchone()
@@ -74,7 +84,8 @@ class CpuSample:
 
 
 class CpuMeter:
-    """Samples CPU time of this process and of the PostgreSQL server ``conn`` is connected to."""
+    """Samples CPU time of this process (with its children) and of the PostgreSQL server ``conn`` is
+    connected to."""
 
     def __init__(self, conn: psycopg.Connection[Any]) -> None:
         fields = proc_stat(backend_pid(conn))
@@ -94,7 +105,7 @@ class CpuMeter:
                 total += cpu_seconds(fields, children=True)
             elif int(fields[1]) == self._postmaster:
                 total += cpu_seconds(fields, children=False)
-        return CpuSample(time.process_time(), total)
+        return CpuSample(own_seconds(), total)
 
 
 def per_thousand(before: CpuSample, after: CpuSample, records: int) -> tuple[float, float]:

@@ -38,8 +38,9 @@ from psycopg import sql
 from harvester import Engine, Limits, PostgresStore, TableName, migrate
 from harvester.core.at_least_once import at_least_once
 from harvester.core.metrics import HarvesterMetrics
-from harvester.core.protocols import DeliveryCallback, DeliveryReport
+from harvester.core.protocols import DeliveryCallback, DeliveryReport, Publisher
 from harvester.kafka.publisher import KafkaPublisher, producer_config
+from harvester.pipelines import publisher
 from harvester.runtime import tune_garbage_collector
 from leader.events import LeaderAcquired
 
@@ -144,18 +145,15 @@ def ceiling_delete(conn: psycopg.Connection[Any], records: int, keys: int, batch
     return records / elapsed
 
 
-class TimedPublisher(KafkaPublisher):
-    """Records each record's acknowledgement time, for end-to-end latency."""
+def timed(callback: DeliveryCallback, acked: dict[int, float]) -> DeliveryCallback:
+    """``callback``, recording each record's acknowledgement time first, for end-to-end latency."""
 
-    def __init__(
-        self, config: dict[str, Any], callback: DeliveryCallback, acked: dict[int, float], in_order: bool
-    ) -> None:
-        def timed(report: DeliveryReport) -> None:
-            if report[1] is None:
-                acked[report[0].id] = time.time()
-            callback(report)
+    def report(delivery: DeliveryReport) -> None:
+        if delivery[1] is None:
+            acked[delivery[0].id] = time.time()
+        callback(delivery)
 
-        super().__init__(config, timed, in_order=in_order)
+    return report
 
 
 def run_engine(
@@ -174,10 +172,8 @@ def run_engine(
     config = producer_config({"bootstrap.servers": BOOTSTRAP}, {})
     in_order = store.release_on_ack
 
-    def factory(cb: DeliveryCallback) -> KafkaPublisher:
-        if acked is None:
-            return KafkaPublisher(config, cb, in_order=in_order)
-        return TimedPublisher(config, cb, acked, in_order)
+    def factory(cb: DeliveryCallback) -> Publisher:
+        return publisher(config, cb if acked is None else timed(cb, acked), in_order=in_order)
 
     engine = Engine(store, at_least_once(store, factory), limits, metrics or HarvesterMetrics(), lambda e: None)
     engine.start()

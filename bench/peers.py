@@ -66,7 +66,7 @@ from typing import Any
 import harvest
 import psycopg
 from confluent_kafka import Consumer, TopicPartition
-from cpu import CollectorTime, CpuMeter, backend_pid, process_seconds
+from cpu import CollectorTime, CpuMeter, backend_pid, own_seconds, process_seconds
 from harvest import VALUE, fresh_outbox, fresh_topic, run_engine, stop, wait_empty
 from peer_services import (
     BOOTSTRAP,
@@ -368,7 +368,7 @@ def harvester_relay(conn: psycopg.Connection[Any], limits: Limits, source: Sourc
     try:
         time.sleep(3.0)  # idle marks: enough for PostgreSQL to consider generic plans
         slot = setup.slot if source != MARK_PURGE else None
-        yield Relay(table, topic, time.process_time, in_process=True, prefix=prefix, slot=slot, keeps=source == RETAIN)
+        yield Relay(table, topic, own_seconds, in_process=True, prefix=prefix, slot=slot, keeps=source == RETAIN)
     finally:
         stop(engine, store)
         if source != MARK_PURGE:
@@ -400,7 +400,7 @@ def harvester_burst(
             committed, copy_cpu = copy_burst(conn, relay.table, relay.topic, records, keys)
         else:
             committed, copy_cpu = emit_burst(conn, relay.prefix, relay.topic, records, keys)
-        own_after_copy = time.process_time()
+        own_after_copy = own_seconds()
         with CollectorTime() as collector:
             published = wait_published(consumer, relay.topic, records)
             if relay.prefix is None and not relay.keeps:

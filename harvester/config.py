@@ -110,6 +110,11 @@ class HarvesterConfig(BaseModel):
         default=None,
         description="The table-less outbox's message prefix; default 'harvester:<schema>.<table>'.",
     )
+    producer_process: bool = Field(
+        default=True,
+        description="With source log and at_least_once: run the Kafka producer in a child process, so that a "
+        "second core publishes while the harvester's reads the slot (false: in the harvester's process).",
+    )
     limits: Limits = Field(default_factory=Limits)
 
     @field_validator("log_slot", "log_publication")

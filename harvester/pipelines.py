@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from harvester.config import HarvesterConfig
 from harvester.core.at_least_once import at_least_once
@@ -14,7 +15,8 @@ from harvester.core.engine import Engine
 from harvester.core.events import Event
 from harvester.core.exactly_once import exactly_once
 from harvester.core.metrics import HarvesterMetrics
-from harvester.core.protocols import BatchScope, DeliveryCallback
+from harvester.core.protocols import BatchScope, DeliveryCallback, Publisher
+from harvester.kafka.process_publisher import ProcessPublisher, runs_in_child
 from harvester.kafka.publisher import KafkaPublisher, producer_config
 from harvester.kafka.topics import ensure_topic, require_partitions
 from harvester.kafka.transactions import KafkaTransactionalPublisher
@@ -69,10 +71,21 @@ def dispatcher(config: HarvesterConfig, store: PostgresStore, shard: int) -> Dis
         transactions = KafkaTransactionalPublisher(kafka, transactional_id, config.checkpoints, shard)
         return exactly_once(store, transactions)
 
-    def publisher(callback: DeliveryCallback) -> KafkaPublisher:
-        return KafkaPublisher(kafka, callback, in_order=store.release_on_ack)
+    def factory(callback: DeliveryCallback) -> Publisher:
+        return publisher(kafka, callback, in_order=store.release_on_ack, in_child=config.producer_process)
 
-    return at_least_once(store, publisher)
+    return at_least_once(store, factory)
+
+
+def publisher(
+    kafka: Mapping[str, Any], callback: DeliveryCallback, *, in_order: bool, in_child: bool = True
+) -> Publisher:
+    """The at-least-once publisher: one that keeps order where the store releases a key at its
+    acknowledgement (the log source), and then, with ``in_child``, its producer in a child process.
+    The log source's drain is bound by the harvester's interpreter; mark-purge's, by its database."""
+    if in_order and in_child and runs_in_child(kafka):
+        return ProcessPublisher(kafka, callback, in_order=True)
+    return KafkaPublisher(kafka, callback, in_order=in_order)
 
 
 def tracing() -> dict[str, BatchScope]:

@@ -69,6 +69,17 @@ def _ordered(settings: Mapping[str, Any]) -> bool:
     return idempotent and all(str(settings.get(name, "0")).strip() == "0" for name in _TIMEOUTS)
 
 
+def delivery_settings(config: Mapping[str, Any], in_order: bool) -> tuple[dict[str, Any], bool]:
+    """The producer's settings for ``config``, and whether it keeps order: asked to (``in_order``)
+    and able to (:class:`KafkaPublisher` says when), it gets no delivery timeout."""
+    settings = dict(config)
+    keeps_order = in_order and _ordered(settings)
+    if keeps_order:
+        settings["message.timeout.ms"] = 0  # no timeout
+        settings.pop("delivery.timeout.ms", None)
+    return settings, keeps_order
+
+
 class KafkaPublisher:
     """:class:`harvester.core.protocols.Publisher` backed by one idempotent producer.
 
@@ -83,11 +94,7 @@ class KafkaPublisher:
     """
 
     def __init__(self, config: Mapping[str, Any], on_delivery: DeliveryCallback, *, in_order: bool = False) -> None:
-        settings = dict(config)
-        self.keeps_order = in_order and _ordered(settings)
-        if self.keeps_order:
-            settings["message.timeout.ms"] = 0  # no timeout
-            settings.pop("delivery.timeout.ms", None)
+        settings, self.keeps_order = delivery_settings(config, in_order)
         self._producer = Producer(settings)
         self._on_delivery = on_delivery
         self._closing = threading.Event()

@@ -1,0 +1,222 @@
+"""Publishing through a producer in a child process, so that the harvester's interpreter spends no
+time in ``produce`` or in delivery callbacks: about a third of the log source's work per record,
+which a second core then does (docs/log-source.md, "The producer process").
+
+Records cross a pipe in batches of plain tuples, numbered in publish order; the child
+(:mod:`harvester.kafka.producer_process`) produces them in that order with the same settings as
+:class:`~harvester.kafka.publisher.KafkaPublisher`, so order is kept exactly as there. Reports come
+back as the numbers acknowledged and the errors of the rest. librdkafka's logs and errors come back
+too, to the logger and error callback the configuration names.
+
+A child that exits unasked fails every record not yet reported, with a retriable error, and the next
+batch starts another child. Batches are numbered by the child they are for: one taken before the
+failure is dropped, never sent to the next child, because its records were just reported failed and
+their retries must not follow copies of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import structlog
+from confluent_kafka import KafkaError, KafkaException
+
+from harvester.core.protocols import DeliveryCallback
+from harvester.core.records import MarkedRecord
+from harvester.kafka.frames import receive, send
+from harvester.kafka.publisher import DeliveryError, delivery_settings
+
+log = structlog.get_logger("harvester.kafka")
+
+# The settings that are Python callables the child cannot be given: it forwards what they receive.
+_FORWARDED = ("logger", "error_cb")
+_START_TIMEOUT = 30.0  # seconds for a child to import confluent-kafka and make its producer
+_EXITED = "the producer process exited"
+
+
+def runs_in_child(config: Mapping[str, Any]) -> bool:
+    """Whether a producer with ``config`` can run in a child: no Python callable in it but those
+    whose calls are forwarded back."""
+    return not any(callable(v) for k, v in config.items() if k not in _FORWARDED)
+
+
+@dataclass(slots=True)
+class _Child:
+    process: subprocess.Popen[bytes]
+    writer: BinaryIO
+    reader: BinaryIO
+    generation: int
+    receiver: threading.Thread = field(init=False)
+
+
+class ProcessPublisher:
+    """:class:`harvester.core.protocols.Publisher` whose producer runs in a child process."""
+
+    def __init__(self, config: Mapping[str, Any], on_delivery: DeliveryCallback, *, in_order: bool = False) -> None:
+        """Start the child and its producer; raises ``KafkaException`` when the producer's settings
+        are refused, as :class:`~harvester.kafka.publisher.KafkaPublisher` does."""
+        settings = dict(config)
+        self._logger: logging.Logger | None = settings.pop("logger", None)
+        self._error_cb: Callable[[KafkaError], None] | None = settings.pop("error_cb", None)
+        self._settings, self.keeps_order = delivery_settings(settings, in_order)
+        self._on_delivery = on_delivery
+        self._lock = threading.Lock()  # guards the fields below
+        self._pending: dict[int, MarkedRecord] = {}  # sent or about to be, by number
+        self._outgoing: list[tuple[int, str, str, bytes | None, Any]] = []
+        self._next = 0
+        self._generation = 0  # the current child's; bumped when a child exits unasked
+        self._closing: float | None = None  # the close's timeout, once closing
+        self._wake = threading.Event()
+        self._child = self._spawn(0)
+        self._sender = threading.Thread(target=self._send_loop, name="harvester-produce", daemon=True)
+        self._sender.start()
+
+    @property
+    def child_pid(self) -> int:
+        """The producer process's id (a new one after a child exited unasked)."""
+        return self._child.process.pid
+
+    def publish(self, record: MarkedRecord) -> None:
+        """Queue ``record`` for the child; its report reaches the callback from the receiving thread."""
+        with self._lock:
+            seq = self._next
+            self._next = seq + 1
+            self._pending[seq] = record
+            if not self._outgoing:
+                self._wake.set()
+            self._outgoing.append((seq, record.topic, record.key, record.value, record.headers))
+
+    def close(self, timeout: float) -> None:
+        """Send what is queued, have the child flush (bounded by ``timeout``) and fail what it could
+        not deliver, then wait for it to exit."""
+        with self._lock:
+            self._closing = timeout
+            self._wake.set()
+        self._sender.join()
+        child = self._child
+        child.receiver.join(timeout + _START_TIMEOUT)
+        if child.receiver.is_alive():
+            child.process.kill()
+            child.receiver.join()
+        child.process.wait()
+
+    # ------------------------------------------------------------------ the child
+
+    def _spawn(self, generation: int) -> _Child:
+        """Start a child for ``generation`` and wait until its producer exists."""
+        down_read, down_write = os.pipe()
+        up_read, up_write = os.pipe()
+        package_root = str(Path(__file__).resolve().parents[2])
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
+        command = [sys.executable, "-m", "harvester.kafka.producer_process", str(down_read), str(up_write)]
+        process = subprocess.Popen(command, pass_fds=(down_read, up_write), env=env)
+        os.close(down_read)
+        os.close(up_write)
+        child = _Child(process, os.fdopen(down_write, "wb"), os.fdopen(up_read, "rb"), generation)
+        send(child.writer, (self._settings, self._logger is not None, self._error_cb is not None))
+        started = _answer(child)
+        if started is not None:
+            child.writer.close()
+            process.wait()
+            raise KafkaException(KafkaError(*started))
+        child.receiver = threading.Thread(
+            target=self._receive_loop, args=(child,), name="harvester-delivery", daemon=True
+        )
+        child.receiver.start()
+        return child
+
+    def _send_loop(self) -> None:
+        while True:
+            self._wake.wait()
+            with self._lock:
+                batch, self._outgoing = self._outgoing, []
+                generation, closing = self._generation, self._closing
+                self._wake.clear()
+            if batch:
+                self._send(batch, generation)
+            if closing is not None:
+                self._stop_child(closing)
+                return
+
+    def _send(self, batch: list[tuple[int, str, str, bytes | None, Any]], generation: int) -> None:
+        if generation != self._child.generation:
+            if generation != self._generation:
+                return  # for a child that exited: these records were reported failed with it
+            try:
+                self._child = self._spawn(generation)
+            except Exception as exc:
+                log.error("producer_process_start_failed", error=str(exc))
+                self._fail([seq for seq, *_ in batch], str(exc))
+                return
+        # A child that exited fails the batch with everything else pending (its receiver does).
+        with contextlib.suppress(OSError):
+            send(self._child.writer, batch)
+
+    def _stop_child(self, timeout: float) -> None:
+        with contextlib.suppress(OSError):  # exited already: its receiver reports what it left
+            send(self._child.writer, ("close", timeout))
+            self._child.writer.close()
+
+    def _receive_loop(self, child: _Child) -> None:
+        report, pending = self._on_delivery, self._pending
+        while (frame := receive(child.reader)) is not None:
+            acked, failed, logs, errors = frame
+            for seq in acked:
+                record = pending.pop(seq, None)
+                if record is not None:
+                    report((record, None))
+            for seq, code, reason in failed:
+                record = pending.pop(seq, None)
+                if record is not None:
+                    report((record, DeliveryError(KafkaError(code, reason))))
+            if self._logger is not None:
+                for level, text in logs:
+                    self._logger.log(level, "%s", text)
+            if self._error_cb is not None:
+                for code, reason, fatal in errors:
+                    self._error_cb(KafkaError(code, reason, fatal=fatal))
+        self._exited(child)
+
+    def _exited(self, child: _Child) -> None:
+        """``child``'s reports ended: what it left unreported fails, and the next batch starts another."""
+        with self._lock:
+            left = list(self._pending)
+            self._outgoing.clear()
+            self._generation = child.generation + 1
+            closing = self._closing is not None
+        code = child.process.wait()
+        if not closing:
+            log.error("producer_process_exited", exit_code=code, records=len(left))
+        self._fail(left, _EXITED)
+
+    def _fail(self, seqs: list[int], reason: str) -> None:
+        for seq in seqs:
+            record = self._pending.pop(seq, None)
+            if record is not None:
+                self._on_delivery((record, DeliveryError(KafkaError(KafkaError._FAIL, reason))))
+
+
+def _answer(child: _Child) -> tuple[int, str] | None:
+    """None once the child's producer exists, else the error that refused it (or stopped the child)."""
+    answer: list[Any] = []
+    reader = threading.Thread(target=lambda: answer.append(receive(child.reader)), daemon=True)
+    reader.start()
+    reader.join(_START_TIMEOUT)
+    if not answer:
+        child.process.kill()
+        return (KafkaError._FAIL, f"the producer process did not start within {_START_TIMEOUT:.0f} s")
+    if answer[0] == "ready":
+        return None
+    if answer[0] is None:
+        return (KafkaError._FAIL, f"the producer process exited at start (code {child.process.wait()})")
+    refused: tuple[int, str] = answer[0]
+    return refused

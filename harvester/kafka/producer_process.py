@@ -1,0 +1,139 @@
+"""The producer process that :class:`harvester.kafka.process_publisher.ProcessPublisher` starts: one
+confluent-kafka producer fed by frames from the harvester, its delivery reports sent back in frames.
+
+``python -m harvester.kafka.producer_process IN OUT``: reads frames from file descriptor ``IN`` and
+writes them to ``OUT`` (:mod:`harvester.kafka.frames`). In: first ``(settings, forward_logs,
+forward_errors)``, then batches ``[(seq, topic, key, value, headers), ...]``, then ``("close",
+timeout)``. Out: first ``"ready"`` once the producer exists or ``(code, reason)`` when it could not be
+made, then reports ``(acked seqs, [(seq, code, reason)], [(level, text)], [(code, reason, fatal)])``.
+
+It imports nothing but confluent-kafka, so it starts in a tenth of a second. It ignores SIGINT and
+SIGTERM, which a terminal or a service manager sends the whole group: the harvester decides when it
+stops, flushing first. It exits at once when the harvester's end of the pipe closes without a
+"close" (the harvester died): what it had not delivered stays in the outbox for the next leader.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any, BinaryIO
+
+from confluent_kafka import KafkaError, KafkaException, Message, Producer
+
+from harvester.kafka.frames import receive, send
+
+
+class _Relay:
+    """The producer and the reports waiting to go back. Delivery reports, librdkafka's logs and
+    errors run on whichever thread polls: the poll thread, or the main thread's final flush."""
+
+    def __init__(self, out: BinaryIO, settings: dict[str, Any], forward_logs: bool, forward_errors: bool) -> None:
+        self._out = out
+        self._lock = threading.Lock()  # guards the lists below: produce failures come from the main thread
+        self._acked: list[int] = []
+        self._failed: list[tuple[int, int, str]] = []
+        self._logs: list[tuple[int, str]] = []
+        self._errors: list[tuple[int, str, bool]] = []
+        if forward_logs:
+            settings["logger"] = self._logger()
+        if forward_errors:
+            settings["error_cb"] = self._on_error
+        self.producer = Producer(settings)
+        self._stopping = threading.Event()
+        self._poller = threading.Thread(target=self._poll, name="producer-poll", daemon=True)
+
+    def _logger(self) -> logging.Logger:
+        relay = self
+
+        class Forward(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                with relay._lock:
+                    relay._logs.append((record.levelno, record.getMessage()))
+
+        logger = logging.getLogger("rdkafka")
+        logger.setLevel(logging.DEBUG)  # the harvester's logger decides what it shows
+        logger.propagate = False
+        logger.addHandler(Forward())
+        return logger
+
+    def _on_error(self, error: KafkaError) -> None:
+        with self._lock:
+            self._errors.append((error.code(), error.str(), error.fatal()))
+
+    def start(self) -> None:
+        self._poller.start()
+
+    def _poll(self) -> None:
+        while not self._stopping.is_set():
+            self.producer.poll(0.05)
+            self.report()
+
+    def report(self) -> None:
+        """Send what was reported since the last call, if anything."""
+        with self._lock:
+            frame = (self._acked, self._failed, self._logs, self._errors)
+            if not any(frame):
+                return
+            self._acked, self._failed, self._logs, self._errors = [], [], [], []
+        send(self._out, frame)
+
+    def produce(self, seq: int, topic: str, key: str, value: bytes | None, headers: Any) -> None:
+        def delivered(err: KafkaError | None, _msg: Message) -> None:
+            if err is None:
+                self._acked.append(seq)  # only the polling thread appends here, and swaps the list
+            else:
+                self._fail(seq, err)
+
+        while True:
+            try:
+                self.producer.produce(topic, value=value, key=key, headers=headers, on_delivery=delivered)
+                return
+            except BufferError:
+                time.sleep(0.005)  # librdkafka's local queue is full: the poll thread drains it
+            except KafkaException as exc:
+                self._fail(seq, exc.args[0])
+                return
+
+    def _fail(self, seq: int, error: KafkaError) -> None:
+        with self._lock:
+            self._failed.append((seq, error.code(), error.str()))
+
+    def close(self, timeout: float) -> None:
+        """Flush (bounded), fail what is left, and send the last reports."""
+        self._stopping.set()
+        self._poller.join()
+        if self.producer.flush(timeout):
+            self.producer.purge()
+            self.producer.flush(0)
+        self.report()
+
+
+def main(argv: list[str]) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    inbound = os.fdopen(int(argv[1]), "rb")
+    out = os.fdopen(int(argv[2]), "wb")
+    settings, forward_logs, forward_errors = receive(inbound)
+    try:
+        relay = _Relay(out, settings, forward_logs, forward_errors)
+    except KafkaException as exc:
+        send(out, (exc.args[0].code(), exc.args[0].str()))
+        return
+    send(out, "ready")
+    relay.start()
+    while (frame := receive(inbound)) is not None:
+        if isinstance(frame, tuple):
+            relay.close(frame[1])
+            return
+        for record in frame:
+            relay.produce(*record)
+    os._exit(0)  # the harvester is gone: drop the producer's queue without waiting for it
+
+
+if __name__ == "__main__":
+    main(sys.argv)

@@ -1,0 +1,170 @@
+"""The log source's producer in a child process (harvester.kafka.process_publisher), on the real
+broker: records land in publish order with one report each; refused settings fail at start as in
+the harvester's own process; librdkafka's logs and errors reach the configured logger and callback;
+a child that dies fails what it left, once each, and the next records go through a new child; a
+child whose harvester died exits; a terminal's or service manager's signals leave it to the harvester."""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+from confluent_kafka import KafkaError, KafkaException
+
+from harvester.core.protocols import DeliveryReport
+from harvester.core.records import MarkedRecord
+from harvester.kafka.process_publisher import ProcessPublisher, runs_in_child
+from harvester.kafka.publisher import DeliveryError, producer_config
+from tests.support import Services, read_messages, text
+
+Reports = queue.SimpleQueue[DeliveryReport]
+
+
+def _record(n: int, topic: str, key: str = "k") -> MarkedRecord:
+    return MarkedRecord(n, datetime.now(UTC), topic, key, f"v{n}".encode(), [("h", b"x")])
+
+
+def _collect(reports: Reports, count: int, timeout: float = 60) -> list[DeliveryReport]:
+    return [reports.get(timeout=timeout) for _ in range(count)]
+
+
+@pytest.fixture
+def started(services: Services) -> Iterator[Callable[..., tuple[ProcessPublisher, Reports]]]:
+    made: list[ProcessPublisher] = []
+
+    def start(**producer: Any) -> tuple[ProcessPublisher, Reports]:
+        reports: Reports = queue.SimpleQueue()
+        publisher = ProcessPublisher(producer_config(services.kafka(), producer), reports.put_nowait, in_order=True)
+        made.append(publisher)
+        return publisher, reports
+
+    yield start
+    for publisher in made:
+        publisher.close(5)
+
+
+def test_records_land_in_publish_order_with_one_report_each(
+    started: Callable[..., tuple[ProcessPublisher, Reports]], services: Services, topics: Callable[..., str]
+) -> None:
+    topic = topics(3)
+    publisher, reports = started()
+    assert publisher.keeps_order
+    for n in range(3000):
+        publisher.publish(_record(n, topic, key=f"k{n % 7}"))
+    done = _collect(reports, 3000)
+    assert sorted(r.id for r, _ in done) == list(range(3000))
+    assert all(err is None for _, err in done)
+    seen: dict[str, list[int]] = {}
+    for msg in read_messages(services.bootstrap, [topic], 3000):
+        seen.setdefault(text(msg.key()), []).append(int(text(msg.value())[1:]))
+        assert msg.headers() == [("h", b"x")]
+    assert all(ids == sorted(ids) for ids in seen.values())
+    assert sum(len(ids) for ids in seen.values()) == 3000
+
+
+def test_refused_settings_fail_at_start(started: Callable[..., tuple[ProcessPublisher, Reports]]) -> None:
+    with pytest.raises(KafkaException) as refused:
+        started(**{"no.such.property": "1"})
+    assert "no.such.property" in refused.value.args[0].str()
+
+
+def test_only_forwarded_callables_run_in_the_child() -> None:
+    assert runs_in_child({"bootstrap.servers": "x", "logger": logging.getLogger("x"), "error_cb": print})
+    assert not runs_in_child({"bootstrap.servers": "x", "stats_cb": print})
+
+
+def test_librdkafka_logs_and_errors_reach_the_configured_logger_and_callback(services: Services) -> None:
+    lines: list[str] = []
+    errors: queue.SimpleQueue[KafkaError] = queue.SimpleQueue()
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    logger = logging.getLogger("test-rdkafka-forward")
+    logger.addHandler(Keep())
+    logger.setLevel(logging.DEBUG)
+    # Nothing listens on port 9: the client logs the refused connection and reports an error.
+    config = {"bootstrap.servers": "127.0.0.1:9", "logger": logger, "error_cb": errors.put_nowait}
+    publisher = ProcessPublisher(producer_config(config, {}), lambda _: None, in_order=True)
+    try:
+        error = errors.get(timeout=30)
+        assert error.code() in (KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN)
+        deadline = time.monotonic() + 30
+        while not any("127.0.0.1:9" in line for line in lines) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert any("127.0.0.1:9" in line for line in lines)
+    finally:
+        publisher.close(0)
+
+
+def test_a_child_that_dies_fails_what_it_left_once_each_and_a_new_one_takes_the_next(
+    started: Callable[..., tuple[ProcessPublisher, Reports]], services: Services, topics: Callable[..., str]
+) -> None:
+    topic = topics()
+    publisher, reports = started()
+    first = publisher.child_pid
+    os.kill(first, signal.SIGSTOP)  # nothing it holds can be acknowledged now
+    for n in range(100):
+        publisher.publish(_record(n, topic))
+    time.sleep(0.5)
+    os.kill(first, signal.SIGKILL)
+    os.kill(first, signal.SIGCONT)
+    left = _collect(reports, 100)
+    assert sorted(r.id for r, _ in left) == list(range(100))  # each reported once
+    assert all(isinstance(err, DeliveryError) and not err.permanent for _, err in left)
+    for n in range(100, 110):
+        publisher.publish(_record(n, topic))
+    after = _collect(reports, 10)
+    assert [(r.id, err) for r, err in after] == [(n, None) for n in range(100, 110)]
+    assert publisher.child_pid != first
+    assert reports.empty()
+    landed = read_messages(services.bootstrap, [topic], 10)
+    assert [text(m.value()) for m in landed] == [f"v{n}" for n in range(100, 110)]
+
+
+def test_the_child_ignores_the_groups_signals_and_exits_when_its_harvester_dies(services: Services) -> None:
+    # A harvester of its own, which the test kills as a crash would.
+    script = (
+        "import sys, time\n"
+        "from harvester.kafka.process_publisher import ProcessPublisher\n"
+        f"p = ProcessPublisher({{'bootstrap.servers': {services.bootstrap!r}, 'enable.idempotence': True}},"
+        " lambda r: None, in_order=True)\n"
+        "print(p.child_pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    root = str(Path(__file__).resolve().parents[2])
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=root)
+    try:
+        assert parent.stdout is not None
+        child = int(parent.stdout.readline())
+        os.kill(child, signal.SIGTERM)
+        os.kill(child, signal.SIGINT)
+        time.sleep(1.0)
+        assert _alive(child), "the child must stop when its harvester says, not on the group's signals"
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 10
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(child), "the child of a dead harvester must exit"
+    finally:
+        parent.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
