@@ -54,13 +54,13 @@ class Proxy:
             previous, self._mode = self._mode, mode
             pairs = list(self._pairs)
             self._cond.notify_all()
+        if mode == "cut":
+            self._unlisten()  # first: a client reconnecting once its connection drops is refused
+        elif previous == "cut":
+            self._listen()
         if mode in ("cut", "reset"):
             for pair in pairs:
                 self._drop(pair, reset=mode == "reset")
-        if mode == "cut":
-            self._unlisten()
-        elif previous == "cut":
-            self._listen()
 
     def close(self) -> None:
         """Stop listening and drop every connection."""
@@ -128,10 +128,22 @@ class Proxy:
             upstream.settimeout(None)
             pair = (client, upstream)
             with self._cond:
-                if self._closed:
-                    self._drop(pair, reset=False)
+                # A connection accepted just before a switch to ``cut`` or ``reset`` (a client
+                # reconnecting at once to the connections that switch dropped) is not among the pairs
+                # it dropped: it must not forward either. The mode is read under the lock set_mode
+                # switches it under, so every pair is dropped by one or the other.
+                closed, mode = self._closed, self.mode  # (the property: mypy narrowed _mode above)
+                if not closed and mode not in ("cut", "reset"):
+                    self._pairs.add(pair)
+            if closed or mode in ("cut", "reset"):
+                for sock in pair:
+                    if mode == "reset":
+                        _abort(sock)
+                    else:
+                        _close(sock)
+                if closed:
                     return
-                self._pairs.add(pair)
+                continue
             for src, dst in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pump, args=(pair, src, dst), daemon=True).start()
 
@@ -169,9 +181,14 @@ class Proxy:
             if reset:
                 _abort(sock)
             else:
-                with suppress(OSError):
-                    sock.shutdown(socket.SHUT_RDWR)
-                sock.close()
+                _close(sock)
+
+
+def _close(sock: socket.socket) -> None:
+    """Close with a FIN."""
+    with suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+    sock.close()
 
 
 def _abort(sock: socket.socket) -> None:
