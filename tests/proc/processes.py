@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import threading
@@ -69,6 +70,9 @@ class HarvesterProcess:
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
+                # Where it is stuck goes to its log (run_harvester registers SIGUSR1 with faulthandler).
+                self.proc.send_signal(signal.SIGUSR1)
+                time.sleep(1.0)
                 self.proc.kill()
                 self.proc.wait()
         self._reader.join(5)

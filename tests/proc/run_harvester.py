@@ -34,6 +34,8 @@ def emit(record: dict[str, Any]) -> None:
 
 def main() -> None:
     faulthandler.enable()  # an abort (librdkafka's assertions) prints each thread's stack to the log
+    # HarvesterProcess.terminate asks with SIGUSR1 where a process that does not stop is stuck.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     spec = json.loads(sys.argv[1])
     session_timeout = float(spec.pop("session_timeout", 3.0))
     config = HarvesterConfig.model_validate(spec)

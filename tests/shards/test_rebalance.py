@@ -168,7 +168,9 @@ def test_a_joining_member_takes_shards_without_two_leaders_and_nothing_is_lost(
     assert moved  # some shard published under two terms: it moved while records flowed
     for p in members:
         exit_line = p.terminate()
-        assert exit_line is not None and exit_line["fenced_statements"] == 0
+        tail = "".join(p.log[-40:])
+        assert exit_line is not None, f"{p.name} (exit code {p.proc.returncode}) printed no exit line:\n{tail}"
+        assert exit_line["fenced_statements"] == 0, exit_line
 
 
 def test_a_reaper_with_another_number_of_shards_is_refused(
