@@ -95,6 +95,11 @@ class Purger(Protocol):
         """Delete delivered records (one statement for all ids)."""
         ...
 
+    def durable(self, ids: Sequence[int]) -> list[int]:
+        """Of purged ``ids``, those a new leader would not publish again: all of them where a purge
+        deletes them; where it stores a position instead, those the stored position covers."""
+        ...
+
 
 class CheckpointStore(Protocol):
     """Exactly-once completion: purges move together with the checkpoint position."""

@@ -13,7 +13,12 @@ commits after it too, and whatever a crash leaves unpurged is, per key, its late
 leader re-reads unpurged records in their order, so it repeats them in order: a run of the key's
 records, not only its last one. A key has at most :data:`~harvester.core.identity.KEY_RUN` records
 sent and not purged yet (in flight or acknowledged), so the run a crash repeats is at most that
-long; :class:`harvester.client.dedup.DedupReader` remembers that many ids per key and term.
+long; :class:`harvester.client.dedup.DedupReader` remembers that many ids per key and term. A store
+that stores a position instead of deleting rows may not cover a purged record yet (an earlier record
+of another key is not done): the record is *held*, still counted in its key's run, until
+:meth:`~harvester.core.protocols.Purger.durable` says the position covers it. Held records are done
+for the store and hold no memory to speak of, so they count neither in the in-flight window nor
+against a remark.
 
 A failed record closes its key until the failure is settled, after the purges before it; a later
 record of the key already in flight fails with it (the publisher keeps order) or is the key's only
@@ -42,6 +47,8 @@ _PURGE_BATCH = 20_000
 # larger statements cost PostgreSQL less per record.
 _PURGE_GATHER = 1_000
 _PURGE_GATHER_SECONDS = 0.05
+# How often held records are looked at again while no purge comes.
+_HELD_RECHECK_SECONDS = 0.5
 
 
 class AckReleasingDispatcher(AtLeastOnceDispatcher):
@@ -61,17 +68,28 @@ class AckReleasingDispatcher(AtLeastOnceDispatcher):
         self._unpurged_of: dict[str, int] = {}
         self._unpurged = 0
         self._failing_of: dict[str, int] = {}
+        # Purged records the store does not cover yet (purge thread only, read under the lock).
+        self._held: dict[int, MarkedRecord] = {}
         self._threads.append(worker(self._purge_loop, "harvester-purge", context.labels))
 
     # ------------------------------------------------------------------ state (caller holds the lock)
 
     def busy(self) -> bool:
         # A remark waits for the purges too: it would re-read acknowledged records not purged yet.
-        return bool(self._in_flight) or self._unpurged > 0
+        return bool(self._in_flight) or self._unpurged > len(self._held)
 
     def _window_full(self) -> bool:
         # Acknowledged records not purged yet hold memory as in-flight ones do.
-        return len(self._in_flight) + self._unpurged >= self._bound
+        return len(self._in_flight) + self._unpurged - len(self._held) >= self._bound
+
+    def begin_term(self) -> None:
+        """A new term streams from the stored position: what was held leaves its keys' runs (it is
+        counted again if it goes out again)."""
+        with self._state.cond:
+            held = list(self._held.values())
+            self._held.clear()
+            self._forget(held)
+            self._reopen_keys([(r, None) for r in held], may_send=False)
 
     @property
     def in_flight_keys(self) -> int:
@@ -165,7 +183,13 @@ class AckReleasingDispatcher(AtLeastOnceDispatcher):
 
     def _purge_loop(self) -> None:
         while True:
-            first = self._purges.get()
+            try:
+                # While records are held, the position may come to cover them without a purge of
+                # this thread (the mark thread stores it when a completion's confirmation failed).
+                first = self._purges.get(timeout=_HELD_RECHECK_SECONDS if self._held else None)
+            except queue.Empty:
+                self._purged([], [], [])
+                continue
             if first is None:
                 return
             items = list(first)
@@ -197,12 +221,24 @@ class AckReleasingDispatcher(AtLeastOnceDispatcher):
         re-marked copy."""
         state = self._state
         may_send = state.still_leader()
+        asked = [r.id for r in delivered] + list(self._held)
+        covered = self._store.durable(asked)
         with state.cond:
             if self._purged_during_mark is not None:
                 self._purged_during_mark.update(r.id for r in delivered)
-            self._forget(delivered)
+            if len(covered) == len(asked):  # all of them (a purge that deletes, or a stored position)
+                earlier = list(self._held.values())
+                self._held.clear()
+                self._forget(delivered + earlier)
+            else:
+                durable = set(covered)
+                earlier = [self._held.pop(rid) for rid in covered if rid in self._held]
+                self._held.update((r.id, r) for r in delivered if r.id not in durable)
+                self._forget([r for r in delivered if r.id in durable] + earlier)
             self._settle(failures)
             self._reopen_keys(items, may_send)
+            if earlier:
+                self._reopen_keys([(r, None) for r in earlier], may_send)
             self._ctx.metrics.in_flight.set(len(self._in_flight))
             self._ctx.metrics.queued.set(self._queued)
             state.cond.notify_all()

@@ -32,16 +32,26 @@ class PositionedLogStore(LogStore):
         super().__init__(dsn, setup, **options)
         self._fence_row = migrations.fence_table(self._table).ident
         self._store_done = self._store_statement()
-        self._stored = sql.SQL("SELECT log_lsn FROM {} WHERE outbox_table = %s AND shard = %s").format(self._fence_row)
+        self._stored = sql.SQL(
+            "SELECT log_lsn, log_partial_lsn, log_partial_count FROM {} WHERE outbox_table = %s AND shard = %s"
+        ).format(self._fence_row)
+        # The position this term stored done: the end of the last transaction all done, and the
+        # done prefix of the next one, (its commit LSN, its length); guarded by _state.
+        self._position: tuple[int, tuple[int, int]] = (0, (0, 0))
+        self._following = False  # whether the transactions follow done records until stored
 
     def _store_statement(self) -> sql.Composed:
-        """The fenced UPDATE of the fence row; parameters: (lsn, checkpoint position, *fence, epoch).
-        ``f`` is the row before the update, ``v`` the new position."""
+        """The fenced UPDATE of the fence row; parameters: (lsn, partial LSN, partial count,
+        checkpoint position, *fence, epoch). ``f`` is the row before the update, ``v`` the new
+        position; (log_lsn, log_partial_lsn, log_partial_count) only moves forward, as a whole."""
+        ahead = "(v.lsn, v.plsn, v.pcount) > (f.log_lsn, f.log_partial_lsn, f.log_partial_count)"
         return sql.SQL(
             "UPDATE {} AS f SET log_lsn = greatest(f.log_lsn, v.lsn),"
+            f" log_partial_lsn = CASE WHEN {ahead} THEN v.plsn ELSE f.log_partial_lsn END,"
+            f" log_partial_count = CASE WHEN {ahead} THEN v.pcount ELSE f.log_partial_count END,"
             " checkpoint_position = greatest(f.checkpoint_position, v.pos)"
             + self._also_set()
-            + " FROM (SELECT %s::bigint AS lsn, %s::bigint AS pos) AS v"
+            + " FROM (SELECT %s::bigint AS lsn, %s::bigint AS plsn, %s::bigint AS pcount, %s::bigint AS pos) AS v"
             " WHERE f.outbox_table = %s AND f.shard = %s AND f.epoch = %s"
         ).format(self._fence_row)
 
@@ -52,9 +62,12 @@ class PositionedLogStore(LogStore):
     def acquire(self, leader_id: UUID) -> int:
         """As :meth:`LogStore.acquire`; the term skips what an earlier one stored done."""
         epoch = super().acquire(leader_id)
-        done = int(self._run(self._stored, self._fence)[0][0])
+        row = self._run(self._stored, self._fence)[0]
+        done, partial = int(row[0]), (int(row[1]), int(row[2]))
         with self._state:
-            self._txns.new_term(done)
+            self._txns.new_term(done, partial)
+            self._position = (done, partial)
+            self._following = False
         self._slot.confirm_on_start(done)
         return epoch
 
@@ -65,8 +78,20 @@ class PositionedLogStore(LogStore):
             return self._txns.pending(), None
 
     def purge(self, ids: Sequence[int]) -> None:
-        """Nothing deleted now: the records are done, the slot moves past every transaction all done."""
+        """Nothing deleted now: the records are done, and the position with them (the done prefix
+        of the first transaction not all done included); the slot moves past every transaction all
+        done."""
+        with self._state:
+            if not self._following:  # at least once: durable() asks which purges are stored
+                self._txns.follow_durable()
+                self._following = True
         self._done(ids)
+
+    def durable(self, ids: Sequence[int]) -> list[int]:
+        """Of purged ``ids``, those the stored position covers (a new term skips them)."""
+        with self._state:
+            lsn, partial = self._position
+            return self._txns.durable(ids, lsn, partial)
 
     def purge_checkpointed(self, ids: Sequence[int], position: int) -> None:
         """Exactly-once: store the checkpoint position and how far the transactions are done in one
@@ -87,16 +112,23 @@ class PositionedLogStore(LogStore):
     def _done(self, ids: Sequence[int]) -> None:
         with self._state:
             target = self._txns.completed(ids, self._slot.advanced)
+            partial = self._txns.partial() if self._following else (0, 0)
             self._drop_kept(ids)
+            now = (max(target, self._position[0]), partial)
+            ahead = now > self._position
+        if ahead:
+            self._store(now[0], 0, partial)
         if target:
-            self._advance_to(target)
+            self._confirm(target)
 
     def _advance_to(self, lsn: int) -> None:
         """Store ``lsn`` done under the fence, then confirm the slot there."""
         self._store(lsn, 0)
         self._confirm(lsn)
 
-    def _store(self, lsn: int, position: int) -> None:
-        cur = self._execute(self._store_done, (lsn, position, *self._fence, self._epoch))
+    def _store(self, lsn: int, position: int, partial: tuple[int, int] = (0, 0)) -> None:
+        cur = self._execute(self._store_done, (lsn, *partial, position, *self._fence, self._epoch))
         if cur.rowcount == 0:
             raise FencedError(f"fenced: epoch {self._epoch} superseded")
+        with self._state:
+            self._position = max(self._position, (lsn, partial))

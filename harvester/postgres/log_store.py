@@ -196,11 +196,11 @@ class LogStore(PostgresStore):
         out: list[MarkedRecord] = []
         with self._state:
             handed_out = self._txns.handed_out
-            for (txn, _), record in zip(taken, records, strict=True):
+            for (txn, index), record in zip(taken, records, strict=True):
                 rid = record.id
                 if rid in gone:
-                    txn.done.add(rid)
-                if handed_out(txn, rid):
+                    txn.done.add(index)
+                if handed_out(txn, index, rid):
                     record.headers += ((id_header, str(rid).encode()), *identity)
                     out.append(record)
         return out
@@ -209,9 +209,9 @@ class LogStore(PostgresStore):
         """The records of outbox messages (Inserts), before the identity headers."""
         kind = self._ready().columns.limits.value_kind
         out: list[MarkedRecord] = []
-        for txn, data in taken:
+        for txn, index in taken:
             assert txn.columns is not None  # checked as the transaction came in
-            out.append(outbox_record(data, txn.columns, kind))
+            out.append(outbox_record(txn.inserts[index], txn.columns, kind))
         return out
 
     def _gone(self, taken: Taken, records: list[MarkedRecord]) -> set[int]:

@@ -11,6 +11,11 @@ as they arrive, before its Commit: the walsender sends a transaction only once i
 large one takes seconds to come (about 150,000 records a second), which the drain overlaps. A new
 pass (a new leader id) refills the buffer with every record of the kept transactions (from memory:
 the stream goes forward only); records already done are skipped as they are handed out.
+
+Records are known by where they are in their transaction (the stream's order, which the slot sends
+again the same): the leading run of a transaction's done records is its *done prefix*, which a
+store that keeps the position done instead of deleting rows (:mod:`harvester.postgres.log_position`)
+stores too, so that a new leader skips it even when an earlier record of another key is not done.
 """
 
 from __future__ import annotations
@@ -31,7 +36,8 @@ class Transaction:
     xid: int
     columns: Columns | None
     inserts: list[bytes]  # its outbox messages, kept until all are done (a new pass re-reads them)
-    done: set[int] = field(default_factory=set)  # ids acknowledged (or dead-lettered)
+    done: set[int] = field(default_factory=set)  # indexes in inserts of those acknowledged (or dead-lettered)
+    prefix: int = 0  # how many of its first inserts are all done (advanced by Transactions.partial)
     visible: bool = False  # its rows were found visible to new snapshots (see harvester.postgres.log_visibility)
     commit_time: int = 0  # microseconds since 2000-01-01 UTC
     end_lsn: int = 0  # a slot advanced to here has consumed it; 0 until its Commit came
@@ -50,7 +56,8 @@ def reached(transactions: Iterable[Transaction], lsn: int) -> bool:
     return all(0 < txn.end_lsn <= lsn for txn in transactions)
 
 
-Taken = list[tuple[Transaction, bytes]]
+# Records handed out: their transactions and their indexes in its inserts.
+Taken = list[tuple[Transaction, int]]
 
 
 class Transactions:
@@ -65,28 +72,39 @@ class Transactions:
         self._oid = oid  # the outbox table's oid, whose Relation messages name its columns (0: none)
         self.columns: Columns | None = None  # from the outbox's latest Relation message
         self._pass: UUID | None = None  # the leader id of the current pass
-        self._buffer: deque[tuple[Transaction, bytes]] = deque()  # received, not handed out in this pass
+        self._buffer: deque[tuple[Transaction, int]] = deque()  # received, not handed out in this pass
         self._received_upto = 0  # end LSN of the last transaction received in this term
         self.kept: deque[Transaction] = deque()  # received, not yet confirmed past
-        self._of_id: dict[int, Transaction] = {}
+        self._of_id: dict[int, tuple[Transaction, int]] = {}  # handed out, not done
+        # Done and not yet known to be stored done, when asked to follow (see durable()).
+        self._held: dict[int, tuple[Transaction, int]] | None = None
         # Ids done although this term never handed them out (committed checkpoints a new term
         # recovers; completions of the previous term): skipped when the slot sends them.
         self._recovered: set[int] = set()
         self._settled_upto = 0  # the end of the last transaction this term forgot as settled
         self._open: Transaction | None = None  # the transaction being received (kept already)
         self._skip = 0  # its inserts a restarted stream sends again (received before)
+        self._partial = (0, 0)  # (commit LSN, done prefix) of a transaction a new term skips a part of
 
-    def new_term(self, done_upto: int = 0) -> None:
+    def new_term(self, done_upto: int = 0, partial: tuple[int, int] = (0, 0)) -> None:
         """Forget everything received: a new term streams again from the slot's position, skipping
-        the transactions that end at or before ``done_upto`` (known done)."""
+        the transactions that end at or before ``done_upto`` (known done), and the first
+        ``partial[1]`` records of the one whose commit starts at ``partial[0]``."""
         self._pass = None
         self._buffer.clear()
         self._received_upto = done_upto
         self.kept.clear()
         self._of_id.clear()
+        if self._held is not None:
+            self._held.clear()
         self._settled_upto = 0
         self._open = None
         self._skip = 0
+        self._partial = partial
+
+    def follow_durable(self) -> None:
+        """Remember done records until :meth:`durable` finds them stored done."""
+        self._held = {}
 
     def stream_started(self) -> None:
         """A new stream begins at a transaction boundary: a half-received transaction comes again
@@ -100,7 +118,7 @@ class Transactions:
         """A new leader id hands out again every record of the kept transactions."""
         if self._pass != leader_id:
             self._pass = leader_id
-            self._buffer = deque((txn, data) for txn in self.kept for data in txn.inserts)
+            self._buffer = deque((txn, i) for txn in self.kept for i in range(len(txn.inserts)))
 
     @property
     def idle(self) -> bool:
@@ -129,15 +147,15 @@ class Transactions:
         if self._pass == leader_id:
             self._buffer.extendleft(reversed(taken))
 
-    def handed_out(self, txn: Transaction, rid: int) -> bool:
-        """Whether record ``rid`` of ``txn`` goes out: not when it is done already (in an earlier
-        pass, or recovered); else it is remembered as in flight."""
+    def handed_out(self, txn: Transaction, index: int, rid: int) -> bool:
+        """Whether record ``rid``, ``txn``'s ``index``-th, goes out: not when it is done already (in
+        an earlier pass, or recovered); else it is remembered as in flight."""
         if rid in self._recovered:
             self._recovered.discard(rid)
-            txn.done.add(rid)
-        if rid in txn.done:
+            txn.done.add(index)
+        if index in txn.done:
             return False
-        self._of_id[rid] = txn
+        self._of_id[rid] = (txn, index)
         return True
 
     def unsettled_xids(self) -> list[int]:
@@ -150,7 +168,7 @@ class Transactions:
 
     def transactions_of(self, ids: Iterable[int]) -> list[Transaction]:
         """The transactions of the in-flight records among ``ids`` (see :func:`reached`)."""
-        return list({txn for rid in ids if (txn := self._of_id.get(rid)) is not None})
+        return list({at[0] for rid in ids if (at := self._of_id.get(rid)) is not None})
 
     # ------------------------------------------------------------------ receiving
 
@@ -167,8 +185,12 @@ class Transactions:
                         continue
                     if oid and txn.columns is None:
                         raise StoreError("the slot sent inserts of the outbox before its relation")
+                    index = len(txn.inserts)
                     txn.inserts.append(data)
-                    buffer.append((txn, data))
+                    if index < txn.prefix:  # stored done by an earlier term
+                        txn.done.add(index)
+                    else:
+                        buffer.append((txn, index))
                 continue
             message = pgoutput.parse(data)
             if isinstance(message, pgoutput.Begin):
@@ -198,6 +220,8 @@ class Transactions:
         txn = self._open = Transaction(
             message.final_lsn, message.xid, self.columns, [], commit_time=message.commit_time
         )
+        if message.final_lsn == self._partial[0]:
+            txn.prefix = self._partial[1]
         self.kept.append(txn)
         return txn
 
@@ -205,10 +229,13 @@ class Transactions:
 
     def completed(self, ids: Sequence[int], advanced: int) -> int:
         """``ids`` are done; where the slot should move to now (see :meth:`settled`)."""
+        held = self._held
         for rid in ids:
-            txn = self._of_id.pop(rid, None)
-            if txn is not None:
-                txn.done.add(rid)
+            at = self._of_id.pop(rid, None)
+            if at is not None:
+                at[0].done.add(at[1])
+                if held is not None:
+                    held[rid] = at
             else:
                 self._recovered.add(rid)
         return self.settled(advanced)
@@ -220,3 +247,31 @@ class Transactions:
         while self.kept and self.kept[0].settled:
             self._settled_upto = self.kept.popleft().end_lsn
         return self._settled_upto if self._settled_upto > advanced else 0
+
+    def partial(self) -> tuple[int, int]:
+        """(commit LSN, done prefix) of the first transaction not all done, if that prefix is not
+        empty; else (0, 0)."""
+        for txn in self.kept:
+            if not txn.settled:
+                while txn.prefix in txn.done:
+                    txn.prefix += 1
+                return (txn.commit_lsn, txn.prefix) if txn.prefix else (0, 0)
+        return (0, 0)
+
+    def durable(self, ids: Iterable[int], stored: int, partial: tuple[int, int]) -> list[int]:
+        """Of ``ids``, those done that a new term would not hand out again, with the position done
+        stored at ``stored`` and ``partial`` (see :meth:`new_term`); and they are forgotten. Ids
+        not followed (handed out by an earlier term, or not followed at all) count as durable."""
+        held = self._held
+        if held is None:
+            return list(ids)
+        out: list[int] = []
+        for rid in ids:
+            at = held.get(rid)
+            if at is not None:
+                txn, index = at
+                if not (0 < txn.end_lsn <= stored or (txn.commit_lsn == partial[0] and index < partial[1])):
+                    continue
+                del held[rid]
+            out.append(rid)
+        return out

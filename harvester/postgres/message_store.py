@@ -68,7 +68,7 @@ class MessageStore(PositionedLogStore):
     # ------------------------------------------------------------------ reading
 
     def _records(self, taken: Taken) -> list[MarkedRecord]:
-        return [self._record(txn, data) for txn, data in taken]
+        return [self._record(txn, txn.inserts[index]) for txn, index in taken]
 
     def _record(self, txn: Transaction, data: bytes) -> MarkedRecord:
         rid, payload = pgoutput.logical_message(data, len(self._prefix))

@@ -27,7 +27,13 @@ _INDEX_LOCK_KEY = LOCK_KEY + 1  # serialises the shard index builds of concurren
 Feature = Literal["fence", "dead_letter", "spark_sink"]
 # The migrations each optional feature needs; :func:`ensure` applies them on first use.
 FEATURES: dict[Feature, tuple[str, ...]] = {
-    "fence": ("0003_fence", "0007_checkpoint", "0009_fence_shards", "0010_fence_log_position"),
+    "fence": (
+        "0003_fence",
+        "0007_checkpoint",
+        "0009_fence_shards",
+        "0010_fence_log_position",
+        "0011_fence_log_partial",
+    ),
     "dead_letter": ("0006_dead_letter", "0008_dead_letter_key_index"),
     "spark_sink": ("0005_spark_sink",),
 }

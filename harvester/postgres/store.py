@@ -263,6 +263,10 @@ class PostgresStore(Fenced):
         """The identity headers' producer name (see :mod:`harvester.core.identity`)."""
         return self._ready().producer.decode("utf-8")
 
+    def durable(self, ids: Sequence[int]) -> list[int]:
+        """All of ``ids``: a purge deleted them."""
+        return list(ids)
+
     def purge(self, ids: Sequence[int]) -> None:
         """Delete delivered records in one statement (idempotent)."""
         if not ids:

@@ -18,10 +18,10 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from harvester import HarvesterConfig, Limits
+from harvester import HarvesterConfig, Limits, MessageStasher, OutboxRecord
 from harvester.postgres import logical
 from harvester.postgres.identifiers import TableName
-from harvester.postgres.migrations import fence_table, migrate
+from harvester.postgres.migrations import ensure, fence_table, migrate
 from tests.support import HarvesterFactory, PrivatePostgres, Services, free_ports, harvesters, unique
 
 
@@ -119,3 +119,27 @@ def stored_done(dsn: str, table: TableName) -> int:
             (table.qualified,),
         ).fetchone()
     return int(row[0]) if row else 0
+
+
+@pytest.fixture
+def message_outbox(logical_dsn: str) -> Iterator[TableName]:
+    """A table-less outbox as ``reaper migrate`` leaves it: fence and dead-letter tables, an empty
+    publication and the slot; removed afterwards."""
+    table = TableName(unique("t"), "outbox")
+    config = HarvesterConfig(outbox_table=table.qualified, source="log", log_messages=True)
+    setup = logical.LogSetup(table, config.slot, config.publication, config.prefix)
+    with psycopg.connect(logical_dsn, autocommit=True) as conn:
+        ensure(conn, table, "fence")
+        ensure(conn, table, "dead_letter", value_type="BYTEA")
+        logical.create(conn, setup)
+    yield table
+    with psycopg.connect(logical_dsn, autocommit=True) as conn:
+        drop_slot(conn, setup.slot)
+        conn.execute(sql.SQL("DROP PUBLICATION IF EXISTS {}").format(sql.Identifier(setup.publication)))
+        conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(table.schema or "")))
+
+
+def stash(dsn: str, table: TableName, records: list[tuple[str, str, str]]) -> None:
+    """One committed transaction writing ``records`` (topic, key, value) as messages."""
+    with psycopg.connect(dsn) as conn:
+        MessageStasher(table).stash(conn, [OutboxRecord(topic=t, key=k, value=v) for t, k, v in records])

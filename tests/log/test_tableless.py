@@ -24,14 +24,13 @@ from sqlalchemy.orm import Session
 
 from harvester import AsyncMessageStasher, HarvesterConfig, Limits, MessageStasher, OutboxRecord
 from harvester.core.protocols import FencedError
-from harvester.postgres import logical
 from harvester.postgres.deadletter import replay_messages
 from harvester.postgres.identifiers import TableName
 from harvester.postgres.logical import LogSetup
 from harvester.postgres.message_store import MessageStore
-from harvester.postgres.migrations import dead_letter_table, ensure
+from harvester.postgres.migrations import dead_letter_table
 from tests.engine.workload import check, wait_until
-from tests.log.conftest import drop_slot, slot_position, stored_done
+from tests.log.conftest import slot_position, stash, stored_done
 from tests.log.test_log_source import COMMITTED, DELIVERY, mark_all, slot_reader
 from tests.proc.processes import HarvesterProcess, harvester_spec
 from tests.support import HarvesterFactory, Services, harvesters, read_messages, unique
@@ -39,33 +38,9 @@ from tests.support import HarvesterFactory, Services, harvesters, read_messages,
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture
-def message_outbox(logical_dsn: str) -> Iterator[TableName]:
-    """A table-less outbox as ``reaper migrate`` leaves it: fence and dead-letter tables, an empty
-    publication and the slot; removed afterwards."""
-    table = TableName(unique("t"), "outbox")
-    config = HarvesterConfig(outbox_table=table.qualified, source="log", log_messages=True)
-    setup = LogSetup(table, config.slot, config.publication, config.prefix)
-    with psycopg.connect(logical_dsn, autocommit=True) as conn:
-        ensure(conn, table, "fence")
-        ensure(conn, table, "dead_letter", value_type="BYTEA")
-        logical.create(conn, setup)
-    yield table
-    with psycopg.connect(logical_dsn, autocommit=True) as conn:
-        drop_slot(conn, setup.slot)
-        conn.execute(sql.SQL("DROP PUBLICATION IF EXISTS {}").format(sql.Identifier(setup.publication)))
-        conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(table.schema or "")))
-
-
 def setup_of(table: TableName) -> LogSetup:
     config = HarvesterConfig(outbox_table=table.qualified, source="log", log_messages=True)
     return LogSetup(table, config.slot, config.publication, config.prefix)
-
-
-def stash(dsn: str, table: TableName, records: list[tuple[str, str, str]]) -> None:
-    """One committed transaction writing ``records`` (topic, key, value) as messages."""
-    with psycopg.connect(dsn) as conn:
-        MessageStasher(table).stash(conn, [OutboxRecord(topic=t, key=k, value=v) for t, k, v in records])
 
 
 @pytest.fixture

@@ -60,6 +60,9 @@ class MemoryStore:
             for i in ids:
                 self.rows.pop(i, None)
 
+    def durable(self, ids: Sequence[int]) -> list[int]:
+        return list(ids)
+
     def reset(self, ids: Sequence[int]) -> None:
         with self.lock:
             for i in ids:

@@ -1,11 +1,13 @@
 """The log source's bookkeeping of received transactions, from pgoutput messages built byte for
 byte: records go out as they arrive, before their Commit; a transaction settles only once its Commit
-came; a stream restarted in the middle of a transaction skips what was received before."""
+came; a stream restarted in the middle of a transaction skips what was received before; a
+transaction's done prefix is what a new term skips of it, and a done record counts as durable only
+once a stored position covers it."""
 
 from __future__ import annotations
 
 import struct
-from uuid import uuid4
+from uuid import UUID, uuid4
 
 import pytest
 
@@ -48,12 +50,12 @@ def test_records_go_out_before_the_commit_and_settle_after_it() -> None:
     taken = txns.take(leader, 10)
     txn = taken[0][0]
     assert txn.end_lsn == 0 and not reached([txn], 10**9)
-    assert all(txns.handed_out(t, rid) for (t, _), rid in zip(taken, (1, 2), strict=True))
+    assert all(txns.handed_out(t, i, rid) for (t, i), rid in zip(taken, (1, 2), strict=True))
     txns.completed([1, 2], 0)
     assert not txn.settled and txns.settled(0) == 0  # all done, but more may come
     txns.receive([insert(3), commit(100, 120)])
     assert not txns.receiving and txns.waiting == 1 and txn.end_lsn == 120
-    assert txns.handed_out(txn, 3)
+    assert txns.handed_out(txn, 2, 3)
     txns.completed([3], 0)
     assert reached([txn], 120) and txns.settled(0) == 120
 
@@ -81,5 +83,52 @@ def test_a_half_received_transaction_the_stream_skips_holds_the_slot() -> None:
     txns.receive([begin(130), insert(2), commit(130, 150)])
     half, whole = txns.kept
     assert half.end_lsn == 0 and whole.end_lsn == 150
-    assert all(txns.handed_out(t, rid) for (t, _), rid in zip(txns.take(leader, 10), (1, 2), strict=True))
+    assert all(txns.handed_out(t, i, rid) for (t, i), rid in zip(txns.take(leader, 10), (1, 2), strict=True))
     assert txns.completed([1, 2], 0) == 0  # the slot stays before the half-received one
+
+
+def hand_out(txns: Transactions, leader: UUID, rids: list[int]) -> None:
+    taken = txns.take(leader, len(rids))
+    assert all(txns.handed_out(t, i, rid) for (t, i), rid in zip(taken, rids, strict=True))
+
+
+def test_the_done_prefix_stops_at_the_first_record_not_done() -> None:
+    txns, leader = outbox(), uuid4()
+    txns.start_pass(leader)
+    txns.receive([begin(100), relation(), *(insert(r) for r in range(1, 6))])
+    hand_out(txns, leader, [1, 2, 3, 4, 5])
+    assert txns.partial() == (0, 0)
+    txns.completed([2, 3, 5], 0)
+    assert txns.partial() == (0, 0)  # record 1 is not done
+    txns.completed([1], 0)
+    assert txns.partial() == (100, 3)  # 1, 2, 3; not 4
+    txns.completed([4], 0)
+    assert txns.partial() == (100, 5)  # all received so far; more may come before the Commit
+
+
+def test_a_new_term_skips_the_stored_prefix_of_its_transaction() -> None:
+    txns, leader = outbox(), uuid4()
+    txns.new_term(done_upto=90, partial=(100, 2))
+    txns.start_pass(leader)
+    txns.receive([begin(80), relation(), insert(0), commit(80, 90)])  # done: skipped whole
+    txns.receive([begin(100), relation(), *(insert(r) for r in (1, 2, 3)), commit(100, 120)])
+    assert txns.waiting == 1
+    hand_out(txns, leader, [3])
+    assert txns.completed([3], 0) == 120
+
+
+def test_a_done_record_is_durable_once_a_stored_position_covers_it() -> None:
+    txns, leader = outbox(), uuid4()
+    txns.follow_durable()
+    txns.start_pass(leader)
+    txns.receive([begin(100), relation(), *(insert(r) for r in (1, 2, 3)), commit(100, 120)])
+    txns.receive([begin(130), relation(), insert(4), commit(130, 150)])
+    hand_out(txns, leader, [1, 2, 3, 4])
+    txns.completed([2, 4], 0)
+    assert txns.durable([2, 4], 0, txns.partial()) == []  # record 1 is not done: nothing stored
+    txns.completed([1], 0)
+    assert txns.partial() == (100, 2)
+    assert txns.durable([1, 2, 4], 0, (100, 2)) == [1, 2]  # 4's transaction comes after 3's
+    assert txns.completed([3], 0) == 150
+    assert txns.durable([4], 150, (0, 0)) == [4]
+    assert txns.durable([4], 150, (0, 0)) == [4]  # forgotten once durable: no longer followed
