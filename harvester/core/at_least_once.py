@@ -73,7 +73,8 @@ class AtLeastOnceDispatcher:
         return self._threads
 
     def begin_term(self) -> None:
-        """Nothing beyond the fence: a new term re-marks whatever is unacknowledged."""
+        """Beyond the fence, only the publisher's: a new term re-marks whatever is unacknowledged."""
+        self._publisher.begin_term()
 
     def close(self, timeout: float) -> None:
         """Flush the publisher (bounded), then end the completion thread."""

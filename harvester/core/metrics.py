@@ -35,12 +35,12 @@ class BatchHistogram(Collector):
         self._lock = threading.Lock()
         registry.register(self)
 
-    def observe_many(self, values: Iterable[float]) -> None:
-        """Observe each of ``values``."""
+    def observe_many(self, runs: Iterable[tuple[float, int]]) -> None:
+        """Observe each value of ``runs`` as many times as it says."""
         bounds, counts, total = self._bounds, [0] * (len(self._bounds) + 1), 0.0
-        for value in values:
-            counts[bisect_left(bounds, value)] += 1  # a bucket counts values <= its bound
-            total += value
+        for value, times in runs:
+            counts[bisect_left(bounds, value)] += times  # a bucket counts values <= its bound
+            total += value * times
         with self._lock:
             self._counts = [a + b for a, b in zip(self._counts, counts, strict=True)]
             self._sum += total

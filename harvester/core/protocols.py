@@ -133,6 +133,10 @@ class Publisher(Protocol):
         """Enqueue ``record``; its delivery report reaches the callback given at construction."""
         ...
 
+    def begin_term(self) -> None:
+        """A leadership term begins: everything not done is published again, in order."""
+        ...
+
     def close(self, timeout: float) -> None:
         """Flush outstanding records (bounded by ``timeout``) and release the client."""
         ...

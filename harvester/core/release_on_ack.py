@@ -17,8 +17,8 @@ long; :class:`harvester.client.dedup.DedupReader` remembers that many ids per ke
 that stores a position instead of deleting rows may not cover a purged record yet (an earlier record
 of another key is not done): the record is *held*, still counted in its key's run, until
 :meth:`~harvester.core.protocols.Purger.durable` says the position covers it. Held records are done
-for the store and hold no memory to speak of, so they count neither in the in-flight window nor
-against a remark.
+for the store, which will not hand them out again, and only their ids and keys are kept, so they
+count neither in the in-flight window nor as busy for a drain.
 
 A failed record closes its key until the failure is settled, after the purges before it; a later
 record of the key already in flight fails with it (the publisher keeps order) or is the key's only
@@ -29,6 +29,9 @@ from __future__ import annotations
 
 import queue
 import time
+from collections import Counter
+from collections.abc import Iterable
+from operator import attrgetter
 
 import structlog
 
@@ -47,6 +50,11 @@ _PURGE_BATCH = 20_000
 # larger statements cost PostgreSQL less per record.
 _PURGE_GATHER = 1_000
 _PURGE_GATHER_SECONDS = 0.05
+_KEY = attrgetter("key")
+
+
+def _keys(items: list[DeliveryReport]) -> list[str]:
+    return [record.key for record, _ in items]
 # How often held records are looked at again while no purge comes.
 _HELD_RECHECK_SECONDS = 0.5
 
@@ -68,14 +76,15 @@ class AckReleasingDispatcher(AtLeastOnceDispatcher):
         self._unpurged_of: dict[str, int] = {}
         self._unpurged = 0
         self._failing_of: dict[str, int] = {}
-        # Purged records the store does not cover yet (purge thread only, read under the lock).
-        self._held: dict[int, MarkedRecord] = {}
+        # Purged records the store does not cover yet, by id: their keys (see the module's doc).
+        self._held: dict[int, str] = {}
         self._threads.append(worker(self._purge_loop, "harvester-purge", context.labels))
 
     # ------------------------------------------------------------------ state (caller holds the lock)
 
     def busy(self) -> bool:
-        # A remark waits for the purges too: it would re-read acknowledged records not purged yet.
+        # A drain waits for the purges too: acknowledged records not purged yet would be published
+        # again by the next leader.
         return bool(self._in_flight) or self._unpurged > len(self._held)
 
     def _window_full(self) -> bool:
@@ -85,11 +94,12 @@ class AckReleasingDispatcher(AtLeastOnceDispatcher):
     def begin_term(self) -> None:
         """A new term streams from the stored position: what was held leaves its keys' runs (it is
         counted again if it goes out again)."""
+        super().begin_term()
         with self._state.cond:
             held = list(self._held.values())
             self._held.clear()
             self._forget(held)
-            self._reopen_keys([(r, None) for r in held], may_send=False)
+            self._reopen_keys(held, may_send=False)
 
     @property
     def in_flight_keys(self) -> int:
@@ -109,10 +119,9 @@ class AckReleasingDispatcher(AtLeastOnceDispatcher):
         if flying >= self._flights or flying + self._unpurged_of.get(key, 0) >= KEY_RUN:
             self._busy.add(key)
 
-    def _reopen(self, record: MarkedRecord, may_send: bool) -> None:
-        """``record``'s key may have room again: send its waiting records while it has, up to a
-        re-marked copy of one still in flight (dropped or sent when that one completes)."""
-        key = record.key
+    def _reopen(self, key: str, may_send: bool) -> None:
+        """``key`` may have room again: send its waiting records while it has, up to a re-marked
+        copy of one still in flight (dropped or sent when that one completes)."""
         while self._open(key):
             self._busy.discard(key)
             waiting = self._waiting.get(key)
@@ -120,13 +129,13 @@ class AckReleasingDispatcher(AtLeastOnceDispatcher):
                 return
             if self._state.leader_id is None or self._state.force_remark:
                 return
-            self._release(record, delivered=False, may_send=True)
+            self._release(waiting[0][1], delivered=False, may_send=True)  # any record of the key
 
-    def _reopen_keys(self, items: list[DeliveryReport], may_send: bool) -> None:
-        """:meth:`_reopen` the keys of ``items`` that are closed or have records waiting."""
-        for record, _ in items:
-            if record.key in self._busy or record.key in self._waiting:
-                self._reopen(record, may_send)
+    def _reopen_keys(self, keys: Iterable[str], may_send: bool) -> None:
+        """:meth:`_reopen` those of ``keys`` that are closed or have records waiting."""
+        for key in keys:
+            if key in self._busy or key in self._waiting:
+                self._reopen(key, may_send)
 
     @staticmethod
     def _count_down(counts: dict[str, int], key: str) -> None:
@@ -148,6 +157,7 @@ class AckReleasingDispatcher(AtLeastOnceDispatcher):
         may_send = state.still_leader()
         with state.cond:
             published = self._published
+            in_flight, flying, unpurged = self._in_flight, self._flying_of, self._unpurged_of
             # Counts first, sends after: if a send raises, _abandon finds every count made.
             for record, err in items:
                 key = record.key
@@ -157,14 +167,18 @@ class AckReleasingDispatcher(AtLeastOnceDispatcher):
                     self._failing_of[key] = self._failing_of.get(key, 0) + 1
                     self._busy.add(key)
                     continue
-                self._in_flight.pop(record.id, None)
-                self._count_down(self._flying_of, key)
+                in_flight.pop(record.id, None)
+                left = flying[key] - 1  # _count_down, inlined: once per record
+                if left:
+                    flying[key] = left
+                else:
+                    del flying[key]
                 self._unpurged += 1
-                self._unpurged_of[key] = self._unpurged_of.get(key, 0) + 1
+                unpurged[key] = unpurged.get(key, 0) + 1
             for record, err in items:
                 if err is None and record.key in self._waiting:  # a re-marked copy waits: dropped
                     self._release(record, delivered=True, may_send=False)
-            self._reopen_keys(items, may_send)
+            self._reopen_keys(_keys(items), may_send)
             metrics.in_flight.set(len(self._in_flight))
             metrics.queued.set(self._queued)
             state.cond.notify_all()
@@ -175,9 +189,9 @@ class AckReleasingDispatcher(AtLeastOnceDispatcher):
     def _abandon(self, items: list[DeliveryReport]) -> None:
         """As the purge would, but without purging or sending: force a remark instead."""
         with self._state.cond:
-            self._forget([r for r, err in items if err is None])
+            self._forget([r.key for r, err in items if err is None])
             self._settle([(r, err) for r, err in items if err is not None])
-            self._reopen_keys(items, may_send=False)
+            self._reopen_keys(_keys(items), may_send=False)
             self._state.force_remark = True
             self._state.cond.notify_all()
 
@@ -229,26 +243,32 @@ class AckReleasingDispatcher(AtLeastOnceDispatcher):
             if len(covered) == len(asked):  # all of them (a purge that deletes, or a stored position)
                 earlier = list(self._held.values())
                 self._held.clear()
-                self._forget(delivered + earlier)
+                self._forget(list(map(_KEY, delivered)) + earlier)
             else:
                 durable = set(covered)
                 earlier = [self._held.pop(rid) for rid in covered if rid in self._held]
-                self._held.update((r.id, r) for r in delivered if r.id not in durable)
-                self._forget([r for r in delivered if r.id in durable] + earlier)
+                self._held.update((r.id, r.key) for r in delivered if r.id not in durable)
+                self._forget([r.key for r in delivered if r.id in durable] + earlier)
             self._settle(failures)
-            self._reopen_keys(items, may_send)
+            self._reopen_keys(_keys(items), may_send)
             if earlier:
-                self._reopen_keys([(r, None) for r in earlier], may_send)
+                self._reopen_keys(earlier, may_send)
             self._ctx.metrics.in_flight.set(len(self._in_flight))
             self._ctx.metrics.queued.set(self._queued)
             state.cond.notify_all()
 
-    def _forget(self, delivered: list[MarkedRecord]) -> None:
-        """``delivered`` are purged (or abandoned): they leave their keys' runs (caller holds the
-        lock)."""
-        self._unpurged -= len(delivered)
-        for record in delivered:
-            self._count_down(self._unpurged_of, record.key)
+    def _forget(self, keys: list[str]) -> None:
+        """Records of ``keys`` (one per record) are purged and covered, or abandoned: they leave their
+        keys' runs (caller holds the lock)."""
+        self._unpurged -= len(keys)
+        unpurged = self._unpurged_of
+        # Counted per key first, in C: a purge covers thousands of records of far fewer keys.
+        for key, n in Counter(keys).items():
+            left = unpurged[key] - n
+            if left:
+                unpurged[key] = left
+            else:
+                del unpurged[key]
 
     def _settle(self, failures: list[tuple[MarkedRecord, Exception]]) -> None:
         """``failures`` are settled (or abandoned): they leave flight and stop closing their keys

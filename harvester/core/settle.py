@@ -14,6 +14,8 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
+from itertools import groupby
+from operator import attrgetter
 from typing import TYPE_CHECKING, TypeVar
 
 import structlog
@@ -59,17 +61,14 @@ class RetryBackoff:
         return self._resume_at - time.monotonic()
 
 
-def _latencies(records: Sequence[MarkedRecord]) -> list[float]:
-    """Seconds from each record's create_time to now; records in a row with the same create_time
-    object (the log source shares one per transaction) convert it once."""
-    now, latency, out = time.time(), 0.0, []
-    created: datetime | None = None
-    for record in records:
-        if record.create_time is not created:
-            created = record.create_time
-            latency = max(0.0, now - created.timestamp())
-        out.append(latency)
-    return out
+def _latencies(records: Sequence[MarkedRecord]) -> list[tuple[float, int]]:
+    """Seconds from the records' create_time to now, as runs: (seconds, how many records in a row
+    have that create_time). The log source's records share one per transaction."""
+    now = time.time()
+    return [
+        (max(0.0, now - created.timestamp()), len(list(run)))
+        for created, run in groupby(records, key=attrgetter("create_time"))
+    ]
 
 
 class Settler:

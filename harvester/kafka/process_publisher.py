@@ -8,10 +8,14 @@ Records cross a pipe in batches of plain tuples, numbered in publish order; the 
 back as the numbers acknowledged and the errors of the rest. librdkafka's logs and errors come back
 too, to the logger and error callback the configuration names.
 
-A child that exits unasked fails every record not yet reported, with a retriable error, and the next
-batch starts another child. Batches are numbered by the child they are for: one taken before the
-failure is dropped, never sent to the next child, because its records were just reported failed and
-their retries must not follow copies of them.
+A child that exits unasked (or cannot be started) fails every record not yet reported, with a
+retriable error, and the next batch starts another child. Batches are numbered by the child they are
+for: one taken before the failure is dropped, never sent to the next child, because its records were
+just reported failed and their retries must not follow copies of them. Order needs one more rule: an
+order-keeping producer fails a key's records after a failed one too, so until the dispatcher has
+closed the key (it learns of the failures only as it reads their reports), a record of a key with a
+record failed so fails at once; the key is open again at the retry of its first failed record (the
+remark sends it first), or at a new term (:meth:`ProcessPublisher.begin_term`).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +46,9 @@ log = structlog.get_logger("harvester.kafka")
 _FORWARDED = ("logger", "error_cb")
 _START_TIMEOUT = 30.0  # seconds for a child to import confluent-kafka and make its producer
 _EXITED = "the producer process exited"
+_BLOCKED = "an earlier record of its key failed with a producer process that exited"
+# Beyond the flush's timeout, how long a close waits for the child to report and exit.
+_CLOSE_MARGIN = 10.0
 
 
 def runs_in_child(config: Mapping[str, Any]) -> bool:
@@ -74,6 +82,8 @@ class ProcessPublisher:
         self._outgoing: list[tuple[int, str, str, bytes | None, Any]] = []
         self._next = 0
         self._generation = 0  # the current child's; bumped when a child exits unasked
+        # Per key with records failed by a lost child, the first of their ids (see the module's doc).
+        self._blocked: dict[str, int] = {}
         self._closing: float | None = None  # the close's timeout, once closing
         self._wake = threading.Event()
         self._child = self._spawn(0)
@@ -88,6 +98,11 @@ class ProcessPublisher:
     def publish(self, record: MarkedRecord) -> None:
         """Queue ``record`` for the child; its report reaches the callback from the receiving thread."""
         with self._lock:
+            if self._blocked and record.key in self._blocked:
+                if record.id > self._blocked[record.key]:
+                    self._on_delivery((record, DeliveryError(KafkaError(KafkaError._FAIL, _BLOCKED))))
+                    return
+                del self._blocked[record.key]
             seq = self._next
             self._next = seq + 1
             self._pending[seq] = record
@@ -95,19 +110,28 @@ class ProcessPublisher:
                 self._wake.set()
             self._outgoing.append((seq, record.topic, record.key, record.value, record.headers))
 
+    def begin_term(self) -> None:
+        """A new term re-reads everything not done in order: no key waits for a retry any more."""
+        with self._lock:
+            self._blocked.clear()
+
     def close(self, timeout: float) -> None:
         """Send what is queued, have the child flush (bounded by ``timeout``) and fail what it could
-        not deliver, then wait for it to exit."""
+        not deliver, then wait for it to exit; a child still there after ``timeout`` and a margin
+        (a child that does not read, say) is killed."""
+        deadline = time.monotonic() + timeout + _CLOSE_MARGIN
         with self._lock:
             self._closing = timeout
             self._wake.set()
-        self._sender.join()
+        self._sender.join(max(0.0, deadline - time.monotonic()))
+        if self._sender.is_alive():  # blocked writing to the child (or starting one): unblocked so
+            self._child.process.kill()
+            self._sender.join()
         child = self._child
-        child.receiver.join(timeout + _START_TIMEOUT)
+        child.receiver.join(max(0.0, deadline - time.monotonic()))
         if child.receiver.is_alive():
             child.process.kill()
             child.receiver.join()
-        child.process.wait()
 
     # ------------------------------------------------------------------ the child
 
@@ -118,15 +142,26 @@ class ProcessPublisher:
         package_root = str(Path(__file__).resolve().parents[2])
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
         command = [sys.executable, "-m", "harvester.kafka.producer_process", str(down_read), str(up_write)]
-        process = subprocess.Popen(command, pass_fds=(down_read, up_write), env=env)
-        os.close(down_read)
-        os.close(up_write)
+        try:
+            process = subprocess.Popen(command, pass_fds=(down_read, up_write), env=env)
+        except BaseException:
+            for fd in (down_read, down_write, up_read, up_write):
+                os.close(fd)
+            raise
+        finally:
+            with contextlib.suppress(OSError):  # the child's ends: closed here once it has them
+                os.close(down_read)
+                os.close(up_write)
         child = _Child(process, os.fdopen(down_write, "wb"), os.fdopen(up_read, "rb"), generation)
-        send(child.writer, (self._settings, self._logger is not None, self._error_cb is not None))
-        started = _answer(child)
+        try:
+            send(child.writer, (self._settings, self._logger is not None, self._error_cb is not None))
+            started = _answer(child)
+        except OSError as exc:
+            started = (KafkaError._FAIL, f"the producer process exited at start: {exc}")
         if started is not None:
-            child.writer.close()
+            process.kill()
             process.wait()
+            _close(child)
             raise KafkaException(KafkaError(*started))
         child.receiver = threading.Thread(
             target=self._receive_loop, args=(child,), name="harvester-delivery", daemon=True
@@ -141,8 +176,13 @@ class ProcessPublisher:
                 batch, self._outgoing = self._outgoing, []
                 generation, closing = self._generation, self._closing
                 self._wake.clear()
-            if batch:
-                self._send(batch, generation)
+            try:
+                if batch:
+                    self._send(batch, generation)
+            except Exception:
+                # Never leave records unreported: the child goes, and its receiver fails them.
+                log.exception("producer_process_send_failed", records=len(batch))
+                self._child.process.kill()
             if closing is not None:
                 self._stop_child(closing)
                 return
@@ -155,18 +195,32 @@ class ProcessPublisher:
                 self._child = self._spawn(generation)
             except Exception as exc:
                 log.error("producer_process_start_failed", error=str(exc))
-                self._fail([seq for seq, *_ in batch], str(exc))
+                self._lose(generation, str(exc))  # the batch's records, and all published since
                 return
-        # A child that exited fails the batch with everything else pending (its receiver does).
-        with contextlib.suppress(OSError):
+        # A child that exited fails the batch with everything else pending (its receiver does, and
+        # closes the pipe: ValueError then).
+        with contextlib.suppress(OSError, ValueError):
             send(self._child.writer, batch)
 
     def _stop_child(self, timeout: float) -> None:
-        with contextlib.suppress(OSError):  # exited already: its receiver reports what it left
+        with contextlib.suppress(OSError, ValueError):  # exited already: its receiver reports what it left
             send(self._child.writer, ("close", timeout))
             self._child.writer.close()
 
     def _receive_loop(self, child: _Child) -> None:
+        try:
+            self._receive(child)
+        except Exception:
+            log.exception("producer_process_reports_failed")
+            child.process.kill()
+        finally:
+            code = child.process.wait()
+            _close(child)
+            if self._closing is None:
+                log.error("producer_process_exited", exit_code=code, records=len(self._pending))
+            self._lose(child.generation, _EXITED)
+
+    def _receive(self, child: _Child) -> None:
         report, pending = self._on_delivery, self._pending
         while (frame := receive(child.reader)) is not None:
             acked, failed, logs, errors = frame
@@ -184,25 +238,27 @@ class ProcessPublisher:
             if self._error_cb is not None:
                 for code, reason, fatal in errors:
                     self._error_cb(KafkaError(code, reason, fatal=fatal))
-        self._exited(child)
 
-    def _exited(self, child: _Child) -> None:
-        """``child``'s reports ended: what it left unreported fails, and the next batch starts another."""
+    def _lose(self, generation: int, reason: str) -> None:
+        """The child of ``generation`` is gone (or never came): every record not reported fails, its
+        key failing at once until it is retried, and the next batch starts another child."""
         with self._lock:
-            left = list(self._pending)
+            left = [self._pending.pop(seq) for seq in list(self._pending)]
             self._outgoing.clear()
-            self._generation = child.generation + 1
-            closing = self._closing is not None
-        code = child.process.wait()
-        if not closing:
-            log.error("producer_process_exited", exit_code=code, records=len(left))
-        self._fail(left, _EXITED)
-
-    def _fail(self, seqs: list[int], reason: str) -> None:
-        for seq in seqs:
-            record = self._pending.pop(seq, None)
-            if record is not None:
+            self._generation = max(self._generation, generation + 1)
+            for record in left:
+                first = self._blocked.get(record.key)
+                if first is None or record.id < first:
+                    self._blocked[record.key] = record.id
+            # Reported under the lock: a record of their keys published meanwhile fails after them.
+            for record in left:
                 self._on_delivery((record, DeliveryError(KafkaError(KafkaError._FAIL, reason))))
+
+
+def _close(child: _Child) -> None:
+    for stream in (child.writer, child.reader):
+        with contextlib.suppress(OSError):
+            stream.close()
 
 
 def _answer(child: _Child) -> tuple[int, str] | None:

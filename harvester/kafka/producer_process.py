@@ -7,10 +7,11 @@ forward_errors)``, then batches ``[(seq, topic, key, value, headers), ...]``, th
 timeout)``. Out: first ``"ready"`` once the producer exists or ``(code, reason)`` when it could not be
 made, then reports ``(acked seqs, [(seq, code, reason)], [(level, text)], [(code, reason, fatal)])``.
 
-It imports nothing but confluent-kafka, so it starts in a tenth of a second. It ignores SIGINT and
-SIGTERM, which a terminal or a service manager sends the whole group: the harvester decides when it
-stops, flushing first. It exits at once when the harvester's end of the pipe closes without a
-"close" (the harvester died): what it had not delivered stays in the outbox for the next leader.
+It imports nothing but confluent-kafka and :mod:`harvester.kafka.frames`, so it starts in a tenth
+of a second. It ignores SIGINT and SIGTERM, which a terminal or a service manager sends the whole
+group: the harvester decides when it stops, flushing first. It exits at once when the harvester's
+end of the pipe closes without a "close", or it finds its parent gone (the harvester died): what it
+had not delivered stays in the outbox for the next leader.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from typing import Any, BinaryIO
 
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
@@ -44,6 +46,7 @@ class _Relay:
         if forward_errors:
             settings["error_cb"] = self._on_error
         self.producer = Producer(settings)
+        self._parent = os.getppid()
         self._stopping = threading.Event()
         self._poller = threading.Thread(target=self._poll, name="producer-poll", daemon=True)
 
@@ -69,9 +72,14 @@ class _Relay:
         self._poller.start()
 
     def _poll(self) -> None:
-        while not self._stopping.is_set():
-            self.producer.poll(0.05)
-            self.report()
+        try:
+            while not self._stopping.is_set():
+                self.producer.poll(0.05)
+                self.report()
+        except BaseException:
+            # Nothing would report any more: the harvester sees the pipe close and fails the rest.
+            traceback.print_exc()
+            os._exit(1)
 
     def report(self) -> None:
         """Send what was reported since the last call, if anything."""
@@ -94,7 +102,11 @@ class _Relay:
                 self.producer.produce(topic, value=value, key=key, headers=headers, on_delivery=delivered)
                 return
             except BufferError:
-                time.sleep(0.005)  # librdkafka's local queue is full: the poll thread drains it
+                # librdkafka's local queue is full: the poll thread drains it. A harvester that died
+                # meanwhile is not waited for (its pipe's end is not read now).
+                if os.getppid() != self._parent:
+                    os._exit(0)
+                time.sleep(0.005)
             except KafkaException as exc:
                 self._fail(seq, exc.args[0])
                 return

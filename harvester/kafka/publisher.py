@@ -129,6 +129,9 @@ class KafkaPublisher:
                 callback((record, DeliveryError(exc.args[0])))
                 return
 
+    def begin_term(self) -> None:
+        """Nothing to do: the producer keeps no state per term."""
+
     def flush(self, timeout: float) -> int:
         """Wait up to ``timeout`` for outstanding deliveries; return how many remain."""
         return int(self._producer.flush(timeout))

@@ -109,10 +109,10 @@ class PositionedLogStore(LogStore):
     def _drop_kept(self, ids: Sequence[int]) -> None:
         """``ids`` are done: drop what is kept about them (caller holds ``_state``)."""
 
-    def _done(self, ids: Sequence[int]) -> None:
+    def _done(self, ids: Sequence[int], *, purged: bool = True) -> None:
         with self._state:
-            target = self._txns.completed(ids, self._slot.advanced)
-            partial = self._txns.partial() if self._following else (0, 0)
+            target = self._txns.completed(ids, self._slot.advanced, follow=purged)
+            partial = self._partial()
             self._drop_kept(ids)
             now = (max(target, self._position[0]), partial)
             ahead = now > self._position
@@ -122,11 +122,21 @@ class PositionedLogStore(LogStore):
             self._confirm(target)
 
     def _advance_to(self, lsn: int) -> None:
-        """Store ``lsn`` done under the fence, then confirm the slot there."""
-        self._store(lsn, 0)
+        """Store ``lsn`` done under the fence (with the done prefix after it), then confirm the slot
+        there."""
+        with self._state:
+            partial = self._partial()
+        self._store(lsn, 0, partial)
         self._confirm(lsn)
 
+    def _partial(self) -> tuple[int, int]:
+        """The done prefix to store, at least once (caller holds ``_state``); exactly once, none."""
+        return self._txns.partial() if self._following else (0, 0)
+
     def _store(self, lsn: int, position: int, partial: tuple[int, int] = (0, 0)) -> None:
+        """Store the position done (and the checkpoint ``position``) under the fence. A ``partial``
+        of (0, 0) past the stored end drops the stored done prefix: store the current one where it
+        may still hold."""
         cur = self._execute(self._store_done, (lsn, *partial, position, *self._fence, self._epoch))
         if cur.rowcount == 0:
             raise FencedError(f"fenced: epoch {self._epoch} superseded")

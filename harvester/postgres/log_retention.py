@@ -119,7 +119,10 @@ class RetainingLogStore(PositionedLogStore):
         if self._epoch:
             try:
                 now = self._run(_NOW, ())[0]
-                self._store(self._slot.advanced, 0)  # the pending cut becomes the delivered one if reached
+                with self._state:
+                    partial = self._partial()
+                # The pending cut becomes the delivered one if reached.
+                self._store(self._slot.advanced, 0, partial)
                 cut = max(self._delivered_cut(), self._final_cut(int(now[0]), int(now[1])))
                 if cut:
                     self._delete_older(cut)

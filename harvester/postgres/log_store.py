@@ -311,7 +311,7 @@ class LogStore(PostgresStore):
     def dead_letter(self, failures: Sequence[Failure], leader_id: UUID) -> None:
         """Move the rows into the dead-letter table; they count as done for the slot."""
         super().dead_letter(failures, leader_id)
-        self._done([f.id for f in failures])
+        self._done([f.id for f in failures], purged=False)
 
     def reset(self, ids: Sequence[int]) -> None:
         """Nothing in the table: the records stay in memory and the next pass hands them out again."""
@@ -319,10 +319,11 @@ class LogStore(PostgresStore):
     def fail(self, failures: Sequence[Failure]) -> None:
         """Nothing in the table (attempts are counted in memory, see :attr:`tracks_attempts`)."""
 
-    def _done(self, ids: Sequence[int]) -> None:
-        """After a fenced statement about ``ids`` succeeded: they are done."""
+    def _done(self, ids: Sequence[int], *, purged: bool = True) -> None:
+        """After a fenced statement about ``ids`` succeeded: they are done (``purged``: delivered, as
+        opposed to dead-lettered, whose key no run waits for)."""
         with self._state:
-            target = self._txns.completed(ids, self._slot.advanced)
+            target = self._txns.completed(ids, self._slot.advanced, follow=purged)
         if target:
             self._confirm(target)
 

@@ -227,9 +227,10 @@ class Transactions:
 
     # ------------------------------------------------------------------ completion
 
-    def completed(self, ids: Sequence[int], advanced: int) -> int:
-        """``ids`` are done; where the slot should move to now (see :meth:`settled`)."""
-        held = self._held
+    def completed(self, ids: Sequence[int], advanced: int, follow: bool = True) -> int:
+        """``ids`` are done; where the slot should move to now (see :meth:`settled`). With
+        ``follow`` (records delivered, not dead-lettered), :meth:`durable` is asked about them."""
+        held = self._held if follow else None
         for rid in ids:
             at = self._of_id.pop(rid, None)
             if at is not None:

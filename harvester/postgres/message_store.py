@@ -134,7 +134,7 @@ class MessageStore(PositionedLogStore):
             cur = self._execute(statement, (*self._fence, self._epoch, self._epoch, leader_id, *rows))
             if cur.rowcount < len(rows) // 11:
                 self._check_epoch()
-        self._done([f.id for f in failures])
+        self._done([f.id for f in failures], purged=False)
 
     def _drop_kept(self, ids: Sequence[int]) -> None:
         for rid in ids:

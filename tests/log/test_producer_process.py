@@ -1,8 +1,9 @@
 """The log source's producer in a child process (harvester.kafka.process_publisher), on the real
 broker: records land in publish order with one report each; refused settings fail at start as in
 the harvester's own process; librdkafka's logs and errors reach the configured logger and callback;
-a child that dies fails what it left, once each, and the next records go through a new child; a
-child whose harvester died exits; a terminal's or service manager's signals leave it to the harvester."""
+a child that dies fails what it left, once each, and the next records go through a new child, a key
+with a failed record failing until its retry; a child whose harvester died exits; a terminal's or
+service manager's signals leave it to the harvester."""
 
 from __future__ import annotations
 
@@ -111,6 +112,8 @@ def test_librdkafka_logs_and_errors_reach_the_configured_logger_and_callback(ser
 def test_a_child_that_dies_fails_what_it_left_once_each_and_a_new_one_takes_the_next(
     started: Callable[..., tuple[ProcessPublisher, Reports]], services: Services, topics: Callable[..., str]
 ) -> None:
+    """Its keys keep their order: a later record of a key with a failed one fails too until the
+    retry of its first failed record (or a new term), as an order-keeping producer's would."""
     topic = topics()
     publisher, reports = started()
     first = publisher.child_pid
@@ -123,14 +126,27 @@ def test_a_child_that_dies_fails_what_it_left_once_each_and_a_new_one_takes_the_
     left = _collect(reports, 100)
     assert sorted(r.id for r, _ in left) == list(range(100))  # each reported once
     assert all(isinstance(err, DeliveryError) and not err.permanent for _, err in left)
-    for n in range(100, 110):
+    publisher.publish(_record(100, topic))  # key k: after its failed records, so it fails too
+    [(late, err)] = _collect(reports, 1)
+    assert late.id == 100 and isinstance(err, DeliveryError) and not err.permanent
+    publisher.publish(_record(500, topic, key="other"))  # another key goes on
+    for n in range(3):  # the retries, from k's first failed record
         publisher.publish(_record(n, topic))
-    after = _collect(reports, 10)
-    assert [(r.id, err) for r, err in after] == [(n, None) for n in range(100, 110)]
+    after = _collect(reports, 4)
+    assert sorted((r.id, err) for r, err in after) == [(0, None), (1, None), (2, None), (500, None)]
     assert publisher.child_pid != first
+    landed = read_messages(services.bootstrap, [topic], 4)
+    assert [text(m.value()) for m in landed if text(m.key()) == "k"] == ["v0", "v1", "v2"]
+    # Another loss, then a new term: the key does not wait for its retry any more.
+    os.kill(publisher.child_pid, signal.SIGSTOP)
+    publisher.publish(_record(600, topic, key="j"))
+    time.sleep(0.5)
+    os.kill(publisher.child_pid, signal.SIGKILL)
+    assert _collect(reports, 1)[0][0].id == 600
+    publisher.begin_term()
+    publisher.publish(_record(601, topic, key="j"))
+    assert [(r.id, err) for r, err in _collect(reports, 1)] == [(601, None)]
     assert reports.empty()
-    landed = read_messages(services.bootstrap, [topic], 10)
-    assert [text(m.value()) for m in landed] == [f"v{n}" for n in range(100, 110)]
 
 
 def test_the_child_ignores_the_groups_signals_and_exits_when_its_harvester_dies(services: Services) -> None:

@@ -90,6 +90,9 @@ class HandPublisher:
         with self.lock:
             self.sent.append(record)
 
+    def begin_term(self) -> None:
+        pass
+
     def values(self) -> list[str]:
         with self.lock:
             return [(r.value or b"").decode() for r in self.sent]
