@@ -96,8 +96,9 @@ class Purger(Protocol):
         ...
 
     def durable(self, ids: Sequence[int]) -> list[int]:
-        """Of purged ``ids``, those a new leader would not publish again: all of them where a purge
-        deletes them; where it stores a position instead, those the stored position covers."""
+        """Of purged ``ids``, and of those earlier calls did not return, those a new leader would
+        not publish again: ``ids`` where a purge deletes them; where it stores a position instead,
+        those the stored position covers (each returned once)."""
         ...
 
 

@@ -235,19 +235,17 @@ class AckReleasingDispatcher(AtLeastOnceDispatcher):
         re-marked copy."""
         state = self._state
         may_send = state.still_leader()
-        asked = [r.id for r in delivered] + list(self._held)
-        covered = self._store.durable(asked)
+        covered = self._store.durable([r.id for r in delivered])
         with state.cond:
             if self._purged_during_mark is not None:
                 self._purged_during_mark.update(r.id for r in delivered)
-            if len(covered) == len(asked):  # all of them (a purge that deletes, or a stored position)
-                earlier = list(self._held.values())
-                self._held.clear()
-                self._forget(list(map(_KEY, delivered)) + earlier)
+            earlier: list[str] = []
+            if len(covered) == len(delivered) and not self._held:  # a purge that deletes, say
+                self._forget(list(map(_KEY, delivered)))
             else:
                 durable = set(covered)
-                earlier = [self._held.pop(rid) for rid in covered if rid in self._held]
                 self._held.update((r.id, r.key) for r in delivered if r.id not in durable)
+                earlier = [self._held.pop(rid) for rid in covered if rid in self._held]
                 self._forget([r.key for r in delivered if r.id in durable] + earlier)
             self._settle(failures)
             self._reopen_keys(_keys(items), may_send)

@@ -88,7 +88,8 @@ class PositionedLogStore(LogStore):
         self._done(ids)
 
     def durable(self, ids: Sequence[int]) -> list[int]:
-        """Of purged ``ids``, those the stored position covers (a new term skips them)."""
+        """Of purged ``ids`` and of those kept back before, those the stored position covers (a new
+        term skips them)."""
         with self._state:
             lsn, partial = self._position
             return self._txns.durable(ids, lsn, partial)

@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from heapq import heappop, heappush
 from uuid import UUID
 
 from harvester.core.protocols import StoreError
@@ -76,8 +77,10 @@ class Transactions:
         self._received_upto = 0  # end LSN of the last transaction received in this term
         self.kept: deque[Transaction] = deque()  # received, not yet confirmed past
         self._of_id: dict[int, tuple[Transaction, int]] = {}  # handed out, not done
-        # Done and not yet known to be stored done, when asked to follow (see durable()).
-        self._held: dict[int, tuple[Transaction, int]] | None = None
+        # Done and not yet known to be stored done, when asked to follow (see durable()): their ids,
+        # and a heap of (commit LSN, index, id), the order in which a stored position covers them.
+        self._held: set[int] | None = None
+        self._held_order: list[tuple[int, int, int]] = []
         # Ids done although this term never handed them out (committed checkpoints a new term
         # recovers; completions of the previous term): skipped when the slot sends them.
         self._recovered: set[int] = set()
@@ -97,6 +100,7 @@ class Transactions:
         self._of_id.clear()
         if self._held is not None:
             self._held.clear()
+            self._held_order.clear()
         self._settled_upto = 0
         self._open = None
         self._skip = 0
@@ -104,7 +108,7 @@ class Transactions:
 
     def follow_durable(self) -> None:
         """Remember done records until :meth:`durable` finds them stored done."""
-        self._held = {}
+        self._held = set()
 
     def stream_started(self) -> None:
         """A new stream begins at a transaction boundary: a half-received transaction comes again
@@ -234,9 +238,11 @@ class Transactions:
         for rid in ids:
             at = self._of_id.pop(rid, None)
             if at is not None:
-                at[0].done.add(at[1])
+                txn, index = at
+                txn.done.add(index)
                 if held is not None:
-                    held[rid] = at
+                    held.add(rid)
+                    heappush(self._held_order, (txn.commit_lsn, index, rid))
             else:
                 self._recovered.add(rid)
         return self.settled(advanced)
@@ -260,19 +266,19 @@ class Transactions:
         return (0, 0)
 
     def durable(self, ids: Iterable[int], stored: int, partial: tuple[int, int]) -> list[int]:
-        """Of ``ids``, those done that a new term would not hand out again, with the position done
-        stored at ``stored`` and ``partial`` (see :meth:`new_term`); and they are forgotten. Ids
-        not followed (handed out by an earlier term, or not followed at all) count as durable."""
+        """Those of ``ids`` not followed (handed out by an earlier term, or not followed at all), and
+        every followed record, of these or of earlier calls, that a new term would not hand out
+        again with the position done stored at ``stored`` and ``partial`` (see :meth:`new_term`);
+        those are forgotten. A transaction whose commit starts before ``stored`` ends at or before
+        it (commit order), and the stored prefix is of the first transaction after it, so what a
+        position covers is the start of the heap's order: the cost is per record covered."""
         held = self._held
         if held is None:
             return list(ids)
-        out: list[int] = []
-        for rid in ids:
-            at = held.get(rid)
-            if at is not None:
-                txn, index = at
-                if not (0 < txn.end_lsn <= stored or (txn.commit_lsn == partial[0] and index < partial[1])):
-                    continue
-                del held[rid]
+        out = [rid for rid in ids if rid not in held]
+        order, (plsn, pcount) = self._held_order, partial
+        while order and (order[0][0] < stored or (order[0][0] == plsn and order[0][1] < pcount)):
+            rid = heappop(order)[2]
+            held.discard(rid)
             out.append(rid)
         return out

@@ -128,7 +128,7 @@ def test_a_done_record_is_durable_once_a_stored_position_covers_it() -> None:
     assert txns.durable([2, 4], 0, txns.partial()) == []  # record 1 is not done: nothing stored
     txns.completed([1], 0)
     assert txns.partial() == (100, 2)
-    assert txns.durable([1, 2, 4], 0, (100, 2)) == [1, 2]  # 4's transaction comes after 3's
+    assert txns.durable([1], 0, (100, 2)) == [1, 2]  # 2 kept back before; 4's transaction is after 3
     assert txns.completed([3], 0) == 150
-    assert txns.durable([4], 150, (0, 0)) == [4]
-    assert txns.durable([4], 150, (0, 0)) == [4]  # forgotten once durable: no longer followed
+    assert txns.durable([3], 150, (0, 0)) == [3, 4]
+    assert txns.durable([4], 150, (0, 0)) == [4]  # forgotten once returned: no longer followed
