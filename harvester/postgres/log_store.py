@@ -40,7 +40,7 @@ from harvester.postgres.store import PostgresStore
 # Messages one read takes from the stream at most (completions wait for the stream meanwhile).
 _READ_MESSAGES = 5_000
 # An idle leader confirms how far the server decoded this often, so the slot moves past what other
-# tables write while the outbox is idle.
+# tables write while the outbox is idle; and once as soon as it is idle after handing records out.
 _IDLE_CONFIRM_SECONDS = 10.0
 # Read on while fewer records than this wait in the buffer, and at least this often in any case.
 _READ_AHEAD = 20_000
@@ -80,6 +80,9 @@ class LogStore(PostgresStore):
         # position is not stored yet.
         self._batches: deque[tuple[int, list[Transaction]]] = deque()
         self._next_idle_confirm = 0.0  # monotonic time (mark thread only)
+        # Records went out since the last idle confirmation: the next one is due as soon as all are
+        # done (what their completions wrote, deletes or the stored position, lies past them).
+        self._handed_since_idle = False
         self._next_read = 0.0  # ... and the next read while records wait in the buffer
         self._takeover: sql.Composed | None = None
 
@@ -164,7 +167,13 @@ class LogStore(PostgresStore):
         out = self._hand_out(leader_id, limit)
         with self._state:
             settled = self._txns.settled(self._slot.advanced)
-            idle = not out and self._txns.idle and time.monotonic() > self._next_idle_confirm
+            idle = (
+                not out
+                and self._txns.idle
+                and (self._handed_since_idle or time.monotonic() > self._next_idle_confirm)
+            )
+        if out:
+            self._handed_since_idle = True
         if settled and not out:
             self._advance_to(settled)
         if idle:
@@ -230,11 +239,16 @@ class LogStore(PostgresStore):
 
     def _confirm_idle(self) -> None:
         """Confirm how far the server decoded, all received being done: the slot moves past what
-        other tables wrote meanwhile, which an idle outbox would otherwise keep in the log."""
-        self._next_idle_confirm = time.monotonic() + _IDLE_CONFIRM_SECONDS
+        other tables wrote meanwhile, which an idle outbox would otherwise keep in the log. After
+        records went out, tried on each idle mark until it moves the slot (the server's keepalives
+        tell how far it decoded), then every :data:`_IDLE_CONFIRM_SECONDS`."""
         end = self._slot.server_end
         if end > self._slot.advanced:
             self._advance_to(end)
+        elif self._handed_since_idle:
+            return
+        self._next_idle_confirm = time.monotonic() + _IDLE_CONFIRM_SECONDS
+        self._handed_since_idle = False
 
     def _read(self, want: int) -> None:
         """Receive what the stream has, until ``want`` records wait, or a transaction came whole,
