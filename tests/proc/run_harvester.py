@@ -63,7 +63,13 @@ def main() -> None:
     h = Harvester(config, on_event=on_event, elector=elector)
     made.append(h)
     done = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: done.set())
+    def on_term(*_: object) -> None:
+        # Ignored from here on: a second SIGTERM arriving while this one is inside done.set() would
+        # run this handler again in the same thread and deadlock on the event's lock (seen once).
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        done.set()
+
+    signal.signal(signal.SIGTERM, on_term)
     try:
         h.start()
     except (StoreUnreachableError, LeaderTopicError) as exc:
