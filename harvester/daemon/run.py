@@ -53,7 +53,10 @@ class Signals:
             signal.signal(sig, handler)
 
     def _handle(self, signum: int, _frame: FrameType | None) -> None:
-        if self.stop.is_set():
+        # ``received``, not ``stop.is_set()``: a second signal can land while the first handler is
+        # inside ``stop.set()`` holding the event's lock, before the flag is set; handling it as a
+        # first one would wait for that lock in the same thread for ever.
+        if self.received is not None:
             # Nothing is lost: unacknowledged records stay marked in the outbox and the next leader
             # marks them again. os._exit skips the graceful path that is evidently stuck.
             os.write(2, f"reaper: second signal {signal.Signals(signum).name}: exiting now\n".encode())

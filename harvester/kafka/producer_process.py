@@ -7,10 +7,12 @@ forward_errors)``, then batches ``[(seq, topic, key, value, headers), ...]``, th
 timeout)``. Out: first ``"ready"`` once the producer exists or ``(code, reason)`` when it could not be
 made, then reports ``(acked seqs, [(seq, code, reason)], [(level, text)], [(code, reason, fatal)])``.
 
-It imports nothing but confluent-kafka and :mod:`harvester.kafka.frames`, so it starts in a tenth
-of a second. It ignores SIGINT and SIGTERM, which a terminal or a service manager sends the whole
-group: the harvester decides when it stops, flushing first. It exits at once when the harvester's
-end of the pipe closes without a "close", or it finds its parent gone (the harvester died): what it
+It imports nothing but confluent-kafka, :mod:`harvester.kafka.frames` and
+:mod:`harvester.kafka.enqueue` (and :mod:`harvester.runtime`'s collector settings), so it starts in a
+tenth of a second. It ignores SIGINT and SIGTERM,
+which a terminal or a service manager sends the whole group: the harvester decides when it stops,
+flushing first. It exits at once when the harvester's end of the pipe closes without a "close", or
+it finds its parent gone (the harvester died): what it
 had not delivered stays in the outbox for the next leader.
 """
 
@@ -21,13 +23,14 @@ import os
 import signal
 import sys
 import threading
-import time
 import traceback
 from typing import Any, BinaryIO
 
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
+from harvester.kafka.enqueue import enqueue
 from harvester.kafka.frames import receive, send
+from harvester.runtime import tune_garbage_collector
 
 
 class _Relay:
@@ -97,19 +100,15 @@ class _Relay:
             else:
                 self._fail(seq, err)
 
-        while True:
-            try:
-                self.producer.produce(topic, value=value, key=key, headers=headers, on_delivery=delivered)
-                return
-            except BufferError:
-                # librdkafka's local queue is full: the poll thread drains it. A harvester that died
-                # meanwhile is not waited for (its pipe's end is not read now).
-                if os.getppid() != self._parent:
-                    os._exit(0)
-                time.sleep(0.005)
-            except KafkaException as exc:
-                self._fail(seq, exc.args[0])
-                return
+        error = enqueue(self.producer, topic, key, value, headers, delivered, self._exit_if_orphaned)
+        if error is not None:
+            self._fail(seq, error)
+
+    def _exit_if_orphaned(self) -> None:
+        """While the queue is full: a harvester that died is not waited for (its pipe's end is not
+        read now)."""
+        if os.getppid() != self._parent:
+            os._exit(0)
 
     def _fail(self, seq: int, error: KafkaError) -> None:
         with self._lock:
@@ -136,6 +135,9 @@ def main(argv: list[str]) -> None:
     except KafkaException as exc:
         send(out, (exc.args[0].code(), exc.args[0].str()))
         return
+    # A delivery callback per record in flight, tens of thousands of them: the default collector
+    # thresholds cost a fifth of this process's time collecting them, reference counting frees them.
+    tune_garbage_collector()
     send(out, "ready")
     relay.start()
     while (frame := receive(inbound)) is not None:

@@ -8,15 +8,15 @@ never waits on callbacks.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Mapping
 from typing import Any
 
-from confluent_kafka import KafkaError, KafkaException, Message, Producer
+from confluent_kafka import KafkaError, Message, Producer
 
 from harvester.core.failures import PublishError
 from harvester.core.protocols import DeliveryCallback
 from harvester.core.records import MarkedRecord
+from harvester.kafka.enqueue import enqueue
 
 # Errors that concern the record itself, so that publishing it again cannot succeed (too large,
 # invalid, unknown or forbidden topic); every other error is waited out.
@@ -112,22 +112,10 @@ class KafkaPublisher:
         def report(err: KafkaError | None, _msg: Message) -> None:
             callback((record, None if err is None else DeliveryError(err)))
 
-        while True:
-            try:
-                self._producer.produce(
-                    record.topic,
-                    value=record.value,
-                    key=record.key,  # encoded to UTF-8 by the client
-                    headers=record.headers,
-                    on_delivery=report,
-                )
-                return
-            except BufferError:
-                # librdkafka's local queue is full: the poll thread drains it as acks arrive.
-                time.sleep(0.005)
-            except KafkaException as exc:
-                callback((record, DeliveryError(exc.args[0])))
-                return
+        # The key is encoded to UTF-8 by the client.
+        error = enqueue(self._producer, record.topic, record.key, record.value, record.headers, report)
+        if error is not None:
+            callback((record, DeliveryError(error)))
 
     def begin_term(self) -> None:
         """Nothing to do: the producer keeps no state per term."""

@@ -1,0 +1,39 @@
+"""Handing one record to a confluent-kafka producer, waiting while its local queue is full: the rule
+the in-process publisher and the producer process share. Imports nothing but confluent-kafka, so
+that the producer process starts quickly."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from confluent_kafka import KafkaError, KafkaException, Message, Producer
+
+_FULL_WAIT = 0.005  # seconds between tries while librdkafka's local queue is full
+
+
+def enqueue(
+    producer: Producer,
+    topic: str,
+    key: str,
+    value: bytes | None,
+    headers: Any,
+    on_delivery: Callable[[KafkaError | None, Message], None],
+    while_full: Callable[[], None] | None = None,
+) -> KafkaError | None:
+    """Produce one record; None once librdkafka holds it, or the error that refused it outright.
+
+    A full queue is waited out (another thread polls, so acknowledgements empty it); ``while_full``
+    runs on each wait, to give up by raising or exiting."""
+    while True:
+        try:
+            producer.produce(topic, value=value, key=key, headers=headers, on_delivery=on_delivery)
+            return None
+        except BufferError:
+            if while_full is not None:
+                while_full()
+            time.sleep(_FULL_WAIT)
+        except KafkaException as exc:
+            error: KafkaError = exc.args[0]
+            return error
