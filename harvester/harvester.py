@@ -191,7 +191,9 @@ class Harvester:
         for engine in engines:
             if not engine.drain(max(0.0, drained_by - time.monotonic())):
                 self._log.warning("stop_drain_timeout", in_flight=engine.in_flight_records)
-        self._elector.close()
+        # Leaving the group may wait out a pending group request: bounded by what the stop has
+        # left, but long enough for the revocation's handler, which runs first.
+        self._elector.close(max(_STOP_RESERVE, deadline - time.monotonic()))
         for engine in engines:
             engine.close(max(0.0, deadline - time.monotonic()))
         for pipeline in self._pipelines:

@@ -108,16 +108,21 @@ class NeliElector:
         self._thread = threading.Thread(target=self._run, name=f"neli-{self._config.group_id}", daemon=True)
         self._thread.start()
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> None:
         """Emit ``LeaderRevoked`` if leader, then leave the group at once so a standby takes over.
 
-        Called from an event handler (the elector's own thread), it returns at once and the election
-        thread stops after the handler returns.
+        Waits at most ``timeout`` seconds (None: until left): leaving can wait for a pending group
+        request up to the rebalance timeout, minutes, and a caller stopping within a deadline goes
+        on meanwhile; the election thread then leaves in the background. Called from an event
+        handler (the elector's own thread), it returns at once and the election thread stops after
+        the handler returns.
         """
         self._stopping.set()
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
-            thread.join()
+            thread.join(timeout)
+            if thread.is_alive():
+                log.warning("leader_close_timeout", group=self._config.group_id, timeout_seconds=timeout)
 
     # -- election thread -----------------------------------------------------------------------------
 

@@ -338,7 +338,7 @@ class ManualElector:
         leader_id, self._leader_id = self._leader_id, None
         self._on_event(LeaderFenced(leader_id))
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> None:
         from leader.events import LeaderRevoked
 
         if self._leader_id is not None:

@@ -190,8 +190,9 @@ class Elector(Protocol):
         """Begin competing for leadership; events reach ``on_event`` on the elector's thread."""
         ...
 
-    def close(self) -> None:
-        """Leave the group (emitting ``LeaderRevoked`` first when leader) so a standby takes over."""
+    def close(self, timeout: float | None = None) -> None:
+        """Leave the group (emitting ``LeaderRevoked`` first when leader) so a standby takes over;
+        waits at most ``timeout`` seconds (None: until it left), then leaves in the background."""
         ...
 
     @property

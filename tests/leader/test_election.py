@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
+from confluent_kafka import Consumer
 from confluent_kafka.admin import AdminClient
 
 from leader import (
@@ -116,3 +117,33 @@ def test_close_revokes_first_and_standby_takes_over_after_the_handler(group: Cal
     assert second_term.leader_id != first_term.leader_id
     print(f"handover {taken - first_events.revoke_returned:.3f} s after the handler returned")
     assert taken - closing < 1.5 + 3.0
+
+
+def test_close_within_a_timeout_leaves_a_hanging_group_exit_in_the_background(
+    group: Callable[..., NeliElector],
+) -> None:
+    """librdkafka's consumer close can wait for a pending group request up to the rebalance
+    timeout: a close with a timeout returns by then, its revocation handled first."""
+    elector = group(name="hanging")
+    events = Recorder()
+    elector.start(events)
+    _, term = events.wait(LeaderAcquired)
+    released = threading.Event()
+    assert elector._consumer is not None
+    consumer: Consumer = elector._consumer
+
+    class Hanging:
+        def __getattr__(self, name: str) -> object:
+            return getattr(consumer, name)
+
+        def close(self) -> None:
+            released.wait(30)
+            consumer.close()
+
+    elector._consumer = Hanging()  # type: ignore[assignment]
+    began = time.monotonic()
+    elector.close(1.0)
+    took = time.monotonic() - began
+    released.set()
+    assert [e for _, e in events.events] == [term, LeaderRevoked(term.leader_id)]
+    assert 0.9 < took < 3.0, f"close took {took:.2f} s"
