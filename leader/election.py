@@ -154,11 +154,13 @@ class NeliElector:
         self._producer.poll(0)
 
     def _step_down_or_rejoin(self) -> None:
-        """A leader whose work path fails (``healthy`` says so) fences its terms and leaves the group,
-        so that another member takes its partitions over, provided the group has another member
-        (alone, it keeps trying: yielding to nobody only delays its own retries). It subscribes again
-        after ``session_timeout``, when the others have rebalanced (the sticky assignor then leaves
-        the partitions where they are)."""
+        """Leave the group so that another member takes the partitions over, provided the group has
+        another member (alone, this one keeps trying: yielding to nobody only delays its own
+        retries), when this member leads and its work path fails (``healthy`` says so: its terms are
+        fenced first), or when it has owned a partition without proof of its heartbeats for twice the
+        heartbeat timeout (its path to the leader topic fails while the coordinator still counts it
+        in: nobody else could lead meanwhile). It subscribes again after ``session_timeout``, when
+        the others have rebalanced (the sticky assignor then leaves the partitions where they are)."""
         assert self._consumer is not None
         now = self._clock()
         if self._rejoin_at is not None:
@@ -166,30 +168,43 @@ class NeliElector:
                 self._rejoin_at = None
                 self._subscribe()
             return
-        with self._lock:
-            leading = any(state.leader_id is not None for state in self._states)
-        if not leading or self._healthy is None or now - self._peers_checked < self._config.heartbeat_timeout:
+        if now - self._peers_checked < self._config.heartbeat_timeout:
             return
-        try:
-            if self._healthy():
-                self._stayed = False
-                return
-        except Exception:  # a broken check must not end the election thread
-            log.exception("leader_health_check_failed")
+        reason = self._why_step_down(now)
+        if reason is None:
             return
         self._peers_checked = now
         if not self._others_in_group():
             if not self._stayed:
-                log.info("leader_stays", member=self._config.name, reason="its work path fails, but no other member")
+                log.info("leader_stays", member=self._config.name, reason=f"{reason}, but no other member")
                 self._stayed = True
             return
-        log.warning("leader_stepping_down", member=self._config.name, reason="its work path fails")
+        log.warning("leader_stepping_down", member=self._config.name, reason=reason)
         for state in self._states:
             with self._lock:
                 event = state.give_up()
             self._emit(event)
         self._consumer.unsubscribe()
         self._rejoin_at = self._clock() + self._config.session_timeout
+
+    def _why_step_down(self, now: float) -> str | None:
+        """Why this member should leave the group now, if it should."""
+        limit = 2 * self._config.heartbeat_timeout
+        with self._lock:
+            leading = any(state.leader_id is not None for state in self._states)
+            stuck = any(state.unproven(now) > limit for state in self._states)
+        if stuck:
+            return "no proof of its heartbeats while it owns the leader partition"
+        if not leading or self._healthy is None:
+            return None
+        try:
+            if self._healthy():
+                self._stayed = False
+                return None
+        except Exception:  # a broken check must not end the election thread
+            log.exception("leader_health_check_failed")
+            return None
+        return "its work path fails"
 
     def _others_in_group(self) -> bool:
         """Whether the group has a member besides this one (True when that cannot be told)."""

@@ -19,6 +19,8 @@ and forwards the events it returns. Rules:
   ``LeaderFenced`` when the assignment was lost (another member may own it already).
 - Giving the term up (the owner's own work path fails): ``LeaderFenced``, and the same proof is
   needed before it leads again.
+- An owner probing without proof (:meth:`NeliState.unproven`) blocks every other member, which
+  cannot lead while it owns partition 0: the elector makes it leave the group after a while.
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ class NeliState:
         self._fenced = False
         self._last_proof = 0.0
         self._last_seen: float | None = None
+        self._probing_since: float | None = None  # owner without a term, waiting for its probe
 
     def _fresh_id(self) -> UUID:
         # uuid4 does not repeat in practice; the check makes "never reused" hold even for a custom factory.
@@ -91,6 +94,7 @@ class NeliState:
         self._last_seen = None
         if self._fenced:
             self.probe_id, self._probe_seen = self._fresh_id(), False
+            self._probing_since = now
             return None
         return self._begin_term(self._fresh_id(), now)
 
@@ -98,7 +102,7 @@ class NeliState:
         """Partition 0 was revoked (``lost=False``) or lost (``lost=True``), or the elector is closing."""
         self.owned = False
         self.probe_id, self._probe_seen = None, False
-        self._last_seen = None
+        self._last_seen = self._probing_since = None
         term, self.leader_id = self.leader_id, None
         if term is None:
             return None
@@ -136,8 +140,15 @@ class NeliState:
             return None
         term, self.leader_id = self.leader_id, None
         self.probe_id, self._probe_seen = self._fresh_id(), False
-        self._fenced = True
+        self._fenced, self._probing_since = True, now
         return LeaderFenced(term, self.shard)
+
+    def unproven(self, now: float) -> float:
+        """Seconds this owner has been probing without proof since its fence or its assignment
+        (0 when it leads or owns nothing)."""
+        if not self.owned or self.leader_id is not None or self._probing_since is None:
+            return 0.0
+        return now - self._probing_since
 
     def give_up(self) -> LeaderEvent | None:
         """The member steps down on its own (its work path fails; the elector leaves the group): the
@@ -157,7 +168,7 @@ class NeliState:
         )
 
     def _begin_term(self, leader_id: UUID, now: float) -> LeaderAcquired:
-        self.leader_id, self._fenced = leader_id, False
+        self.leader_id, self._fenced, self._probing_since = leader_id, False, None
         # The assignment (or the confirmed probe) is itself proof; the deadline runs from here.
         self._last_proof = now
         return LeaderAcquired(leader_id, self.shard)

@@ -50,17 +50,16 @@ class KafkaTransactionalPublisher:
         self._topic = checkpoint_topic
         self._partition = partition
         self._producer: Producer | None = None
+        # Whether the producer reported itself fenced: flushing it then raises its fatal error, or
+        # fails inside a delivery callback (SystemError, seen closing one); it is discarded unflushed.
+        self._fenced = False
         self._lock = threading.Lock()
         self._failures: dict[int, Exception] = {}
         self._position = 0
 
     def init(self) -> None:
         """(Re)create the producer and initialise transactions, fencing any previous holder."""
-        if self._producer is not None:
-            # A producer fenced mid-transaction raises its fatal error here: it is discarded anyway
-            # (seen in a chaos run, where it killed the mark thread at the start of a new term).
-            with contextlib.suppress(KafkaException):
-                self._producer.flush(0)
+        self._discard(0)
         self._producer = Producer(self._config)
         try:
             self._producer.init_transactions(30)
@@ -91,6 +90,7 @@ class KafkaTransactionalPublisher:
         except KafkaException as exc:
             error: KafkaError = exc.args[0]
             if error.fatal() or error.code() in (KafkaError._FENCED, KafkaError.PRODUCER_FENCED):
+                self._fenced = True
                 raise ProducerFencedError(error.str()) from exc
             self._abort(producer)
             raise TransactionAbortedError(error.str(), dict(self._failures)) from exc
@@ -120,6 +120,7 @@ class KafkaTransactionalPublisher:
         try:
             producer.abort_transaction(30)
         except KafkaException as exc:
+            self._fenced = True
             raise ProducerFencedError(f"abort failed: {exc}") from exc
 
     def recover(self, position: int) -> tuple[list[int], int]:
@@ -132,9 +133,17 @@ class KafkaTransactionalPublisher:
 
     def close(self, timeout: float) -> None:
         """Release the producer (an open transaction is aborted by the next leader's init)."""
-        if self._producer is not None:
-            self._producer.flush(timeout)
-            self._producer = None
+        self._discard(timeout)
+
+    def _discard(self, timeout: float) -> None:
+        """Let go of the producer, flushed for up to ``timeout`` unless it is fenced. A producer
+        fenced mid-transaction unbeknown to us raises its fatal error here: it is discarded anyway
+        (seen in a chaos run, where it killed the mark thread at the start of a new term)."""
+        producer, self._producer = self._producer, None
+        fenced, self._fenced = self._fenced, False
+        if producer is not None and not fenced:
+            with contextlib.suppress(KafkaException):
+                producer.flush(timeout)
 
 
 def read_checkpoints(

@@ -7,13 +7,14 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
-from confluent_kafka import Consumer
+from confluent_kafka import Consumer, Producer
 from confluent_kafka.admin import AdminClient
 
 from leader import (
     ElectorConfig,
     LeaderAcquired,
     LeaderEvent,
+    LeaderFenced,
     LeaderRevoked,
     LeaderTopicError,
     NeliElector,
@@ -147,3 +148,35 @@ def test_close_within_a_timeout_leaves_a_hanging_group_exit_in_the_background(
     released.set()
     assert [e for _, e in events.events] == [term, LeaderRevoked(term.leader_id)]
     assert 0.9 < took < 3.0, f"close took {took:.2f} s"
+
+
+def test_an_owner_whose_heartbeats_never_come_back_leaves_to_another_member(
+    group: Callable[..., NeliElector],
+) -> None:
+    """A partial failure: the leader's heartbeats stop reaching the leader topic while the coordinator
+    still counts it in. Fenced, it keeps partition 0, so nobody else could lead; after twice the
+    heartbeat timeout without proof it leaves the group, and the other member leads."""
+    first, second = group(name="first"), group(name="second")
+    first_events, second_events = Recorder(), Recorder()
+    first.start(first_events)
+    _, term = first_events.wait(LeaderAcquired)
+    second.start(second_events)
+    time.sleep(2.0)
+    assert second_events.events == []
+    assert first._producer is not None
+    producer: Producer = first._producer
+
+    class Dropping:
+        def __getattr__(self, name: str) -> object:
+            return getattr(producer, name)
+
+        def produce(self, *args: object, **kwargs: object) -> None:
+            pass  # lost on the way to the leader topic
+
+    first._producer = Dropping()  # type: ignore[assignment]
+    cut = time.monotonic()
+    first_events.wait(LeaderFenced, 10.0)
+    taken, second_term = second_events.wait(LeaderAcquired, 30.0)
+    assert second_term.leader_id != term.leader_id
+    assert [e for _, e in first_events.events] == [term, LeaderFenced(term.leader_id)]
+    print(f"the other member led {taken - cut:.1f} s after the cut")

@@ -164,3 +164,18 @@ def test_after_a_fence_a_new_assignment_also_waits_for_proof(how: str) -> None:
     assert state.released(lost=False) == LeaderRevoked(probe)
     assert isinstance(state.assigned(5.0), LeaderAcquired)
 
+
+def test_an_owner_counts_how_long_it_probes_without_proof() -> None:
+    state, term = leader_after_assignment()
+    assert state.unproven(1.0) == 0.0  # leading
+    assert state.tick(3.0) == LeaderFenced(term)
+    assert state.unproven(7.0) == 4.0
+    probe = state.heartbeat_id
+    assert probe is not None and state.heartbeat(probe, 7.5) is True
+    assert isinstance(state.confirmed(probe, 8.0), LeaderAcquired)
+    assert state.unproven(20.0) == 0.0  # leading again
+    state.give_up()
+    state.released(lost=False)
+    assert state.unproven(30.0) == 0.0  # owns nothing
+    assert state.assigned(31.0) is None  # fenced before: probes first
+    assert state.unproven(33.0) == 2.0
