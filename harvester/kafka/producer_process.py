@@ -9,11 +9,10 @@ made, then reports ``(acked seqs, [(seq, code, reason)], [(level, text)], [(code
 
 It imports nothing but confluent-kafka, :mod:`harvester.kafka.frames` and
 :mod:`harvester.kafka.enqueue` (and :mod:`harvester.runtime`'s collector settings), so it starts in a
-tenth of a second. It ignores SIGINT and SIGTERM,
-which a terminal or a service manager sends the whole group: the harvester decides when it stops,
-flushing first. It exits at once when the harvester's end of the pipe closes without a "close", or
-it finds its parent gone (the harvester died): what it
-had not delivered stays in the outbox for the next leader.
+tenth of a second. It ignores SIGINT and SIGTERM, which a terminal or a service manager sends the
+whole group: the harvester decides when it stops, flushing first. It exits at once when the
+harvester's end of the pipe closes without a "close", or it finds its parent gone (the harvester
+died): what it had not delivered stays in the outbox for the next leader.
 """
 
 from __future__ import annotations
