@@ -56,6 +56,26 @@ class IdentityHeaders:
 
 
 @dataclass(frozen=True, slots=True)
+class Stamp:
+    """The identity headers of one term's records, built once per mark and carried by each record
+    (:attr:`harvester.core.records.MarkedRecord.stamp`). A record's headers are joined only where
+    it is produced: in the producer process when there is one, since building and pickling three
+    header pairs per record cost the harvester's busiest thread about an eighth of its time."""
+
+    id: str  # the id header's name; the value is the record's id
+    epoch: tuple[str, bytes]
+    producer: tuple[str, bytes]
+
+    @classmethod
+    def of(cls, names: IdentityHeaders, epoch: int, producer: bytes) -> Stamp:
+        return cls(names.id, (names.epoch, str(epoch).encode()), (names.producer, producer))
+
+    def headers(self, record_id: int) -> list[tuple[str, bytes]]:
+        """The identity headers of record ``record_id``, to follow its own."""
+        return [(self.id, str(record_id).encode()), self.epoch, self.producer]
+
+
+@dataclass(frozen=True, slots=True)
 class Identity:
     """A published record's identity, as read back from its headers."""
 

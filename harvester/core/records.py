@@ -11,6 +11,8 @@ from typing import Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
+from harvester.core.identity import Stamp
+
 # Kafka's own rule for topic names (org.apache.kafka.common.internals.Topic).
 _TOPIC = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
 
@@ -122,8 +124,10 @@ class OutboxRecord(BaseModel):
 class MarkedRecord:
     """A record the current leader has marked and may publish.
 
-    ``value`` and header values are already encoded as the bytes Kafka will carry. ``attempts``
-    counts earlier permanent failures; ``malformed`` says why the row cannot be published at all.
+    ``value`` and header values are already encoded as the bytes Kafka will carry. ``headers``
+    are the row's own; ``stamp``, when set, adds the identity headers after them (see
+    :meth:`kafka_headers`). ``attempts`` counts earlier permanent failures; ``malformed`` says why
+    the row cannot be published at all.
     """
 
     id: int
@@ -135,6 +139,11 @@ class MarkedRecord:
     attempts: int = 0
     first_failure: datetime | None = None
     malformed: str | None = None
+    stamp: Stamp | None = None
+
+    def kafka_headers(self) -> list[tuple[str, str | bytes | None]]:
+        """The headers the record is published with: its own, then its identity headers."""
+        return self.headers if self.stamp is None else [*self.headers, *self.stamp.headers(self.id)]
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,6 +35,7 @@ from typing import Any, BinaryIO
 import structlog
 from confluent_kafka import KafkaError, KafkaException
 
+from harvester.core.identity import Stamp
 from harvester.core.protocols import DeliveryCallback
 from harvester.core.records import MarkedRecord
 from harvester.kafka.frames import receive, send
@@ -49,6 +50,8 @@ _EXITED = "the producer process exited"
 _BLOCKED = "an earlier record of its key failed with a producer process that exited"
 # Beyond the flush's timeout, how long a close waits for the child to report and exit.
 _CLOSE_MARGIN = 10.0
+# One record as it crosses the pipe: (number, topic, key, value, own headers, id, identity stamp).
+_Outgoing = tuple[int, str, str, bytes | None, Any, int, Stamp | None]
 
 
 def runs_in_child(config: Mapping[str, Any]) -> bool:
@@ -79,7 +82,7 @@ class ProcessPublisher:
         self._on_delivery = on_delivery
         self._lock = threading.Lock()  # guards the fields below
         self._pending: dict[int, MarkedRecord] = {}  # sent or about to be, by number
-        self._outgoing: list[tuple[int, str, str, bytes | None, Any]] = []
+        self._outgoing: list[_Outgoing] = []
         self._next = 0
         self._generation = 0  # the current child's; bumped when a child exits unasked
         # Per key with records failed by a lost child, the first of their ids (see the module's doc).
@@ -108,7 +111,9 @@ class ProcessPublisher:
             self._pending[seq] = record
             if not self._outgoing:
                 self._wake.set()
-            self._outgoing.append((seq, record.topic, record.key, record.value, record.headers))
+            self._outgoing.append(
+                (seq, record.topic, record.key, record.value, record.headers, record.id, record.stamp)
+            )
 
     def begin_term(self) -> None:
         """A new term re-reads everything not done in order: no key waits for a retry any more."""
@@ -187,7 +192,7 @@ class ProcessPublisher:
                 self._stop_child(closing)
                 return
 
-    def _send(self, batch: list[tuple[int, str, str, bytes | None, Any]], generation: int) -> None:
+    def _send(self, batch: list[_Outgoing], generation: int) -> None:
         if generation != self._child.generation:
             if generation != self._generation:
                 return  # for a child that exited: these records were reported failed with it

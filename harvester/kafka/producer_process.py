@@ -3,13 +3,14 @@ confluent-kafka producer fed by frames from the harvester, its delivery reports 
 
 ``python -m harvester.kafka.producer_process IN OUT``: reads frames from file descriptor ``IN`` and
 writes them to ``OUT`` (:mod:`harvester.kafka.frames`). In: first ``(settings, forward_logs,
-forward_errors)``, then batches ``[(seq, topic, key, value, headers), ...]``, then ``("close",
-timeout)``. Out: first ``"ready"`` once the producer exists or ``(code, reason)`` when it could not be
+forward_errors)``, then batches ``[(seq, topic, key, value, headers, id, stamp), ...]`` (the child
+appends the identity headers of ``stamp``, a :class:`harvester.core.identity.Stamp` or None), then
+``("close", timeout)``. Out: first ``"ready"`` once the producer exists or ``(code, reason)`` when it could not be
 made, then reports ``(acked seqs, [(seq, code, reason)], [(level, text)], [(code, reason, fatal)])``.
 
-It imports nothing but confluent-kafka, :mod:`harvester.kafka.frames` and
-:mod:`harvester.kafka.enqueue` (and :mod:`harvester.runtime`'s collector settings), so it starts in a
-tenth of a second. It ignores SIGINT and SIGTERM, which a terminal or a service manager sends the
+It imports nothing but confluent-kafka, :mod:`harvester.kafka.frames`, :mod:`harvester.kafka.enqueue`
+and :mod:`harvester.core.identity` (and :mod:`harvester.runtime`'s collector settings), so it starts
+in a tenth of a second. It ignores SIGINT and SIGTERM, which a terminal or a service manager sends the
 whole group: the harvester decides when it stops, flushing first. It exits at once when the
 harvester's end of the pipe closes without a "close", or it finds its parent gone (the harvester
 died): what it had not delivered stays in the outbox for the next leader.
@@ -27,6 +28,7 @@ from typing import Any, BinaryIO
 
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
+from harvester.core.identity import Stamp
 from harvester.kafka.enqueue import enqueue
 from harvester.kafka.frames import receive, send
 from harvester.runtime import tune_garbage_collector
@@ -92,7 +94,12 @@ class _Relay:
             self._acked, self._failed, self._logs, self._errors = [], [], [], []
         send(self._out, frame)
 
-    def produce(self, seq: int, topic: str, key: str, value: bytes | None, headers: Any) -> None:
+    def produce(
+        self, seq: int, topic: str, key: str, value: bytes | None, headers: Any, rid: int, stamp: Stamp | None
+    ) -> None:
+        if stamp is not None:
+            headers = [*headers, *stamp.headers(rid)]
+
         def delivered(err: KafkaError | None, _msg: Message) -> None:
             if err is None:
                 self._acked.append(seq)  # only the polling thread appends here, and swaps the list

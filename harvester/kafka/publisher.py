@@ -113,7 +113,7 @@ class KafkaPublisher:
             callback((record, None if err is None else DeliveryError(err)))
 
         # The key is encoded to UTF-8 by the client.
-        error = enqueue(self._producer, record.topic, record.key, record.value, record.headers, report)
+        error = enqueue(self._producer, record.topic, record.key, record.value, record.kafka_headers(), report)
         if error is not None:
             callback((record, DeliveryError(error)))
 

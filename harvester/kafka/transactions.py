@@ -105,7 +105,11 @@ class KafkaTransactionalPublisher:
 
         try:
             producer.produce(
-                record.topic, value=record.value, key=record.key.encode(), headers=record.headers, on_delivery=report
+                record.topic,
+                value=record.value,
+                key=record.key.encode(),
+                headers=record.kafka_headers(),
+                on_delivery=report,
             )
         except KafkaException as exc:
             self._failures[record.id] = DeliveryError(exc.args[0])

@@ -25,6 +25,7 @@ from uuid import UUID
 import psycopg
 from psycopg import sql
 
+from harvester.core.identity import Stamp
 from harvester.core.protocols import StoreError
 from harvester.core.records import Failure, MarkedRecord
 from harvester.postgres import logical, pgoutput
@@ -197,9 +198,7 @@ class LogStore(PostgresStore):
         return out
 
     def _fresh(self, taken: Taken) -> list[MarkedRecord]:
-        names = self._names
-        identity = ((names.epoch, str(self._epoch).encode()), (names.producer, self._ready().producer))
-        id_header = names.id
+        stamp = Stamp.of(self._names, self._epoch, self._ready().producer)
         records = self._records(taken)
         gone = self._gone(taken, records)
         out: list[MarkedRecord] = []
@@ -210,7 +209,7 @@ class LogStore(PostgresStore):
                 if rid in gone:
                     txn.done.add(index)
                 if handed_out(txn, index, rid):
-                    record.headers += ((id_header, str(rid).encode()), *identity)
+                    record.stamp = stamp
                     out.append(record)
         return out
 

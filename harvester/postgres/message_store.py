@@ -111,9 +111,8 @@ class MessageStore(PositionedLogStore):
                 r = self._content.get(f.id)
             if r is None:
                 continue  # done meanwhile (a retry after the statement committed)
-            own = r.headers[:-3]  # without the identity headers
-            hkeys = [k for k, _ in own]
-            hvalues = [v.decode("utf-8", "replace") if isinstance(v, bytes) else v for _, v in own]
+            hkeys = [k for k, _ in r.headers]
+            hvalues = [v.decode("utf-8", "replace") if isinstance(v, bytes) else v for _, v in r.headers]
             rows += [f.id, r.create_time, r.topic, r.key, r.value, hkeys, hvalues, f.reason, f.error, f.attempts]
             rows.append(f.first_failure)
         if rows:

@@ -24,7 +24,7 @@ from uuid import UUID
 import psycopg
 from psycopg import sql
 
-from harvester.core.identity import IdentityHeaders
+from harvester.core.identity import IdentityHeaders, Stamp
 from harvester.core.protocols import FencedError, ShardCountError, StoreError
 from harvester.core.records import Failure, MarkedRecord
 from harvester.postgres import catalog, migrations
@@ -214,13 +214,11 @@ class PostgresStore(Fenced):
         """Mark up to ``limit`` records not yet marked by ``leader_id`` and return them sorted by id
         (a read: see the module's docstring).
 
-        Each record's headers get the identity headers appended.
+        Each record carries the identity headers' stamp.
         """
         prepared = self._ready()
         kind = prepared.columns.limits.value_kind
-        producer = prepared.producer
-        epoch = str(self._epoch).encode()
-        names = self._names
+        stamp = Stamp.of(self._names, self._epoch, prepared.producer)
         skip = self._handed.exclude(leader_id)
         own = (self._shard, self._shard + 1) if self._shards > 1 else ()
         rows = self._run(prepared.statements.mark, (*self._fence, self._epoch, *own, id_array(skip), limit))
@@ -238,8 +236,9 @@ class PostgresStore(Fenced):
                 (k, v.encode("utf-8") if v is not None else b"")
                 for k, v in zip(hkeys or (), hvalues or (), strict=False)
             ]
-            headers += [(names.id, str(rid).encode()), (names.epoch, epoch), (names.producer, producer)]
-            out.append(MarkedRecord(rid, created, topic, key or "", value, headers, attempts, first_failure, malformed))
+            out.append(
+                MarkedRecord(rid, created, topic, key or "", value, headers, attempts, first_failure, malformed, stamp)
+            )
         return out
 
     def pending(self, skip: Sequence[int], limit: int) -> list[Pending]:

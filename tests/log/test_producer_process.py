@@ -1,9 +1,9 @@
 """The log source's producer in a child process (harvester.kafka.process_publisher), on the real
-broker: records land in publish order with one report each; refused settings fail at start as in
-the harvester's own process; librdkafka's logs and errors reach the configured logger and callback;
-a child that dies fails what it left, once each, and the next records go through a new child, a key
-with a failed record failing until its retry; a child whose harvester died exits; a terminal's or
-service manager's signals leave it to the harvester."""
+broker: records land in publish order with one report each, their identity headers after their own;
+refused settings fail at start as in the harvester's own process; librdkafka's logs and errors reach
+the configured logger and callback; a child that dies fails what it left, once each, and the next
+records go through a new child, a key with a failed record failing until its retry; a child whose
+harvester died exits; a terminal's or service manager's signals leave it to the harvester."""
 
 from __future__ import annotations
 
@@ -22,10 +22,11 @@ from typing import Any
 import pytest
 from confluent_kafka import KafkaError, KafkaException
 
+from harvester.core.identity import IdentityHeaders, Stamp
 from harvester.core.protocols import DeliveryReport
 from harvester.core.records import MarkedRecord
 from harvester.kafka.process_publisher import ProcessPublisher, runs_in_child
-from harvester.kafka.publisher import DeliveryError, producer_config
+from harvester.kafka.publisher import DeliveryError, KafkaPublisher, producer_config
 from tests.support import Services, read_messages, text
 
 Reports = queue.SimpleQueue[DeliveryReport]
@@ -71,6 +72,33 @@ def test_records_land_in_publish_order_with_one_report_each(
         assert msg.headers() == [("h", b"x")]
     assert all(ids == sorted(ids) for ids in seen.values())
     assert sum(len(ids) for ids in seen.values()) == 3000
+
+
+@pytest.mark.parametrize("in_child", [True, False], ids=["producer process", "in process"])
+def test_a_stamped_record_carries_its_identity_headers_after_its_own(
+    services: Services, topics: Callable[..., str], in_child: bool
+) -> None:
+    """The stores stamp records instead of appending the identity headers; either publisher joins
+    them, the producer process on its side of the pipe."""
+    topic = topics(1)
+    reports: Reports = queue.SimpleQueue()
+    config = producer_config(services.kafka(), {})
+    publisher: ProcessPublisher | KafkaPublisher = (
+        ProcessPublisher(config, reports.put_nowait, in_order=True)
+        if in_child
+        else KafkaPublisher(config, reports.put_nowait, in_order=True)
+    )
+    stamp = Stamp.of(IdentityHeaders("x-"), 7, b"p")
+    try:
+        for n in (41, 42):
+            record = _record(n, topic)
+            record.stamp = stamp
+            publisher.publish(record)
+        assert all(err is None for _, err in _collect(reports, 2))
+    finally:
+        publisher.close(5)
+    got = [msg.headers() for msg in read_messages(services.bootstrap, [topic], 2)]
+    assert got == [[("h", b"x"), ("x-id", str(n).encode()), ("x-epoch", b"7"), ("x-producer", b"p")] for n in (41, 42)]
 
 
 def test_refused_settings_fail_at_start(started: Callable[..., tuple[ProcessPublisher, Reports]]) -> None:
