@@ -59,8 +59,9 @@ class IdentityHeaders:
 class Stamp:
     """The identity headers of one term's records, built once per mark and carried by each record
     (:attr:`harvester.core.records.MarkedRecord.stamp`). A record's headers are joined only where
-    it is produced: in the producer process when there is one, since building and pickling three
-    header pairs per record cost the harvester's busiest thread about an eighth of its time."""
+    it is produced: in the producer process when there is one, since building three header pairs per
+    record in the harvester and pickling them to the child cost its interpreter, which bounds the
+    log source's drain, about a twentieth of its time."""
 
     id: str  # the id header's name; the value is the record's id
     epoch: tuple[str, bytes]
@@ -68,6 +69,7 @@ class Stamp:
 
     @classmethod
     def of(cls, names: IdentityHeaders, epoch: int, producer: bytes) -> Stamp:
+        """The stamp of term ``epoch``'s records, ``producer`` being the producer name's UTF-8."""
         return cls(names.id, (names.epoch, str(epoch).encode()), (names.producer, producer))
 
     def headers(self, record_id: int) -> list[tuple[str, bytes]]:

@@ -5,13 +5,14 @@ confluent-kafka producer fed by frames from the harvester, its delivery reports 
 writes them to ``OUT`` (:mod:`harvester.kafka.frames`). In: first ``(settings, forward_logs,
 forward_errors)``, then batches ``[(seq, topic, key, value, headers, id, stamp), ...]`` (the child
 appends the identity headers of ``stamp``, a :class:`harvester.core.identity.Stamp` or None), then
-``("close", timeout)``. Out: first ``"ready"`` once the producer exists or ``(code, reason)`` when it could not be
-made, then reports ``(acked seqs, [(seq, code, reason)], [(level, text)], [(code, reason, fatal)])``.
+``("close", timeout)``. Out: first ``"ready"`` once the producer exists or ``(code, reason)`` when it
+could not be made, then reports ``(acked seqs, [(seq, code, reason)], [(level, text)], [(code,
+reason, fatal)])``.
 
 It imports nothing but confluent-kafka, :mod:`harvester.kafka.frames`, :mod:`harvester.kafka.enqueue`
 and :mod:`harvester.core.identity` (and :mod:`harvester.runtime`'s collector settings), so it starts
-in a tenth of a second. It ignores SIGINT and SIGTERM, which a terminal or a service manager sends the
-whole group: the harvester decides when it stops, flushing first. It exits at once when the
+in a tenth of a second. It ignores SIGINT and SIGTERM, which a terminal or a service manager sends
+the whole group: the harvester decides when it stops, flushing first. It exits at once when the
 harvester's end of the pipe closes without a "close", or it finds its parent gone (the harvester
 died): what it had not delivered stays in the outbox for the next leader.
 """
