@@ -38,7 +38,7 @@ from pyspark.sql.datasource import DataSourceStreamReader, InputPartition
 from pyspark.sql.streaming.datasource import ReadLimit, ReadMaxRows, SupportsTriggerAvailableNow
 from pyspark.sql.types import ArrayType, BinaryType, IntegerType, LongType, StringType, StructField, StructType
 
-from harvester.core.identity import IdentityHeaders
+from harvester.core.identity import IdentityHeaders, Stamp
 from harvester.core.protocols import FencedError
 from harvester.core.records import Failure
 from harvester.postgres.rows import Pending
@@ -227,11 +227,8 @@ class OutboxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         reader tells a replay's copies (:mod:`harvester.client.dedup`)."""
         assert isinstance(partition, ShardBatch)
         names = IdentityHeaders(self.options.header_prefix)
-        identity = [
-            (names.epoch, str(partition.epoch).encode()),
-            (names.producer, partition.producer.encode()),
-            (names.batch, str(partition.batch).encode()),
-        ]
+        stamp = Stamp.of(names, partition.epoch, partition.producer.encode())
+        batch = (names.batch, str(partition.batch).encode())
         before: dict[str | None, int] = {}  # key -> its last record yielded
         placement = Placement(self.options.kafka) if self.options.elected else None
         value = "kafka_value::text" if partition.value_kind == "json" else "kafka_value"
@@ -251,7 +248,7 @@ class OutboxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                     for k, v in zip(hkeys or (), hvalues or (), strict=False)
                     if k is not None
                 ]
-                headers += [(names.id, str(rid).encode()), *identity]
+                headers += [*stamp.headers(rid), batch]
                 previous = before.get(key)
                 if previous is not None:
                     headers.append((names.previous, str(previous).encode()))
