@@ -1,65 +1,190 @@
 """What an outbox insert read from the log becomes: the record the engine publishes, from the
-column values of a pgoutput Insert message (their text forms) and where the outbox's columns are in
-its Relation message. Called once per record at full speed, so it decodes only the columns up to
-the last one it reads."""
+column values of a pgoutput Insert message in their binary forms (each type's send format) and
+where, and of which type, the outbox's columns are in its Relation message.
+
+Called once per record at full speed. The layout ``reaper migrate`` and goharvest create (the
+published columns in their order, a bigint id, non-NULL id, create_time, topic and key, no headers)
+is read by :func:`_usual`: one struct call for the fixed-width head, then three lengths. Any other
+row of a supported layout takes :func:`_any`, column by column; both give the same record
+(``tests/log/test_decoding.py``)."""
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+import struct
+from datetime import UTC, datetime, timedelta
 
 from harvester.core.protocols import StoreError
 from harvester.core.records import MarkedRecord
-from harvester.postgres import logical, pgoutput, rows
+from harvester.postgres import pgoutput, rows
+
+# The columns a record is made of (the log source publishes and reads no other).
+PUBLISHED = ("id", "create_time", "kafka_topic", "kafka_key", "kafka_value", "kafka_header_keys", "kafka_header_values")
+
+# Type oids (PostgreSQL's pg_type.dat) the log source reads, grouped by their binary form.
+_INTEGERS = frozenset({20, 23, 21})  # bigint, integer, smallint: big-endian two's complement
+_TIMESTAMPS = frozenset({1184, 1114})  # timestamptz, timestamp: int64 microseconds since 2000-01-01
+_TEXTS = frozenset({25, 1043, 1042, 19, 114})  # text, varchar, char, name, json: the text's UTF-8 bytes
+_JSONB = 3802  # a version byte (1), then the text
+_BYTEA = 17  # the bytes
+# Arrays of _TEXTS, by their elements' type: dimensions, a has-NULLs flag, the element type, each
+# dimension's length and lower bound, then each element's length (-1: NULL) and bytes.
+_ELEMENTS = {1009: 25, 1015: 1043, 1014: 1042, 1003: 19, 199: 114}
+_TEXT_ARRAYS = frozenset(_ELEMENTS)
+_READABLE: dict[str, frozenset[int]] = {
+    "id": _INTEGERS,
+    "create_time": _TIMESTAMPS,
+    "kafka_topic": _TEXTS,
+    "kafka_key": _TEXTS,
+    "kafka_value": _TEXTS | {_JSONB, _BYTEA},
+    "kafka_header_keys": _TEXT_ARRAYS,
+    "kafka_header_values": _TEXT_ARRAYS,
+}
+READABLE_TYPES = (
+    "a bigint, integer or smallint id, a timestamptz or timestamp create_time, text-typed (text, varchar)"
+    " kafka_topic and kafka_key, a text, varchar, json, jsonb or bytea kafka_value, and text[] header columns"
+)
+
+_I32 = struct.Struct("!i")
+_ARRAY_HEAD = struct.Struct("!iii")
+# The usual layout's head: the column count, then id and create_time (kind 'b', length 8, value),
+# then the topic's kind and length.
+_HEAD = struct.Struct("!6xHcIqcIqcI")
+_HEAD_BINARY = (b"b", 8, b"b", 8, b"b")
+_EPOCH = datetime(2000, 1, 1, tzinfo=UTC)
+_INSERT_VALUES = 8  # 'I', the relation's oid, 'N', the column count
+
+
+def readable(column: str, type_oid: int) -> bool:
+    """Whether the log source reads ``column`` (one of :data:`PUBLISHED`) of type ``type_oid``."""
+    return type_oid in _READABLE[column]
 
 
 class Columns:
-    """Where the outbox's columns are in a Relation message's tuple."""
+    """Where the outbox's columns are in a Relation message's tuple, and how to read them."""
 
     def __init__(self, relation: pgoutput.Relation) -> None:
         index = {name: i for i, name in enumerate(relation.columns)}
         try:
-            self.id, self.time, self.topic, self.key, self.value, self.hkeys, self.hvalues = (
-                index[c] for c in logical.PUBLISHED
-            )
+            at = [index[c] for c in PUBLISHED]
         except KeyError as exc:
             raise StoreError(f"the published outbox has no column {exc.args[0]}") from None
-        self.needed = 1 + max(self.id, self.time, self.topic, self.key, self.value, self.hkeys, self.hvalues)
-        # The last create_time parsed, as text and as parsed: the rows of one transaction usually
+        for column, i in zip(PUBLISHED, at, strict=True):
+            if not readable(column, relation.types[i]):
+                raise StoreError(
+                    f"the log source cannot read {column} of type oid {relation.types[i]}: it reads {READABLE_TYPES}"
+                )
+        self.id, self.time, self.topic, self.key, self.value, self.hkeys, self.hvalues = at
+        self.needed = 1 + max(at)
+        self.jsonb = relation.types[self.value] == _JSONB
+        self.usual = at == list(range(len(PUBLISHED))) and relation.types[0] == 20
+        # The two header columns' values when both are empty arrays (no dimensions), by their
+        # element types' oids.
+        empty = (_ARRAY_HEAD.pack(0, 0, _ELEMENTS[relation.types[i]]) for i in (self.hkeys, self.hvalues))
+        self.no_headers = b"".join(b"b" + _I32.pack(12) + e for e in empty)
+        # The last create_time read, as sent and as a datetime: the rows of one transaction usually
         # share it (DEFAULT now()). Only the mark thread decodes, so no lock.
-        self.last_time: tuple[bytes, datetime] = (b"", datetime.now(UTC))
+        self.last_time: tuple[bytes | int | None, datetime] = (None, _EPOCH)
 
 
-def outbox_record(data: bytes, c: Columns, kind: str) -> MarkedRecord:
+def outbox_record(data: bytes, c: Columns) -> MarkedRecord:
     """The record of an Insert message, before the identity headers."""
-    values = pgoutput.insert_values(data, c.needed)
-    raw = values[c.value]
-    # A textual value's text form is the bytes Kafka carries; bytea's is hex (\x...).
-    value = bytes.fromhex(raw[2:].decode()) if raw is not None and kind == "bytes" else raw
-    raw_keys, raw_values = values[c.hkeys], values[c.hvalues]
-    headers: list[tuple[str, str | bytes | None]] = []
-    why = None
-    if raw_keys != b"{}" or raw_values != b"{}":
-        hkeys = pgoutput.text_array(None if raw_keys is None else raw_keys.decode())
-        hvalues = pgoutput.text_array(None if raw_values is None else raw_values.decode())
+    if data[5] != 0x4E:  # 'N'
+        raise pgoutput.ProtocolError("an insert without its new tuple")
+    if c.usual:
+        record = _usual(data, c)
+        if record is not None:
+            return record
+    return _any(data, c)
+
+
+def _usual(data: bytes, c: Columns) -> MarkedRecord | None:
+    """The record of a usual row (see the module's docstring), or None for another."""
+    _, k_id, n_id, rid, k_time, n_time, micros, k_topic, size = _HEAD.unpack_from(data)
+    at = _HEAD.size + size
+    if (k_id, n_id, k_time, n_time, k_topic) != _HEAD_BINARY or data[at] != 0x62:  # a NULL among the four
+        return None
+    topic = data[_HEAD.size : at].decode()
+    (size,) = _I32.unpack_from(data, at + 1)
+    at += 5 + size
+    key = data[at - size : at].decode()
+    value: bytes | None = None
+    if data[at] == 0x62:
+        (size,) = _I32.unpack_from(data, at + 1)
+        at += 5 + size
+        value = data[at - size : at]
+    else:
+        at += 1
+    if not data.startswith(c.no_headers, at):
+        return None
+    if c.jsonb and value is not None:
+        value = value[1:]
+    return MarkedRecord(rid, _time(c, micros), topic, key, value, [])
+
+
+def _any(data: bytes, c: Columns) -> MarkedRecord:
+    values = pgoutput.tuple_values(data, _INSERT_VALUES, c.needed)
+    raw_id, raw_time, raw_topic, key, value = (values[i] for i in (c.id, c.time, c.topic, c.key, c.value))
+    if c.jsonb and value is not None:
+        value = value[1:]
+    try:
+        hkeys, hvalues = _elements(values[c.hkeys]), _elements(values[c.hvalues])
         why = rows.malformed("", hkeys, hvalues)
-        headers = [
-            (k or "", v.encode() if v is not None else b"") for k, v in zip(hkeys or (), hvalues or (), strict=False)
-        ]
-    key = values[c.key]
+    except ValueError as exc:
+        hkeys = hvalues = None
+        why = str(exc)
+    headers: list[tuple[str, str | bytes | None]] = [
+        (k.decode() if k is not None else "", v if v is not None else b"")
+        for k, v in zip(hkeys or (), hvalues or (), strict=False)
+    ]
     if key is None:
         why = rows.malformed(None, [], [])
-    created, (last, when) = values[c.time], c.last_time
-    if not created:
-        when = datetime.now(UTC)
-    elif created != last:
-        when = datetime.fromisoformat(created.decode())
-        c.last_time = (created, when)
     return MarkedRecord(
-        int(values[c.id] or 0),
-        when,
-        (values[c.topic] or b"").decode(),
+        int.from_bytes(raw_id or b"", signed=True),
+        _time(c, raw_time),
+        (raw_topic or b"").decode(),
         key.decode() if key is not None else "",
         value,
         headers,
         malformed=why,
     )
+
+
+def _time(c: Columns, sent: bytes | int | None) -> datetime:
+    """A create_time as sent (int64 microseconds since 2000-01-01, as bytes or read already), or now
+    for NULL and infinity."""
+    if sent is None:
+        return datetime.now(UTC)
+    last, when = c.last_time
+    if sent == last:
+        return when
+    micros = int.from_bytes(sent, signed=True) if isinstance(sent, bytes) else sent
+    try:
+        when = _EPOCH + timedelta(microseconds=micros)
+    except OverflowError:  # 'infinity' or '-infinity'
+        when = datetime.now(UTC)
+    c.last_time = (sent, when)
+    return when
+
+
+def _elements(raw: bytes | None) -> list[bytes | None] | None:
+    """The elements of a one-dimensional array in its binary form (None for a NULL element); None
+    for a NULL array. Raises ValueError for more dimensions."""
+    if raw is None:
+        return None
+    dimensions, _, _ = _ARRAY_HEAD.unpack_from(raw)
+    if dimensions == 0:
+        return []
+    if dimensions != 1:
+        raise ValueError("header arrays have more than one dimension")
+    (count,) = _I32.unpack_from(raw, _ARRAY_HEAD.size)
+    at = _ARRAY_HEAD.size + 8  # after the length and lower bound
+    out: list[bytes | None] = []
+    for _ in range(count):
+        (size,) = _I32.unpack_from(raw, at)
+        at += 4
+        if size < 0:
+            out.append(None)
+        else:
+            out.append(raw[at : at + size])
+            at += size
+    return out

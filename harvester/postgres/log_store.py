@@ -52,8 +52,9 @@ _TRICKLE_SECONDS = 0.02
 # the stream sets (PostgreSQL 12+; the default is 60 s).
 _STATUS_SECONDS = 10.0
 _SENDER_TIMEOUT = "30s"
-# Text forms the decoding session writes values in: fixed, whatever the server's defaults are.
-_SESSION = "-c DateStyle=ISO -c TimeZone=UTC -c bytea_output=hex"
+# The encoding the decoding session sends text in (values come in their binary forms, whose text
+# is in the client's encoding): fixed, whatever the server's default is.
+_SESSION = "-c client_encoding=UTF8"
 
 
 class LogStore(PostgresStore):
@@ -215,11 +216,10 @@ class LogStore(PostgresStore):
 
     def _records(self, taken: Taken) -> list[MarkedRecord]:
         """The records of outbox messages (Inserts), before the identity headers."""
-        kind = self._ready().columns.limits.value_kind
         out: list[MarkedRecord] = []
         for txn, index in taken:
             assert txn.columns is not None  # checked as the transaction came in
-            out.append(outbox_record(txn.inserts[index], txn.columns, kind))
+            out.append(outbox_record(txn.inserts[index], txn.columns))
         return out
 
     def _gone(self, taken: Taken, records: list[MarkedRecord]) -> set[int]:

@@ -3,9 +3,11 @@
 ``reaper migrate`` creates the last two (:func:`create`); ``reaper check`` and the harvester's start
 report what is missing with the fix (:func:`missing`).
 
-A table-less outbox (``LogSetup.prefix``) needs PostgreSQL 14+ (pgoutput's ``messages`` option) and
-publishes no table; pgoutput still wants an existing publication to name, so it gets an empty one
-(which also keeps every table's changes out of the stream)."""
+The log source needs PostgreSQL 14+ (pgoutput's ``binary`` option; a table-less outbox its
+``messages`` option too) and published columns of types it reads (:mod:`.log_records`). A
+table-less outbox (``LogSetup.prefix``) publishes no table; pgoutput still wants an existing
+publication to name, so it gets an empty one (which also keeps every table's changes out of the
+stream)."""
 
 from __future__ import annotations
 
@@ -16,9 +18,7 @@ import psycopg
 from psycopg import sql
 
 from harvester.postgres.identifiers import TableName
-
-# The columns a record is made of (the log source needs no other).
-PUBLISHED = ("id", "create_time", "kafka_topic", "kafka_key", "kafka_value", "kafka_header_keys", "kafka_header_values")
+from harvester.postgres.log_records import PUBLISHED, READABLE_TYPES, readable
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,8 +46,11 @@ def missing(conn: psycopg.Connection[Any], setup: LogSetup) -> list[str]:
         )
     if not may_replicate:
         problems.append(f"role {user} may not read replication slots: ALTER ROLE {user} REPLICATION")
+    if conn.info.server_version < 140000:
+        problems.append("the log source needs PostgreSQL 14 or later (pgoutput's binary and messages options)")
     if setup.prefix is not None:
         return problems + _messages_missing(conn, setup)
+    problems += _unreadable(conn, setup.table)
     row = conn.execute(
         "SELECT p.pubinsert, EXISTS (SELECT FROM pg_publication_rel r WHERE r.prpubid = p.oid"
         " AND r.prrelid = to_regclass(%s)) OR p.puballtables FROM pg_publication p WHERE p.pubname = %s",
@@ -63,10 +66,22 @@ def missing(conn: psycopg.Connection[Any], setup: LogSetup) -> list[str]:
     return problems + _slot_missing(conn, setup)
 
 
+def _unreadable(conn: psycopg.Connection[Any], table: TableName) -> list[str]:
+    """The published columns of ``table`` whose type the log source cannot read, with the fix."""
+    rows = conn.execute(
+        "SELECT attname, atttypid, format_type(atttypid, atttypmod) FROM pg_attribute"
+        " WHERE attrelid = to_regclass(%s) AND attname = ANY(%s) AND attnum > 0 AND NOT attisdropped",
+        (table.quoted, list(PUBLISHED)),
+    ).fetchall()
+    return [
+        f"the log source cannot read {name} of type {typ}: it reads {READABLE_TYPES} (ALTER TABLE ... ALTER COLUMN)"
+        for name, oid, typ in rows
+        if not readable(name, int(oid))
+    ]
+
+
 def _messages_missing(conn: psycopg.Connection[Any], setup: LogSetup) -> list[str]:
     problems: list[str] = []
-    if conn.info.server_version < 140000:
-        problems.append("a table-less outbox needs PostgreSQL 14 or later (logical messages in pgoutput)")
     row = conn.execute("SELECT FROM pg_publication WHERE pubname = %s", (setup.publication,)).fetchone()
     if row is None:
         problems.append(f"publication {setup.publication} (an empty one) does not exist: run 'reaper migrate'")

@@ -1,10 +1,12 @@
 """The messages of PostgreSQL's built-in logical decoding plugin ``pgoutput`` (protocol version 1)
-that the log source needs: Begin, Relation, Insert and Commit, and the parts of a logical decoding
-message (:func:`logical_message`). Every other message (Update, Delete, Truncate, Origin, Type, and
-logical messages too) parses to None.
+that the log source needs: Begin, Relation and Commit, an Insert's new tuple (:func:`tuple_values`),
+and the parts of a logical decoding message (:func:`logical_message`). Every other message (Insert
+too: the log source recognizes its outbox's inserts before parsing, :mod:`.log_transactions`)
+parses to None.
 
-Column values arrive in their text form, as UTF-8 bytes (``None`` for SQL NULL); :func:`text_array`
-reads the text form of a one-dimensional array. Reference: PostgreSQL's "Logical Replication Message Formats".
+The stream asks for column values in their binary form (``binary 'true'``, PostgreSQL 14+): each
+type's send format, which :mod:`.log_records` reads. Reference: PostgreSQL's "Logical Replication
+Message Formats".
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ _COMMIT = struct.Struct("!bQQq")  # flags, commit LSN, end LSN, commit time
 _U16 = struct.Struct("!H")
 _U64 = struct.Struct("!Q")
 _I32 = struct.Struct("!i")
-_RELATION_HEAD = struct.Struct("!I")
+_U32 = struct.Struct("!I")
 
 
 class ProtocolError(ValueError):
@@ -43,15 +45,10 @@ class Relation:
     schema: str
     name: str
     columns: tuple[str, ...]
+    types: tuple[int, ...]  # the columns' type oids
 
 
-@dataclass(frozen=True, slots=True)
-class Insert:
-    relation: int
-    values: list[bytes | None]  # text form (UTF-8), None for NULL, in the Relation's column order
-
-
-Message = Begin | Commit | Relation | Insert
+Message = Begin | Commit | Relation
 
 
 def _cstring(data: bytes, at: int) -> tuple[str, int]:
@@ -59,38 +56,27 @@ def _cstring(data: bytes, at: int) -> tuple[str, int]:
     return data[at:end].decode("utf-8"), end + 1
 
 
-def _tuple(data: bytes, at: int, columns: int = 0xFFFF) -> list[bytes | None]:
-    (count,) = _U16.unpack_from(data, at)
-    at += 2
+def tuple_values(data: bytes, at: int, columns: int) -> list[bytes | None]:
+    """The first ``columns`` values of the tuple whose values start at ``at`` (after its column
+    count), each in its binary form, None for NULL."""
     values: list[bytes | None] = []
-    for _ in range(min(count, columns)):
+    for _ in range(columns):
         kind = data[at]
-        at += 1
-        if kind == 0x74:  # 't': text
-            (size,) = _I32.unpack_from(data, at)
-            at += 4
-            values.append(data[at : at + size])
-            at += size
+        if kind == 0x62:  # 'b': binary
+            (size,) = _I32.unpack_from(data, at + 1)
+            at += 5 + size
+            values.append(data[at - size : at])
         elif kind == 0x6E:  # 'n': NULL
             values.append(None)
-        else:  # 'u' (an unchanged TOAST value) never occurs in an insert; 'b' only when asked for binary
+            at += 1
+        else:  # 'u' (an unchanged TOAST value) never occurs in an insert; 't' only when not asked for binary
             raise ProtocolError(f"unexpected column kind {chr(kind)!r} in an insert")
     return values
-
-
-def insert_values(data: bytes, columns: int = 0xFFFF) -> list[bytes | None]:
-    """The new tuple of an Insert message (``data[:1] == b"I"``), or its first ``columns`` values."""
-    if data[5] != 0x4E:  # 'N'
-        raise ProtocolError("an insert without its new tuple")
-    return _tuple(data, 6, columns)
 
 
 def parse(data: bytes) -> Message | None:
     """One pgoutput message, or None for a kind the log source ignores."""
     kind = data[:1]
-    if kind == b"I":
-        (relation,) = _RELATION_HEAD.unpack_from(data, 1)
-        return Insert(relation, insert_values(data))
     if kind == b"B":
         final_lsn, commit_time, xid = _BEGIN.unpack_from(data, 1)
         return Begin(final_lsn, xid, commit_time)
@@ -98,18 +84,20 @@ def parse(data: bytes) -> Message | None:
         _, commit_lsn, end_lsn, _ = _COMMIT.unpack_from(data, 1)
         return Commit(commit_lsn, end_lsn)
     if kind == b"R":
-        (oid,) = _RELATION_HEAD.unpack_from(data, 1)
+        (oid,) = _U32.unpack_from(data, 1)
         schema, at = _cstring(data, 5)
         name, at = _cstring(data, at)
         at += 1  # replica identity setting
         (count,) = _U16.unpack_from(data, at)
         at += 2
         columns: list[str] = []
+        types: list[int] = []
         for _ in range(count):
             column, at = _cstring(data, at + 1)  # after the flags byte
             columns.append(column)
+            types.append(_U32.unpack_from(data, at)[0])
             at += 8  # type oid and modifier
-        return Relation(oid, schema, name, tuple(columns))
+        return Relation(oid, schema, name, tuple(columns), tuple(types))
     return None
 
 
@@ -120,38 +108,6 @@ def logical_message(data: bytes, prefix_size: int) -> tuple[int, bytes]:
     at = 10 + prefix_size + 1
     (size,) = _I32.unpack_from(data, at)
     return lsn, data[at + 4 : at + 4 + size]
-
-
-def text_array(text: str | None) -> list[str | None] | None:
-    """The elements of a one-dimensional array's text form (``{a,"b c",NULL}``); None for NULL."""
-    if text is None:
-        return None
-    if text == "{}":
-        return []
-    if not (text.startswith("{") and text.endswith("}")):
-        raise ProtocolError(f"not an array literal: {text[:40]!r}")
-    out: list[str | None] = []
-    body, i, n = text[1:-1], 0, len(text) - 2
-    if n == 0:
-        return out
-    while i <= n:
-        if i < n and body[i] == '"':
-            i += 1
-            chars: list[str] = []
-            while body[i] != '"':
-                if body[i] == "\\":
-                    i += 1
-                chars.append(body[i])
-                i += 1
-            out.append("".join(chars))
-            i += 2  # the closing quote and the comma
-        else:
-            end = body.find(",", i)
-            end = n if end < 0 else end
-            element = body[i:end]
-            out.append(None if element == "NULL" else element)
-            i = end + 1
-    return out
 
 
 def lsn_text(lsn: int) -> str:

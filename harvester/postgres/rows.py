@@ -3,6 +3,7 @@ mark-purge/reset store and the log source) and, as SQL, by the Spark drain's pla
 
 from __future__ import annotations
 
+from collections.abc import Sequence, Sized
 from typing import NamedTuple
 
 from psycopg import sql
@@ -27,7 +28,7 @@ class Pending(NamedTuple):
     size: int  # bytes of its key, value and headers (with their length varints), before the identity headers
 
 
-def malformed(key: str | None, hkeys: list[str | None] | None, hvalues: list[str | None] | None) -> str | None:
+def malformed(key: str | None, hkeys: Sequence[object] | None, hvalues: Sized | None) -> str | None:
     """Why a row cannot become a Kafka message, or None when it can."""
     if key is None:
         return "kafka_key is NULL"

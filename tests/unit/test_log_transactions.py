@@ -11,8 +11,8 @@ from uuid import UUID, uuid4
 
 import pytest
 
+from harvester.postgres.log_records import PUBLISHED
 from harvester.postgres.log_transactions import Transactions, reached
-from harvester.postgres.logical import PUBLISHED
 
 pytestmark = pytest.mark.unit
 
@@ -28,13 +28,18 @@ def commit(commit_lsn: int, end_lsn: int) -> bytes:
 
 
 def relation() -> bytes:
-    columns = b"".join(b"\x00" + name.encode() + b"\0" + struct.pack("!Ii", 25, -1) for name in PUBLISHED)
+    types = (20, 1184, 1043, 1043, 1043, 1009, 1009)  # as 'reaper migrate' creates them
+    columns = b"".join(
+        b"\x00" + name.encode() + b"\0" + struct.pack("!Ii", oid, -1)
+        for name, oid in zip(PUBLISHED, types, strict=True)
+    )
     return b"R" + struct.pack("!I", OID) + b"s\0outbox\0d" + struct.pack("!H", len(PUBLISHED)) + columns
 
 
 def insert(rid: int) -> bytes:
-    values = [str(rid).encode(), b"2026-11-26 00:00:00+00", b"t", b"k", b"v", b"{}", b"{}"]
-    body = b"".join(b"t" + struct.pack("!i", len(v)) + v for v in values)
+    empty = struct.pack("!iii", 0, 0, 25)
+    values = [struct.pack("!q", rid), struct.pack("!q", 0), b"t", b"k", b"v", empty, empty]
+    body = b"".join(b"b" + struct.pack("!i", len(v)) + v for v in values)
     return b"I" + struct.pack("!I", OID) + b"N" + struct.pack("!H", len(values)) + body
 
 
