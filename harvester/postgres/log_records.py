@@ -4,9 +4,9 @@ where, and of which type, the outbox's columns are in its Relation message.
 
 Called once per record at full speed. The layout ``reaper migrate`` and goharvest create (the
 published columns in their order, a bigint id, non-NULL id, create_time, topic and key, no headers)
-is read by :func:`_usual`: one struct call for the fixed-width head, then three lengths. Any other
-row of a supported layout takes :func:`_any`, column by column; both give the same record
-(``tests/log/test_decoding.py``)."""
+is read by :func:`_usual`: one struct call for the fixed-width head, then the key's and the value's
+lengths. Any other row of a supported layout takes :func:`_any`, column by column; both give the
+same record (``tests/log/test_decoding.py``)."""
 
 from __future__ import annotations
 
