@@ -104,7 +104,43 @@ def decode(payload: bytes) -> Decoded:
         raise PayloadError("empty payload")
     if payload[0] != VERSION:
         raise PayloadError(f"payload version {payload[0]}, this reader knows {VERSION}")
-    # Fields read by offset, without a reader object: once per record of a table-less burst.
+    try:
+        usual = _usual(payload)
+    except (IndexError, UnicodeDecodeError):
+        usual = None
+    return usual if usual is not None else _by_fields(payload)
+
+
+def _usual(payload: bytes) -> Decoded | None:
+    """The usual payload read inline, without a call per field (once per record of a table-less
+    burst): topic and key shorter than 128 bytes, a value shorter than 16 KiB, no headers. None for
+    another payload, or one that does not add up: :func:`_by_fields` reads it, or says what is wrong."""
+    size = payload[1]
+    if size >= 0x80:
+        return None
+    at = 2 + size
+    topic = payload[2:at]
+    size = payload[at]
+    if size >= 0x80:
+        return None
+    key = payload[at + 1 : at + 1 + size]
+    at += 1 + size
+    size, width = payload[at], 1
+    if size >= 0x80:  # a two-byte length
+        high = payload[at + 1]
+        if high >= 0x80:
+            return None
+        size, width = (size & 0x7F) | high << 7, 2
+    at += width
+    value = payload[at : at + size - 1] if size else None
+    at += max(size - 1, 0)
+    if at + 1 != len(payload) or payload[at] != 0:
+        return None
+    return topic.decode("utf-8"), key.decode("utf-8"), value, []
+
+
+def _by_fields(payload: bytes) -> Decoded:
+    # Fields read by offset, without a reader object.
     topic, at = _text_at(payload, 1)
     key, at = _text_at(payload, at)
     size, at = _uvarint_at(payload, at)

@@ -39,3 +39,15 @@ def test_a_record_survives_the_round_trip(record: OutboxRecord) -> None:
 def test_what_is_not_a_record_is_refused(payload: bytes, why: str) -> None:
     with pytest.raises(PayloadError, match=why):
         decode(payload)
+
+
+@pytest.mark.parametrize("size", [0, 126, 127, 128, 16_382, 16_383, 16_384])
+def test_values_around_the_length_bytes_boundaries_decode_alike(size: int) -> None:
+    """A value's length takes one uvarint byte below 127 bytes, two below 16,383: both ways of
+    reading (inline for the usual payload, field by field for any) give the same record."""
+    for record in (OutboxRecord.of("t", "k", b"v" * size), OutboxRecord.of("t" * 130, "k", b"v" * size, {"h": "1"})):
+        payload = encode(record)
+        expected = (record.topic, "k", b"v" * size, list(zip(record.header_keys, record.header_values, strict=True)))
+        assert decode(payload) == message_format._by_fields(payload) == expected
+        with pytest.raises(PayloadError, match="truncated"):
+            decode(payload[:-1])
