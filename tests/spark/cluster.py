@@ -47,13 +47,16 @@ def base_port() -> int:
 
 
 def spark_env(root: Path) -> dict[str, str]:
-    """The environment of every Spark process: loopback only, logs under ``root``, and no
-    ``PYTHONPATH``, so that Python workers import this package only from what is shipped to them."""
+    """The environment of every Spark process: loopback only, logs and scratch space under ``root``,
+    and no ``PYTHONPATH``, so that Python workers import this package only from what is shipped to
+    them. Scratch space (a driver's unpacked archives, say) goes under ``root`` because a driver a
+    test kills leaves its own behind, in ``/tmp`` by default; pytest removes old runs' ``root``."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(
         SPARK_HOME=str(SPARK_HOME),
         SPARK_LOCAL_IP="127.0.0.1",
         SPARK_LOG_DIR=str(root / "logs"),
+        SPARK_LOCAL_DIRS=str(root / "scratch"),
         SPARK_DAEMON_MEMORY=DAEMON_MEMORY,
         SPARK_DAEMON_JAVA_OPTS=JAVA_OPTIONS,
         SPARK_NO_DAEMONIZE="1",

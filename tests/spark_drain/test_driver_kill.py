@@ -29,10 +29,13 @@ pytestmark = pytest.mark.integration
 
 
 def drain_job(spec: dict[str, Any]) -> subprocess.Popen[str]:
-    """A driver process of its own, in a session of its own so that it can be killed whole."""
+    """A driver process of its own, in a session of its own so that it can be killed whole; its
+    scratch space beside its checkpoint, not in /tmp where a killed driver would leave it."""
+    scratch = Path(spec["checkpoint"]).parent / "scratch"
     return subprocess.Popen(
         [sys.executable, "-m", "tests.spark_drain.drain_job", json.dumps(spec)],
         cwd=ROOT,
+        env={**os.environ, "SPARK_LOCAL_DIRS": str(scratch)},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
