@@ -83,7 +83,7 @@ class Columns:
         self.no_headers = b"".join(b"b" + _I32.pack(12) + e for e in empty)
         # The last create_time read, as sent and as a datetime: the rows of one transaction usually
         # share it (DEFAULT now()). Only the mark thread decodes, so no lock.
-        self.last_time: tuple[bytes | int | None, datetime] = (None, _EPOCH)
+        self.last_time: tuple[int | None, datetime] = (None, _EPOCH)
 
 
 def outbox_record(data: bytes, c: Columns) -> MarkedRecord:
@@ -140,7 +140,7 @@ def _any(data: bytes, c: Columns) -> MarkedRecord:
         why = rows.malformed(None, [], [])
     return MarkedRecord(
         int.from_bytes(raw_id or b"", signed=True),
-        _time(c, raw_time),
+        _time(c, None if raw_time is None else int.from_bytes(raw_time, signed=True)),
         (raw_topic or b"").decode(),
         key.decode() if key is not None else "",
         value,
@@ -149,20 +149,18 @@ def _any(data: bytes, c: Columns) -> MarkedRecord:
     )
 
 
-def _time(c: Columns, sent: bytes | int | None) -> datetime:
-    """A create_time as sent (int64 microseconds since 2000-01-01, as bytes or read already), or now
-    for NULL and infinity."""
-    if sent is None:
+def _time(c: Columns, micros: int | None) -> datetime:
+    """A create_time as sent (microseconds since 2000-01-01), or now for NULL and infinity."""
+    if micros is None:
         return datetime.now(UTC)
     last, when = c.last_time
-    if sent == last:
+    if micros == last:
         return when
-    micros = int.from_bytes(sent, signed=True) if isinstance(sent, bytes) else sent
     try:
         when = _EPOCH + timedelta(microseconds=micros)
     except OverflowError:  # 'infinity' or '-infinity'
         when = datetime.now(UTC)
-    c.last_time = (sent, when)
+    c.last_time = (micros, when)
     return when
 
 
