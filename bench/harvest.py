@@ -48,6 +48,8 @@ DSN = os.environ.get(
     "HARVESTER_TEST_PG_DSN", "host=127.0.0.1 port=5432 user=harvester password=local-dev-secret dbname=harvester"
 )
 BOOTSTRAP = os.environ.get("HARVESTER_TEST_KAFKA", "127.0.0.1:9092")
+# producerKafkaConfig of run_engine's harvester (a bench may set it, as it sets DSN).
+PRODUCER: dict[str, str] = {}
 VALUE = "x" * 100
 
 
@@ -169,7 +171,7 @@ def run_engine(
     tune_garbage_collector()
     if store is None:
         store = PostgresStore.open(DSN, table, vacuum_every=limits.vacuum_every_records)
-    config = producer_config({"bootstrap.servers": BOOTSTRAP}, {})
+    config = producer_config({"bootstrap.servers": BOOTSTRAP}, PRODUCER)
     in_order = store.release_on_ack
 
     def factory(cb: DeliveryCallback) -> Publisher:

@@ -128,10 +128,11 @@ class LogicalPostgres:
 class ConnectWorker:
     """Kafka Connect standalone (one JVM, REST on loopback) with Debezium's plugin directory."""
 
-    def __init__(self, state: Path) -> None:
+    def __init__(self, state: Path, compression: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._state = state
+        self._compression = compression  # its producers' compression.type
         self.log = state / "connect.log"
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -147,6 +148,7 @@ class ConnectWorker:
             f"listeners=http://127.0.0.1:{self.port}\n"
             f"rest.advertised.host.name=127.0.0.1\nrest.advertised.port={self.port}\n"
             f"plugin.path={DEBEZIUM_PLUGINS}\n"
+            f"producer.compression.type={self._compression}\n"
         )
         log4j = self._state / "log4j2.properties"
         log4j.write_text(

@@ -3,6 +3,7 @@ connector with its outbox EventRouter in Kafka Connect standalone) and by this p
 
     ./dev.sh bench peers [--records 200000] [--large] [--rounds 2] [--keys 1000] [--rate 2000] [--seconds 20]
         [--relays debezium,mark-purge,mark-purge-tuned,log,log-tuned,log-retention,tableless,tableless-tuned]
+        [--compression lz4]
 
 ``--large`` uses 1,000,000 records. Needs Java 17: Kafka Connect 4.1.1 (the local broker's
 version) and Debezium 3.3.2.Final (io.debezium:debezium-connector-postgres, whose jars include the
@@ -16,7 +17,8 @@ Each round COPies N records (100-byte values, ``--keys`` keys) in one transactio
 outbox (goharvest's layout) and times, from that commit:
   - Debezium: until all N records are on the routed topic (sum of its end offsets; the EventRouter
     maps kafka_topic to the topic, kafka_key to the key and kafka_value to the value, pgoutput,
-    ``snapshot.mode=no_data``, connector and worker defaults otherwise);
+    ``snapshot.mode=no_data``, connector and worker defaults otherwise, but for its producers'
+    ``compression.type``, below);
   - the harvester in-process with default limits (``auto``) and tuned limits (500 / 5000), with the
     mark-purge/reset source and with the log source (its own publication and ``pgoutput`` slot,
     created before the round's idle phase): until all N records are on the topic, and until the
@@ -33,11 +35,16 @@ outbox (goharvest's layout) and times, from that commit:
 Every relay's count of records on its topic is read the same way, from outside its hot path: the
 sum of the topic's end offsets, every 50 ms.
 ``--relays`` picks some of them (Debezium's always runs: the ratios are to it).
+Both relays' producers compress alike, ``--compression`` (default ``lz4``, the harvester's default;
+Kafka Connect's worker gets it as ``producer.compression.type``; ``none`` is Kafka's default): a
+relay that compresses pays for it in its own CPU and in the broker's, on the same two cores.
 Then each relay (Debezium, the harvester with each source at default limits) carries a steady insert
 rate (``--rate`` records/s for ``--seconds``, bench/steady.py): commit-to-receipt latency p50/p99
 and CPU per record. Relays alternate their order each round; the burst table prints medians:
-records/s, the ratio to Debezium's rate, and CPU seconds per 1,000 records of the relay process (the
-Connect JVM; this Python process for the harvester) and of the PostgreSQL server (every backend of
+records/s, the ratio to Debezium's rate, the median of the ratios round by round (each round's
+relays run back to back, so the machine's drift from round to round cancels out) with their range,
+and CPU seconds per 1,000 records of the relay process (the Connect JVM; this Python process and
+its producer process for the harvester) and of the PostgreSQL server (every backend of
 the private postmaster, Debezium's WAL sender included, minus the COPYing backend's own time during
 the COPY), and that CPU's ratio to Debezium's. Autovacuum is counted the same way for every relay: a
 run within the measurement is in PostgreSQL's CPU (the notes say how many ran), the vacuum of the
@@ -462,6 +469,12 @@ def main() -> None:
     p.add_argument("--rate", type=float, default=2000.0, help="records/s of the steady phase (0: none)")
     p.add_argument("--seconds", type=float, default=20.0, help="length of the steady phase")
     p.add_argument(
+        "--compression",
+        default="lz4",
+        choices=("lz4", "none", "snappy", "zstd", "gzip"),
+        help="compression.type of both relays' producers (default lz4, the harvester's default)",
+    )
+    p.add_argument(
         "--relays",
         default=",".join(RELAYS),
         help=f"comma-separated, of {', '.join(RELAYS)} (Debezium always runs: the ratios are to it)",
@@ -473,7 +486,7 @@ def main() -> None:
     if unknown:
         sys.exit(f"peers: unknown relay(s) {', '.join(sorted(unknown))}; choose from {', '.join(RELAYS)}")
     try:
-        run(records, args.keys, args.rounds, args.rate, args.seconds, chosen)
+        run(records, args.keys, args.rounds, args.rate, args.seconds, chosen, args.compression)
     except MissingError as e:
         sys.exit(f"peers: {e}")
 
@@ -491,22 +504,25 @@ RELAYS: dict[str, tuple[str, Source, bool]] = {
 }
 
 
-def run(records: int, keys: int, rounds: int, rate: float, seconds: float, chosen: set[str]) -> None:
+def run(
+    records: int, keys: int, rounds: int, rate: float, seconds: float, chosen: set[str], compression: str
+) -> None:
     resolve_jars()
     started = time.monotonic()
     state = Path(tempfile.mkdtemp(prefix="peers-"))
     state.chmod(0o755)  # services.sh runs PostgreSQL as the postgres user when started as root
     pg = LogicalPostgres(state)
-    connect = ConnectWorker(state / "connect")
+    connect = ConnectWorker(state / "connect", compression)
     try:
         pg.start()
         harvest.DSN = pg.dsn  # bench/harvest.py's helpers (run_engine) connect to harvest.DSN
+        harvest.PRODUCER = {"compression.type": compression}
         connect.start()
         print(
             f"workload: burst of {records} records COPied in one transaction into an idle outbox, {keys} keys,"
             f" {len(VALUE)}-byte values, {PARTITIONS} partitions; private PostgreSQL (wal_level=logical) on"
             f" 127.0.0.1:{pg.port}; Kafka Connect {KAFKA_VERSION} standalone + Debezium {DEBEZIUM_VERSION}"
-            f" (pgoutput, EventRouter); {rounds} rounds, medians",
+            f" (pgoutput, EventRouter); producers' compression.type={compression}; {rounds} rounds, medians",
             flush=True,
         )
         def burst_of(source: Source, tuned: bool) -> Callable[[psycopg.Connection[Any], int], Burst]:
@@ -559,11 +575,13 @@ def report(results: dict[str, list[Burst]], records: int) -> None:
     first = next(iter(results.values()))
     debezium, debezium_pg = med([b.rate for b in first]), med([b.cpu_postgres for b in first])
     print(
-        f"{'burst of ' + str(records):<44} {'records/s':>10} {'vs Debezium':>12}"
+        f"{'burst of ' + str(records):<44} {'records/s':>10} {'vs Debezium':>12} {'per round':>20}"
         f" {'CPU s/1000: relay':>18} {'PostgreSQL':>11} {'vs Debezium':>12}  notes"
     )
     for name, bursts in results.items():
         rate, pg = med([b.rate for b in bursts]), med([b.cpu_postgres for b in bursts])
+        paired = [b.rate / d.rate for b, d in zip(bursts, first, strict=True)]
+        per_round = f"{med(paired):.2f}x ({min(paired):.2f}-{max(paired):.2f})"
         notes = []
         empties = [b.rate_empty for b in bursts if b.rate_empty is not None]
         if empties:
@@ -590,7 +608,7 @@ def report(results: dict[str, list[Burst]], records: int) -> None:
         if vacuums:
             notes.append(f"{vacuums} autovacuum/autoanalyze runs within the measurement")
         print(
-            f"{name:<44} {rate:10.0f} {rate / debezium:11.2f}x"
+            f"{name:<44} {rate:10.0f} {rate / debezium:11.2f}x {per_round:>20}"
             f" {med([b.cpu_relay for b in bursts]):18.3f} {pg:11.3f} {pg / debezium_pg:11.1f}x"
             f"  {'; '.join(notes)}"
         )
