@@ -44,6 +44,12 @@ class SlotStream:
         stream = self._stream
         return 0 if stream is None else stream.server_end
 
+    @property
+    def in_progress(self) -> bool:
+        """The stream has sent part of a transaction that has not ended yet (streamed.py)."""
+        stream = self._stream
+        return stream is not None and stream.streamed.in_progress > 0
+
     def take_over(self) -> None:
         """A new term: let this process's stream go, and the slot's other reader too."""
         with self._lock:

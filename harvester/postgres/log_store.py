@@ -251,11 +251,13 @@ class LogStore(PostgresStore):
 
     def _read(self, want: int) -> None:
         """Receive what the stream has, until ``want`` records wait, or a transaction came whole,
-        or nothing more has arrived. While a transaction is half received, wait for more of it here:
-        the walsender sends a large one at its own pace, a few messages per read, and ending the
-        mark at each read made one mark per few records (75,000 while a 300,000-record transaction
-        came in). What came within :data:`_TRICKLE_SECONDS` goes out then, whatever its number, and
-        a read that receives nothing ends after :data:`_READ_SECONDS`."""
+        or nothing more has arrived. While a transaction is half received (or streamed in part,
+        before its commit), wait for more of it here: the walsender sends a large one at its own
+        pace, a few messages per read, and ending the mark at each read made one mark per few
+        records (75,000 while a 300,000-record transaction came in). What came within
+        :data:`_TRICKLE_SECONDS` goes out then, whatever its number, and a read that receives
+        nothing to hand out (nothing at all, or a transaction streamed in progress that keeps
+        coming) ends after :data:`_READ_SECONDS`."""
         restarted = False
         started = time.monotonic()
         while True:
@@ -272,8 +274,11 @@ class LogStore(PostgresStore):
             self._receive(messages)
             with self._state:
                 waiting, receiving = self._txns.waiting, self._txns.receiving
+            receiving = receiving or self._slot.in_progress
             now = time.monotonic()
             if waiting and (not receiving or waiting >= want or now - started > _TRICKLE_SECONDS):
+                return
+            if now - started > _READ_SECONDS:
                 return
             if drained:
                 left = started + (_TRICKLE_SECONDS if waiting else _READ_SECONDS) - now

@@ -1,8 +1,9 @@
-"""The messages of PostgreSQL's built-in logical decoding plugin ``pgoutput`` (protocol version 1)
-that the log source needs: Begin, Relation and Commit, an Insert's new tuple (:func:`tuple_values`),
-and the parts of a logical decoding message (:func:`logical_message`). Every other message (Insert
-too: the log source recognizes its outbox's inserts before parsing, :mod:`.log_transactions`)
-parses to None.
+"""The messages of PostgreSQL's built-in logical decoding plugin ``pgoutput`` that the log source
+needs (as protocol version 1 sends them; the stream asks for version 2, whose streamed transactions
+:mod:`.streamed` puts back into that form): Begin, Relation and Commit, an Insert's new tuple
+(:func:`tuple_values`), and the parts of a logical decoding message (:func:`logical_message`).
+Every other message (Insert too: the log source recognizes its outbox's inserts before parsing,
+:mod:`.log_transactions`) parses to None.
 
 The stream asks for column values in their binary form (``binary 'true'``, PostgreSQL 14+): each
 type's send format, which :mod:`.log_records` reads. Reference: PostgreSQL's "Logical Replication

@@ -3,11 +3,13 @@ libpq layer (``psycopg.pq``), which can hold a connection in COPY BOTH mode.
 
 ``START_REPLICATION SLOT ... LOGICAL`` makes the server's walsender decode the log once, forward,
 from the slot's position, and send each change of the committed transactions as an XLogData
-message ('w'), in commit order. Now and then it sends a primary keepalive ('k') with the position its
-decoding reached; it asks for an answer when it has heard nothing from us for half its
-``wal_sender_timeout``. The client's standby status update ('r') reports how far it has consumed:
-the flush position it names becomes the slot's ``confirmed_flush_lsn``, where the next stream starts
-(PostgreSQL's "Streaming Replication Protocol" and "Logical Streaming Replication Protocol").
+message ('w'), in commit order; a large transaction's changes come while it is in progress, and
+:mod:`harvester.postgres.streamed` holds them until its commit. Now and then it sends a primary
+keepalive ('k') with the position its decoding reached; it asks for an answer when it has heard
+nothing from us for half its ``wal_sender_timeout``. The client's standby status update ('r')
+reports how far it has consumed: the flush position it names becomes the slot's
+``confirmed_flush_lsn``, where the next stream starts (PostgreSQL's "Streaming Replication
+Protocol" and "Logical Streaming Replication Protocol").
 
 The stream is not thread-safe: its owner serializes reads and confirmations.
 """
@@ -23,6 +25,7 @@ import psycopg
 from psycopg import pq
 
 from harvester.core.protocols import StoreError
+from harvester.postgres.streamed import STREAM_KINDS, StreamedTransactions
 
 _XLOG_HEAD: Final = 25  # 'w', start LSN, end LSN, send time
 _KEEPALIVE = struct.Struct("!QQB")  # end of WAL (for a logical walsender: how far it decoded), time, reply?
@@ -58,15 +61,17 @@ class LogicalStream:
         self._flushed = flushed  # the flush position reported last
         self.drained = True  # the last read took everything that had arrived
         self._reported = time.monotonic()  # when the last status update went out
+        self.streamed = StreamedTransactions()
         self._conn = pq.PGconn.connect(psycopg.conninfo.make_conninfo(conninfo, replication="database").encode())
         try:
             if self._conn.status != pq.ConnStatus.OK:
                 raise StreamError(f"cannot connect for replication: {self._error()}")
             # 0/0: the server starts at the slot's confirmed_flush_lsn (a lower start is ignored).
             # Values in their binary forms (PostgreSQL 14+): cheaper to read than text (log_records.py).
+            # Large transactions streamed while in progress (protocol 2, PostgreSQL 14+; streamed.py).
             command = (
                 f"START_REPLICATION SLOT {_ident(slot)} LOGICAL 0/0"
-                f" (proto_version '1', publication_names {_literal(_ident(publication))}, binary 'true'"
+                f" (proto_version '2', streaming 'on', publication_names {_literal(_ident(publication))}, binary 'true'"
                 + (", messages 'true')" if messages else ")")
             )
             result = self._conn.exec_(command.encode())
@@ -88,14 +93,19 @@ class LogicalStream:
         return lines[0] if lines else "connection lost"
 
     def read(self, limit: int) -> list[bytes]:
-        """Up to ``limit`` pgoutput messages that have arrived, without waiting; keepalives are
-        answered when the server asks."""
+        """Up to ``limit`` pgoutput messages that have arrived, without waiting, after taking in
+        fewer than ``limit`` messages of streamed transactions; keepalives are answered when the
+        server asks."""
         out: list[bytes] = []
-        conn = self._conn
+        conn, streamed = self._conn, self.streamed
         self.drained = False
+        taken = 0
         try:
             consumed = False
-            while len(out) < limit:
+            while len(out) + taken < limit:
+                if streamed.ready:  # a committed streamed transaction's messages go first, in order
+                    streamed.give(out, limit - len(out) - taken)
+                    continue
                 size, data = conn.get_copy_data(1)
                 if size == 0:
                     if consumed:
@@ -108,7 +118,12 @@ class LogicalStream:
                     raise StreamError(f"the replication stream ended: {self._result_error()}")
                 kind = data[0]
                 if kind == 0x77:  # 'w'
-                    out.append(bytes(data[_XLOG_HEAD:]))
+                    message = bytes(data[_XLOG_HEAD:])
+                    if streamed.active or message[0] in STREAM_KINDS:
+                        streamed.take(message)
+                        taken += 1
+                    else:
+                        out.append(message)
                 elif kind == 0x6B:  # 'k'
                     end, _, reply = _KEEPALIVE.unpack_from(data, 1)
                     self.server_end = max(self.server_end, end)

@@ -30,6 +30,7 @@ import psycopg
 import structlog.testing
 from confluent_kafka import Consumer, KafkaError, Message, TopicPartition
 from psycopg import errors, sql
+from psycopg.conninfo import make_conninfo
 
 from harvester import HarvesterConfig, OutboxRecord, Stasher
 from harvester.client.dedup import DedupReader
@@ -82,6 +83,11 @@ class ChaosSettings:
     writers: int = 4
     records_per_second: float = 250.0
     max_per_txn: int = 6
+    # Every this many seconds (0: never) the first writer commits a transaction of large_txn records
+    # instead: with the log source, the harvesters' sessions set logical_decoding_work_mem to its
+    # least (64 kB), so that the server streams it while in progress (harvester/postgres/streamed.py).
+    large_every: float = 0.0
+    large_txn: int = 400
     hot_share: float = 0.3  # share of a writer's records that go to its hot key
     topics: int = 2
     partitions: int = 3
@@ -262,10 +268,14 @@ class Writers:
         rate = s.records_per_second / s.writers
         conn: psycopg.Connection[Any] | None = None
         due = time.monotonic()
+        large_due = due + s.large_every if s.large_every and writer == 0 else float("inf")
         try:
             while not self._stop.is_set():
                 batch: list[tuple[str, int]] = []
-                for _ in range(rng.randint(1, s.max_per_txn)):
+                size = rng.randint(1, s.max_per_txn)
+                if time.monotonic() >= large_due:
+                    size, large_due = s.large_txn, large_due + s.large_every
+                for _ in range(size):
                     key = hot[0] if hot and rng.random() < s.hot_share else rng.choice(normal)
                     batch.append((key, seqs[key]))
                     seqs[key] += 1
@@ -815,6 +825,13 @@ class ChaosReport:
 # ---------------------------------------------------------------------------------------- the run
 
 
+def streamed(dsn: str) -> int:
+    """Transactions the server's slots streamed in progress (the count a crash of the server resets)."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT coalesce(sum(stream_txns), 0) FROM pg_stat_replication_slots").fetchone()
+    return int(row[0]) if row else 0
+
+
 def run_chaos(settings: ChaosSettings, log: Log = print) -> ChaosReport:
     """Run one chaos scenario end to end and report; raises only when the harness itself cannot
     proceed (services that do not start, no first leader, a topic that cannot be read back)."""
@@ -822,7 +839,8 @@ def run_chaos(settings: ChaosSettings, log: Log = print) -> ChaosReport:
         tables = Tables.create(pg.dsn, settings.source)
         topics = [unique("chaos") for _ in range(settings.topics)]
         create_topics(kafka.bootstrap, topics, settings.partitions)
-        group = HarvesterGroup(settings, pg.dsn, tables.outbox, kafka.bootstrap)
+        dsn = make_conninfo(pg.dsn, options="-c logical_decoding_work_mem=64kB") if settings.large_every else pg.dsn
+        group = HarvesterGroup(settings, dsn, tables.outbox, kafka.bootstrap)
         writers = Writers(settings, pg.dsn, tables, topics)
         try:
             group.start()
@@ -838,6 +856,8 @@ def run_chaos(settings: ChaosSettings, log: Log = print) -> ChaosReport:
             log(f"chaos: writers stopped after {stopped - started:.1f}s, {writers.records} records; draining")
             left = wait_drained(pg.dsn, tables.outbox, settings.drain_timeout)
             drain_seconds = time.monotonic() - stopped
+            if settings.large_every:
+                log(f"chaos: transactions streamed in progress since the server's last restart: {streamed(pg.dsn)}")
             group.replace_crashed()
             expected = tables.expected(pg.dsn)
             tails = group.log_tails(5) if left else {}

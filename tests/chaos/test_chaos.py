@@ -41,6 +41,7 @@ def test_chaos(delivery: str, shards: int, source: str) -> None:
         delivery=delivery,
         shards=shards,
         source=source,
+        large_every=10.0 if source == "log" else 0.0,  # the log source gets transactions it streams too
         fault_seconds=float(os.environ.get("CHAOS_SECONDS", "60")),
         pg_port=int(os.environ.get("CHAOS_PG_PORT", "15432")),
         kafka_port=int(os.environ.get("CHAOS_KAFKA_PORT", "29092")),

@@ -85,10 +85,14 @@ def make_log_harvester(services: Services, logical_dsn: str, log_outbox: TableNa
     """Build (and afterwards stop) log-source harvesters on this test's outbox."""
 
     def config(
-        *, delivery: Any = "at_least_once", producer: dict[str, Any] | None = None, **limits: Any
+        *,
+        delivery: Any = "at_least_once",
+        producer: dict[str, Any] | None = None,
+        dsn: str = logical_dsn,
+        **limits: Any,
     ) -> HarvesterConfig:
         return HarvesterConfig(
-            data_source=logical_dsn,
+            data_source=dsn,
             outbox_table=log_outbox.qualified,
             source="log",
             delivery=delivery,

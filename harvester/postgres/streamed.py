@@ -1,0 +1,121 @@
+"""Transactions the walsender streams while they are still in progress (pgoutput protocol version 2,
+``streaming 'on'``), put back together as whole ones at their commit.
+
+Once a transaction's decoded changes outgrow the server's ``logical_decoding_work_mem``, the
+walsender sends them as they are decoded, in blocks (Stream Start … Stream Stop) between other
+transactions, instead of spilling them to disk and sending them all after the commit. A burst
+written in one large transaction then reaches the harvester while it is being written, and the
+drain starts at its commit with every record at hand: the walsender's work of reading the
+transaction back, encoding and sending it, and the harvester's of receiving it, are done by then.
+
+A streamed change carries its (sub)transaction's xid after its kind; :class:`StreamedTransactions`
+keeps each transaction's changes without it, so that what it gives at a Stream Commit (a Begin, the
+changes, a Commit) is what the walsender sends for a transaction it did not stream. A Stream Abort
+drops the transaction, or the subtransaction and whatever came after its first change (those are
+its own or its subtransactions': PostgreSQL's own apply worker truncates its spool file so).
+
+The outbox's rows of an in-progress transaction are held in memory until its end, as the rows of a
+received transaction are until they are done. Reference: PostgreSQL's "Logical Replication Message
+Formats" (Stream Start, Stream Stop, Stream Commit, Stream Abort).
+"""
+
+from __future__ import annotations
+
+import struct
+
+# The kinds that open, close, commit or abort a stream: 'S', 'E', 'c', 'A'.
+STREAM_KINDS = frozenset(b"SEcA")
+_START = struct.Struct("!I")  # xid (then a first-segment flag)
+_COMMIT = struct.Struct("!IbQQq")  # xid, flags, commit LSN, end LSN, commit time
+_ABORT = struct.Struct("!II")  # xid, subtransaction's xid
+_BEGIN = struct.Struct("!QqI")  # a Begin's: final LSN, commit time, xid
+_END = struct.Struct("!bQQq")  # a Commit's: flags, commit LSN, end LSN, commit time
+# Kinds of the changes a stream carries with their xid: Relation, Type, Insert, Update, Delete,
+# Truncate, logical Message (an Origin carries none).
+_WITH_XID = frozenset(b"RYIUDTM")
+
+
+class _Streamed:
+    """One in-progress transaction's changes so far, and where each subtransaction's first is."""
+
+    __slots__ = ("changes", "firsts", "last")
+
+    def __init__(self) -> None:
+        self.changes: list[bytes] = []
+        self.firsts: dict[bytes, int] = {}  # by the xid's 4 bytes
+        self.last = b""  # the xid of the latest change
+
+
+class StreamedTransactions:
+    """The streamed transactions of one replication stream (a new stream sends them again)."""
+
+    def __init__(self) -> None:
+        self._open: dict[int, _Streamed] = {}
+        self._current: _Streamed | None = None  # inside a Stream Start … Stream Stop block
+        self._ready: list[bytes] = []  # a committed transaction's messages not given out yet
+        self._given = 0  # how many of _ready were
+
+    @property
+    def active(self) -> bool:
+        """Inside a stream block: every message goes to :meth:`take`."""
+        return self._current is not None
+
+    @property
+    def ready(self) -> bool:
+        """A committed transaction has messages not given out yet (:meth:`give`)."""
+        return self._given < len(self._ready)
+
+    @property
+    def in_progress(self) -> int:
+        """Transactions streamed in part and not committed or aborted yet."""
+        return len(self._open)
+
+    def take(self, message: bytes) -> None:
+        """A message of a stream block, or one opening, closing, committing or aborting a stream."""
+        current, kind = self._current, message[0]
+        if current is not None and kind in _WITH_XID:
+            xid = message[1:5]
+            if xid != current.last:
+                current.firsts.setdefault(xid, len(current.changes))
+                current.last = xid
+            current.changes.append(message[:1] + message[5:])
+        elif current is not None and kind not in STREAM_KINDS:
+            current.changes.append(message)
+        elif kind == 0x53:  # 'S'
+            (xid,) = _START.unpack_from(message, 1)
+            self._current = self._open.setdefault(xid, _Streamed())
+        elif kind == 0x45:  # 'E'
+            self._current = None
+        elif kind == 0x63:  # 'c'
+            xid, flags, commit_lsn, end_lsn, when = _COMMIT.unpack_from(message, 1)
+            streamed = self._open.pop(xid, None)
+            changes = streamed.changes if streamed is not None else []
+            self._ready = [
+                b"B" + _BEGIN.pack(commit_lsn, when, xid),
+                *changes,
+                b"C" + _END.pack(flags, commit_lsn, end_lsn, when),
+            ]
+            self._given = 0
+        elif kind == 0x41:  # 'A'
+            xid, sub = _ABORT.unpack_from(message, 1)
+            self._abort(xid, sub)
+
+    def _abort(self, xid: int, sub: int) -> None:
+        if sub == xid:
+            self._open.pop(xid, None)
+            return
+        streamed = self._open.get(xid)
+        first = None if streamed is None else streamed.firsts.get(_START.pack(sub))
+        if streamed is None or first is None:
+            return  # none of its changes came
+        del streamed.changes[first:]
+        streamed.firsts = {x: at for x, at in streamed.firsts.items() if at < first}
+        streamed.last = b""
+
+    def give(self, out: list[bytes], limit: int) -> None:
+        """Append up to ``limit`` messages of the committed transaction to ``out``."""
+        end = min(len(self._ready), self._given + limit)
+        out += self._ready[self._given : end]
+        self._given = end
+        if end == len(self._ready):
+            self._ready, self._given = [], 0

@@ -1,0 +1,188 @@
+"""Transactions the walsender streams while they are in progress (harvester/postgres/streamed.py),
+against a real PostgreSQL and Kafka: they go out whole, at their commit, in commit order; what a
+rolled-back savepoint or an aborted transaction wrote never goes out; a stream that breaks in the
+middle of one loses and repeats nothing. The stream's session sets ``logical_decoding_work_mem`` to
+its least, 64 kB, so that transactions of a few hundred rows are streamed."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from uuid import uuid4
+
+import psycopg
+import pytest
+from psycopg.conninfo import make_conninfo
+
+from harvester import HarvesterConfig, OutboxRecord, Stasher
+from harvester.postgres import pgoutput
+from harvester.postgres.identifiers import TableName
+from harvester.postgres.log_store import LogStore
+from harvester.postgres.logical import LogSetup
+from harvester.postgres.message_store import MessageStore
+from tests.engine.workload import check, insert, wait_drained, wait_until
+from tests.log.conftest import slot_position, stash
+from tests.log.test_log_source import COMMITTED, DELIVERY, at_or_after, lsn, mark_all, slot_reader
+from tests.support import HarvesterFactory, Services, read_messages
+
+pytestmark = pytest.mark.integration
+
+
+def streaming(dsn: str) -> str:
+    """``dsn`` whose sessions stream any transaction of more than 64 kB of changes."""
+    return make_conninfo(dsn, options="-c logical_decoding_work_mem=64kB")
+
+
+def streamed_transactions(dsn: str, table: TableName) -> int:
+    """How many transactions the outbox's slot has streamed in progress (the server's count)."""
+    slot = HarvesterConfig(outbox_table=table.qualified).slot
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT stream_txns FROM pg_stat_replication_slots WHERE slot_name = %s", (slot,))
+        found = row.fetchone()
+    return 0 if found is None else int(found[0])
+
+
+def store_of(dsn: str, table: TableName) -> LogStore:
+    config = HarvesterConfig(outbox_table=table.qualified)
+    store = LogStore(streaming(dsn), LogSetup(table, config.slot, config.publication))
+    store.prepare()
+    return store
+
+
+def stash_in(conn: psycopg.Connection[object], table: TableName, rows: list[tuple[str, str, str]]) -> None:
+    """Write (topic, key, value) rows in ``conn``'s open transaction."""
+    Stasher(table).stash(conn, [OutboxRecord(topic=t, key=k, value=v) for t, k, v in rows])
+
+
+def test_a_streamed_transaction_goes_out_whole_at_its_commit_in_commit_order(
+    logical_dsn: str, log_outbox: TableName
+) -> None:
+    store = store_of(logical_dsn, log_outbox)
+    try:
+        leader = uuid4()
+        store.acquire(leader)
+        with psycopg.connect(logical_dsn) as big:
+            stash_in(big, log_outbox, [("t", f"k{i % 10}", f"big:{i}") for i in range(2000)])
+            # The server streams it while it is open; nothing of it goes out before its commit.
+            assert wait_until(
+                lambda: not store.mark(leader, 100) and streamed_transactions(logical_dsn, log_outbox) > 0
+            )
+            insert(logical_dsn, log_outbox, [("t", "k0", "small")])  # commits first: goes out first
+            assert [r.value for r in mark_all(store, leader, 1)] == [b"small"]
+            big.commit()
+        records = mark_all(store, leader, 2000)
+        assert [r.value for r in records] == [f"big:{i}".encode() for i in range(2000)]
+        assert [r.id for r in records] == sorted(r.id for r in records)
+        store.purge([r.id for r in records])
+        assert wait_drained(logical_dsn, log_outbox) == 1  # the small one's row: not purged here
+    finally:
+        store.close()
+
+
+def test_what_a_rolled_back_savepoint_or_an_aborted_transaction_streamed_never_goes_out(
+    logical_dsn: str, log_outbox: TableName
+) -> None:
+    store = store_of(logical_dsn, log_outbox)
+    try:
+        leader = uuid4()
+        store.acquire(leader)
+        with psycopg.connect(logical_dsn) as conn:
+            stash_in(conn, log_outbox, [("t", "k", f"kept:{i}") for i in range(1000)])
+            conn.execute("SAVEPOINT s")
+            stash_in(conn, log_outbox, [("t", "k", f"rolled-back:{i}") for i in range(1000)])
+            assert wait_until(
+                lambda: not store.mark(leader, 100) and streamed_transactions(logical_dsn, log_outbox) > 0
+            )
+            conn.execute("ROLLBACK TO SAVEPOINT s")
+            stash_in(conn, log_outbox, [("t", "k", f"kept:{i}") for i in range(1000, 1500)])
+        records = mark_all(store, leader, 1500)
+        assert [r.value for r in records] == [f"kept:{i}".encode() for i in range(1500)]
+        with psycopg.connect(logical_dsn) as conn:
+            stash_in(conn, log_outbox, [("t", "k", f"aborted:{i}") for i in range(1000)])
+            assert wait_until(
+                lambda: not store.mark(leader, 100) and streamed_transactions(logical_dsn, log_outbox) > 1
+            )
+            conn.rollback()
+        insert(logical_dsn, log_outbox, [("t", "k", "last")])
+        assert [r.value for r in mark_all(store, leader, 1)] == [b"last"]
+        assert store.mark(leader, 100) == []
+    finally:
+        store.close()
+
+
+def test_a_stream_broken_while_a_transaction_streams_loses_and_repeats_nothing(
+    logical_dsn: str, log_outbox: TableName
+) -> None:
+    """The stream ends while a transaction is half streamed, after the idle leader confirmed a
+    position past the transaction's start (nothing it received was done but that one's part): the
+    next stream sends the transaction again from its start (the slot keeps what a transaction not
+    ended yet needs), and the half received before is dropped with the old stream."""
+    store = store_of(logical_dsn, log_outbox)
+    try:
+        leader = uuid4()
+        store.acquire(leader)
+        with psycopg.connect(logical_dsn) as conn:
+            began = lsn(logical_dsn)
+            stash_in(conn, log_outbox, [("t", f"k{i % 3}", f"v:{i}") for i in range(1500)])
+            assert wait_until(
+                lambda: not store.mark(leader, 100) and streamed_transactions(logical_dsn, log_outbox) > 0
+            )
+            store._advance_to(pgoutput.lsn_value(lsn(logical_dsn)))  # as an idle leader's confirmation may
+            assert not at_or_after(logical_dsn, began, slot_position(logical_dsn, log_outbox))
+            reader = slot_reader(logical_dsn, log_outbox)
+            with psycopg.connect(logical_dsn, autocommit=True) as admin:
+                admin.execute("SELECT pg_terminate_backend(%s, 5000)", (reader,))
+            stash_in(conn, log_outbox, [("t", f"k{i % 3}", f"v:{i}") for i in range(1500, 2000)])
+        records = mark_all(store, leader, 2000)
+        assert [r.value for r in records] == [f"v:{i}".encode() for i in range(2000)]
+        assert slot_reader(logical_dsn, log_outbox) not in (None, reader)
+        assert store.mark(leader, 100) == []
+    finally:
+        store.close()
+
+
+def test_a_table_less_outbox_s_streamed_messages_go_out_whole(logical_dsn: str, message_outbox: TableName) -> None:
+    config = HarvesterConfig(outbox_table=message_outbox.qualified, source="log", log_messages=True)
+    store = MessageStore(
+        streaming(logical_dsn), LogSetup(message_outbox, config.slot, config.publication, config.prefix)
+    )
+    try:
+        store.prepare()
+        leader = uuid4()
+        store.acquire(leader)
+        stash(logical_dsn, message_outbox, [("t", f"k{i % 10}", f"m:{i}") for i in range(2000)])
+        records = mark_all(store, leader, 2000)
+        assert [r.value for r in records] == [f"m:{i}".encode() for i in range(2000)]
+        assert streamed_transactions(logical_dsn, message_outbox) > 0
+    finally:
+        store.close()
+
+
+@DELIVERY
+def test_streamed_and_whole_transactions_drain_in_order_in_both_modes(
+    services: Services,
+    logical_dsn: str,
+    log_outbox: TableName,
+    topics: Callable[..., str],
+    make_log_harvester: HarvesterFactory,
+    delivery: str,
+) -> None:
+    """Large transactions (streamed) between small ones, each key's values in order across them."""
+    topic = topics(partitions=3)
+    make_log_harvester(delivery=delivery, dsn=streaming(logical_dsn))
+    sizes = [1500, 10, 1500, 10, 10, 1500]
+    written = {f"k{k}": 0 for k in range(5)}
+    for size in sizes:
+        rows = []
+        for i in range(size):
+            key = f"k{i % 5}"
+            rows.append((topic, key, f"{key}:{written[key]}"))
+            written[key] += 1
+        insert(logical_dsn, log_outbox, rows)
+    total = sum(sizes)
+    messages = read_messages(services.bootstrap, [topic], total, **COMMITTED)
+    verdict = check(messages, written)
+    assert verdict.lost == [] and verdict.out_of_order == [] and verdict.unexpected == 0
+    if delivery == "exactly_once":
+        assert verdict.duplicates == 0
+    assert wait_drained(logical_dsn, log_outbox) == 0
+    assert streamed_transactions(logical_dsn, log_outbox) >= 3

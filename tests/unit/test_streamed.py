@@ -1,0 +1,94 @@
+"""Streamed transactions put back together, from pgoutput protocol 2 messages built byte for byte:
+a Stream Commit gives the Begin, the changes without their xids and the Commit that the walsender
+sends for a transaction it did not stream, in chunks; an aborted transaction gives nothing, and an
+aborted subtransaction drops its changes and what came after them. (tests/log/test_streaming.py
+runs the same against a real server.)"""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+
+from harvester.postgres import pgoutput
+from harvester.postgres.streamed import StreamedTransactions
+
+pytestmark = pytest.mark.unit
+
+
+def start(xid: int, first: bool = False) -> bytes:
+    return b"S" + struct.pack("!Ib", xid, first)
+
+
+STOP = b"E"
+
+
+def change(xid: int, text: str) -> bytes:
+    """An Insert of a streamed transaction: its kind, its (sub)transaction's xid, then the rest."""
+    return b"I" + struct.pack("!I", xid) + text.encode()
+
+
+def stream_commit(xid: int, commit_lsn: int, end_lsn: int) -> bytes:
+    return b"c" + struct.pack("!IbQQq", xid, 0, commit_lsn, end_lsn, 99)
+
+
+def stream_abort(xid: int, sub: int) -> bytes:
+    return b"A" + struct.pack("!II", xid, sub)
+
+
+def given(streamed: StreamedTransactions, limit: int = 1000) -> list[bytes]:
+    out: list[bytes] = []
+    while streamed.ready:
+        streamed.give(out, limit)
+    return out
+
+
+def feed(streamed: StreamedTransactions, *messages: bytes) -> None:
+    for m in messages:
+        streamed.take(m)
+
+
+def test_a_committed_stream_gives_what_an_unstreamed_transaction_would_be() -> None:
+    s = StreamedTransactions()
+    feed(s, start(7, True), change(7, "a"), STOP, start(8, True), change(8, "x"), STOP, start(7), change(7, "b"), STOP)
+    assert s.in_progress == 2 and not s.ready
+    feed(s, stream_commit(7, 1000, 1010))
+    out = given(s)
+    assert out[1:-1] == [b"Ia", b"Ib"]
+    assert pgoutput.parse(out[0]) == pgoutput.Begin(1000, 7, 99)
+    assert pgoutput.parse(out[-1]) == pgoutput.Commit(1000, 1010)
+    assert s.in_progress == 1
+
+
+def test_a_large_commit_is_given_in_chunks_and_messages_outside_a_stream_block_are_not_taken() -> None:
+    s = StreamedTransactions()
+    feed(s, start(7, True), *(change(7, str(i)) for i in range(10)), STOP)
+    assert not s.active
+    feed(s, stream_commit(7, 1000, 1010))
+    out: list[bytes] = []
+    s.give(out, 5)
+    assert len(out) == 5 and s.ready
+    s.give(out, 100)
+    assert len(out) == 12 and not s.ready
+
+
+def test_an_aborted_transaction_gives_nothing() -> None:
+    s = StreamedTransactions()
+    feed(s, start(7, True), change(7, "a"), STOP, stream_abort(7, 7))
+    assert s.in_progress == 0 and not s.ready
+
+
+def test_an_aborted_subtransaction_drops_its_changes_and_what_followed_them() -> None:
+    s = StreamedTransactions()
+    # 8 is a subtransaction of 7, 9 one of 8 (nested savepoints); 8 aborts, with 9 in it.
+    feed(s, start(7, True), change(7, "a"), change(8, "b"), change(9, "c"), STOP, stream_abort(7, 8))
+    feed(s, start(7), change(10, "d"), STOP, stream_abort(7, 11))  # 11 streamed nothing: no change
+    feed(s, stream_commit(7, 1000, 1010))
+    assert given(s)[1:-1] == [b"Ia", b"Id"]
+
+
+def test_a_commit_of_a_transaction_whose_changes_were_all_filtered_gives_an_empty_one() -> None:
+    s = StreamedTransactions()
+    feed(s, stream_commit(5, 1000, 1010))
+    out = given(s)
+    assert [m[:1] for m in out] == [b"B", b"C"]
