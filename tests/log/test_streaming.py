@@ -7,7 +7,7 @@ its least, 64 kB, so that transactions of a few hundred rows are streamed."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from uuid import uuid4
+from uuid import UUID, uuid4
 
 import psycopg
 import pytest
@@ -41,11 +41,20 @@ def streamed_transactions(dsn: str, table: TableName) -> int:
     return 0 if found is None else int(found[0])
 
 
-def store_of(dsn: str, table: TableName) -> LogStore:
+def leading_store(dsn: str, table: TableName) -> tuple[LogStore, UUID]:
+    """A log store over ``table`` whose stream streams (see :func:`streaming`), leading a term."""
     config = HarvesterConfig(outbox_table=table.qualified)
     store = LogStore(streaming(dsn), LogSetup(table, config.slot, config.publication))
     store.prepare()
-    return store
+    leader = uuid4()
+    store.acquire(leader)
+    return store, leader
+
+
+def wait_streamed(store: LogStore, leader: UUID, dsn: str, table: TableName, count: int = 1) -> None:
+    """Mark (nothing goes out: the open transaction is not committed) until the server has streamed
+    ``count`` transactions in progress to ``store``."""
+    assert wait_until(lambda: not store.mark(leader, 100) and streamed_transactions(dsn, table) >= count)
 
 
 def stash_in(conn: psycopg.Connection[object], table: TableName, rows: list[tuple[str, str, str]]) -> None:
@@ -56,16 +65,12 @@ def stash_in(conn: psycopg.Connection[object], table: TableName, rows: list[tupl
 def test_a_streamed_transaction_goes_out_whole_at_its_commit_in_commit_order(
     logical_dsn: str, log_outbox: TableName
 ) -> None:
-    store = store_of(logical_dsn, log_outbox)
+    store, leader = leading_store(logical_dsn, log_outbox)
     try:
-        leader = uuid4()
-        store.acquire(leader)
         with psycopg.connect(logical_dsn) as big:
             stash_in(big, log_outbox, [("t", f"k{i % 10}", f"big:{i}") for i in range(2000)])
             # The server streams it while it is open; nothing of it goes out before its commit.
-            assert wait_until(
-                lambda: not store.mark(leader, 100) and streamed_transactions(logical_dsn, log_outbox) > 0
-            )
+            wait_streamed(store, leader, logical_dsn, log_outbox)
             insert(logical_dsn, log_outbox, [("t", "k0", "small")])  # commits first: goes out first
             assert [r.value for r in mark_all(store, leader, 1)] == [b"small"]
             big.commit()
@@ -81,26 +86,20 @@ def test_a_streamed_transaction_goes_out_whole_at_its_commit_in_commit_order(
 def test_what_a_rolled_back_savepoint_or_an_aborted_transaction_streamed_never_goes_out(
     logical_dsn: str, log_outbox: TableName
 ) -> None:
-    store = store_of(logical_dsn, log_outbox)
+    store, leader = leading_store(logical_dsn, log_outbox)
     try:
-        leader = uuid4()
-        store.acquire(leader)
         with psycopg.connect(logical_dsn) as conn:
             stash_in(conn, log_outbox, [("t", "k", f"kept:{i}") for i in range(1000)])
             conn.execute("SAVEPOINT s")
             stash_in(conn, log_outbox, [("t", "k", f"rolled-back:{i}") for i in range(1000)])
-            assert wait_until(
-                lambda: not store.mark(leader, 100) and streamed_transactions(logical_dsn, log_outbox) > 0
-            )
+            wait_streamed(store, leader, logical_dsn, log_outbox)
             conn.execute("ROLLBACK TO SAVEPOINT s")
             stash_in(conn, log_outbox, [("t", "k", f"kept:{i}") for i in range(1000, 1500)])
         records = mark_all(store, leader, 1500)
         assert [r.value for r in records] == [f"kept:{i}".encode() for i in range(1500)]
         with psycopg.connect(logical_dsn) as conn:
             stash_in(conn, log_outbox, [("t", "k", f"aborted:{i}") for i in range(1000)])
-            assert wait_until(
-                lambda: not store.mark(leader, 100) and streamed_transactions(logical_dsn, log_outbox) > 1
-            )
+            wait_streamed(store, leader, logical_dsn, log_outbox, 2)
             conn.rollback()
         insert(logical_dsn, log_outbox, [("t", "k", "last")])
         assert [r.value for r in mark_all(store, leader, 1)] == [b"last"]
@@ -116,16 +115,12 @@ def test_a_stream_broken_while_a_transaction_streams_loses_and_repeats_nothing(
     position past the transaction's start (nothing it received was done but that one's part): the
     next stream sends the transaction again from its start (the slot keeps what a transaction not
     ended yet needs), and the half received before is dropped with the old stream."""
-    store = store_of(logical_dsn, log_outbox)
+    store, leader = leading_store(logical_dsn, log_outbox)
     try:
-        leader = uuid4()
-        store.acquire(leader)
         with psycopg.connect(logical_dsn) as conn:
             began = lsn(logical_dsn)
             stash_in(conn, log_outbox, [("t", f"k{i % 3}", f"v:{i}") for i in range(1500)])
-            assert wait_until(
-                lambda: not store.mark(leader, 100) and streamed_transactions(logical_dsn, log_outbox) > 0
-            )
+            wait_streamed(store, leader, logical_dsn, log_outbox)
             store._advance_to(pgoutput.lsn_value(lsn(logical_dsn)))  # as an idle leader's confirmation may
             assert not at_or_after(logical_dsn, began, slot_position(logical_dsn, log_outbox))
             reader = slot_reader(logical_dsn, log_outbox)
