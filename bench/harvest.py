@@ -69,10 +69,17 @@ def fresh_topic(partitions: int = 4) -> str:
 
 def copy_rows(conn: psycopg.Connection[Any], table: TableName, topic: str, records: int, keys: int) -> None:
     """COPY ``records`` rows (``VALUE``, keys cycling over ``keys``) into ``table`` in one transaction."""
+    with conn.transaction():
+        copy_part(conn, table, topic, range(records), keys)
+
+
+def copy_part(conn: psycopg.Connection[Any], table: TableName, topic: str, rows: range, keys: int) -> None:
+    """COPY the rows numbered ``rows`` (row i's key: ``key<i % keys>``) into ``table``, in the
+    transaction the caller opened."""
     copy = sql.SQL("COPY {} (create_time, kafka_topic, kafka_key, kafka_value) FROM STDIN").format(table.ident)
-    with conn.transaction(), conn.cursor().copy(copy) as cp:
+    with conn.cursor().copy(copy) as cp:
         created = time.strftime("%Y-%m-%d %H:%M:%S+00", time.gmtime())
-        for i in range(records):
+        for i in rows:
             cp.write_row((created, topic, f"key{i % keys}", VALUE))
 
 

@@ -3,7 +3,7 @@ connector with its outbox EventRouter in Kafka Connect standalone) and by this p
 
     ./dev.sh bench peers [--records 200000] [--large] [--rounds 2] [--keys 1000] [--rate 2000] [--seconds 20]
         [--relays debezium,mark-purge,mark-purge-tuned,log,log-tuned,log-retention,tableless,tableless-tuned]
-        [--compression lz4]
+        [--compression lz4] [--spread 0]
 
 ``--large`` uses 1,000,000 records. Needs Java 17: Kafka Connect 4.1.1 (the local broker's
 version) and Debezium 3.3.2.Final (io.debezium:debezium-connector-postgres, whose jars include the
@@ -14,7 +14,10 @@ loopback port) and one Connect standalone worker (REST on a free loopback port),
 for both relays, and stops everything it started on exit.
 
 Each round COPies N records (100-byte values, ``--keys`` keys) in one transaction into an idle
-outbox (goharvest's layout) and times, from that commit:
+outbox (goharvest's layout); ``--spread S`` makes that transaction pause S seconds in all, in 20
+pauses between COPYs of its parts, a writer the walsender can keep up with, so that it streams the
+transaction while it is written (the harvester asks for that; Debezium's connector does not). The
+bench times, from that commit:
   - Debezium: until all N records are on the routed topic (sum of its end offsets; the EventRouter
     maps kafka_topic to the topic, kafka_key to the key and kafka_value to the value, pgoutput,
     ``snapshot.mode=no_data``, connector and worker defaults otherwise, but for its producers'
@@ -101,6 +104,8 @@ from harvester.postgres.message_store import MessageStore
 # table-less outbox's logical messages read from the log.
 Source = str
 MARK_PURGE, LOG, RETAIN, MESSAGES = "mark_purge", "log", "retain", "messages"
+# A burst's transaction spread over time (--spread) pauses after each of this many COPYs.
+_SPREAD_PARTS = 20
 # The retention window of RETAIN: short, so that the bulk delete of the burst's rows runs within the
 # round and its cost is measured (a long window defers it past the round). Each sweep scans the
 # table: in a burst, the burst's rows are scanned a few times before they are deleted (a long
@@ -156,11 +161,20 @@ def autovacuums(conn: psycopg.Connection[Any], table: TableName) -> int:
 
 
 def copy_burst(
-    conn: psycopg.Connection[Any], table: TableName, topic: str, records: int, keys: int
+    conn: psycopg.Connection[Any], table: TableName, topic: str, records: int, keys: int, spread: float = 0.0
 ) -> tuple[float, float]:
-    """COPY the burst in one transaction; return (commit wall time, CPU s of the COPYing backend)."""
+    """COPY the burst in one transaction (pausing ``spread`` seconds in all between its parts: a
+    writer the walsender's decoding keeps up with); return (commit wall time, CPU s of the COPYing
+    backend)."""
     cpu_before = _backend_cpu(conn)
-    harvest.copy_rows(conn, table, topic, records, keys)
+    if spread:
+        with conn.transaction():
+            part = -(-records // _SPREAD_PARTS)
+            for at in range(0, records, part):
+                harvest.copy_part(conn, table, topic, range(at, min(at + part, records)), keys)
+                time.sleep(spread / _SPREAD_PARTS)
+    else:
+        harvest.copy_rows(conn, table, topic, records, keys)
     committed = time.time()
     return committed, _backend_cpu(conn) - cpu_before
 
@@ -259,7 +273,13 @@ def debezium_relay(conn: psycopg.Connection[Any], pg: LogicalPostgres, connect: 
 
 
 def debezium_burst(
-    conn: psycopg.Connection[Any], pg: LogicalPostgres, connect: ConnectWorker, records: int, keys: int, check: bool
+    conn: psycopg.Connection[Any],
+    pg: LogicalPostgres,
+    connect: ConnectWorker,
+    records: int,
+    keys: int,
+    check: bool,
+    spread: float = 0.0,
 ) -> Burst:
     with debezium_relay(conn, pg, connect) as relay:
         consumer = Consumer(
@@ -268,7 +288,7 @@ def debezium_burst(
         try:
             meter = CpuMeter(conn)
             before, relay_before = meter.sample(), connect.cpu()
-            committed, copy_cpu = copy_burst(conn, relay.table, relay.topic, records, keys)
+            committed, copy_cpu = copy_burst(conn, relay.table, relay.topic, records, keys, spread)
             elapsed = (
                 wait_published(consumer, relay.topic, records, lambda: _assert_running(connect, relay.table.schema))
                 - committed
@@ -397,14 +417,19 @@ def wait_published(consumer: Consumer, topic: str, records: int, check: Callable
 
 
 def harvester_burst(
-    conn: psycopg.Connection[Any], records: int, keys: int, limits: Limits, source: Source = MARK_PURGE
+    conn: psycopg.Connection[Any],
+    records: int,
+    keys: int,
+    limits: Limits,
+    source: Source = MARK_PURGE,
+    spread: float = 0.0,
 ) -> Burst:
     consumer = Consumer({"bootstrap.servers": BOOTSTRAP, "group.id": "harvester_count", "enable.auto.commit": False})
     with harvester_relay(conn, limits, source) as relay, contextlib.closing(consumer):
         meter = CpuMeter(conn)
         before = meter.sample()
         if relay.prefix is None:
-            committed, copy_cpu = copy_burst(conn, relay.table, relay.topic, records, keys)
+            committed, copy_cpu = copy_burst(conn, relay.table, relay.topic, records, keys, spread)
         else:
             committed, copy_cpu = emit_burst(conn, relay.prefix, relay.topic, records, keys)
         own_after_copy = own_seconds()
@@ -475,6 +500,12 @@ def main() -> None:
         help="compression.type of both relays' producers (default lz4, the harvester's default)",
     )
     p.add_argument(
+        "--spread",
+        type=float,
+        default=0.0,
+        help="seconds the burst's transaction pauses in all, in 20 pauses between COPYs of its rows (default 0)",
+    )
+    p.add_argument(
         "--relays",
         default=",".join(RELAYS),
         help=f"comma-separated, of {', '.join(RELAYS)} (Debezium always runs: the ratios are to it)",
@@ -486,7 +517,7 @@ def main() -> None:
     if unknown:
         sys.exit(f"peers: unknown relay(s) {', '.join(sorted(unknown))}; choose from {', '.join(RELAYS)}")
     try:
-        run(records, args.keys, args.rounds, args.rate, args.seconds, chosen, args.compression)
+        run(records, args.keys, args.rounds, args.rate, args.seconds, chosen, args.compression, args.spread)
     except MissingError as e:
         sys.exit(f"peers: {e}")
 
@@ -505,7 +536,14 @@ RELAYS: dict[str, tuple[str, Source, bool]] = {
 
 
 def run(
-    records: int, keys: int, rounds: int, rate: float, seconds: float, chosen: set[str], compression: str
+    records: int,
+    keys: int,
+    rounds: int,
+    rate: float,
+    seconds: float,
+    chosen: set[str],
+    compression: str,
+    spread: float = 0.0,
 ) -> None:
     resolve_jars()
     started = time.monotonic()
@@ -519,7 +557,9 @@ def run(
         harvest.PRODUCER = {"compression.type": compression}
         connect.start()
         print(
-            f"workload: burst of {records} records COPied in one transaction into an idle outbox, {keys} keys,"
+            f"workload: burst of {records} records COPied in one transaction"
+            + (f" (pausing {spread:g} s in all between {_SPREAD_PARTS} parts)" if spread else "")
+            + f" into an idle outbox, {keys} keys,"
             f" {len(VALUE)}-byte values, {PARTITIONS} partitions; private PostgreSQL (wal_level=logical) on"
             f" 127.0.0.1:{pg.port}; Kafka Connect {KAFKA_VERSION} standalone + Debezium {DEBEZIUM_VERSION}"
             f" (pgoutput, EventRouter); producers' compression.type={compression}; {rounds} rounds, medians",
@@ -527,8 +567,8 @@ def run(
         )
         def burst_of(source: Source, tuned: bool) -> Callable[[psycopg.Connection[Any], int], Burst]:
             if not source:
-                return lambda c, r: debezium_burst(c, pg, connect, records, keys, check=r == 0)
-            return lambda c, _r: harvester_burst(c, records, keys, TUNED if tuned else Limits(), source)
+                return lambda c, r: debezium_burst(c, pg, connect, records, keys, r == 0, spread)
+            return lambda c, _r: harvester_burst(c, records, keys, TUNED if tuned else Limits(), source, spread)
 
         relays = [(label, burst_of(source, tuned)) for name, (label, source, tuned) in RELAYS.items() if name in chosen]
         results: dict[str, list[Burst]] = {name: [] for name, _ in relays}
