@@ -75,6 +75,16 @@ def tuple_values(data: bytes, at: int, columns: int) -> list[bytes | None]:
     return values
 
 
+def begin_message(final_lsn: int, commit_time: int, xid: int) -> bytes:
+    """A Begin message, as the walsender sends it (what :func:`parse` reads)."""
+    return b"B" + _BEGIN.pack(final_lsn, commit_time, xid)
+
+
+def commit_message(flags: int, commit_lsn: int, end_lsn: int, commit_time: int) -> bytes:
+    """A Commit message, as the walsender sends it (what :func:`parse` reads)."""
+    return b"C" + _COMMIT.pack(flags, commit_lsn, end_lsn, commit_time)
+
+
 def parse(data: bytes) -> Message | None:
     """One pgoutput message, or None for a kind the log source ignores."""
     kind = data[:1]

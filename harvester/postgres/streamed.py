@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import struct
 
+from harvester.postgres import pgoutput
+
 # The kinds that open, close, commit or abort a stream: 'S', 'E', 'c', 'A'.
 STREAM_KINDS = frozenset(b"SEcA")
 _START = struct.Struct("!I")  # xid (then a first-segment flag)
 _COMMIT = struct.Struct("!IbQQq")  # xid, flags, commit LSN, end LSN, commit time
 _ABORT = struct.Struct("!II")  # xid, subtransaction's xid
-_BEGIN = struct.Struct("!QqI")  # a Begin's: final LSN, commit time, xid
-_END = struct.Struct("!bQQq")  # a Commit's: flags, commit LSN, end LSN, commit time
 # Kinds of the changes a stream carries with their xid: Relation, Type, Insert, Update, Delete,
 # Truncate, logical Message (an Origin carries none).
 _WITH_XID = frozenset(b"RYIUDTM")
@@ -91,9 +91,9 @@ class StreamedTransactions:
             streamed = self._open.pop(xid, None)
             changes = streamed.changes if streamed is not None else []
             self._ready = [
-                b"B" + _BEGIN.pack(commit_lsn, when, xid),
+                pgoutput.begin_message(commit_lsn, when, xid),
                 *changes,
-                b"C" + _END.pack(flags, commit_lsn, end_lsn, when),
+                pgoutput.commit_message(flags, commit_lsn, end_lsn, when),
             ]
             self._given = 0
         elif kind == 0x41:  # 'A'
