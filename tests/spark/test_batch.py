@@ -44,6 +44,30 @@ def leftovers(pg: Conn, table: TableName) -> tuple[int, int]:
     return int(str(staged[0])), int(str(tasks[0]))
 
 
+def wait_for_stragglers(pg: Conn, table: TableName, spark: SparkSession | None = None) -> None:
+    """Wait until the task attempts still running when Spark aborted a job are gone: they may stage
+    rows after the abort's clean-up, and a test that cleans up or drops its schema while they
+    write would race them. Spark first (no task of its jobs active), then PostgreSQL (no other
+    session has held a lock on the sink's tables for two seconds; a killed worker's session ends
+    after its process)."""
+    deadline = time.monotonic() + 120
+    if spark is not None:
+        tracker = spark.sparkContext.statusTracker()
+        stages = [s for job in tracker.getJobIdsForGroup() if (info := tracker.getJobInfo(job)) for s in info.stageIds]
+        while any((stage := tracker.getStageInfo(s)) and stage.numActiveTasks for s in stages):
+            assert time.monotonic() < deadline, "Spark tasks still active two minutes after the job failed"
+            time.sleep(0.1)
+    relations = [table.quoted, table.derived("spark_tasks").quoted, table.derived("spark_staging").quoted]
+    held = "SELECT count(*) FROM pg_locks WHERE pid <> pg_backend_pid() AND relation = ANY(%s::regclass[])"
+    quiet_since = time.monotonic()
+    while time.monotonic() - quiet_since < 2.0:
+        assert time.monotonic() < deadline, "sink tables still locked two minutes after the job failed"
+        count = pg.execute(held, [relations]).fetchone()
+        if count is not None and count[0]:
+            quiet_since = time.monotonic()
+        time.sleep(0.1)
+
+
 def test_retried_task_commits_each_row_once_in_dataframe_order(
     spark: SparkSession, sink: dict[str, str], pg: Conn, outbox: TableName, tmp_path: Path
 ) -> None:
@@ -102,7 +126,7 @@ def test_failed_job_leaves_no_records_and_no_staging(
     assert records(pg, outbox) == []
     # Tasks of other partitions still running when Spark aborted the job can stage after abort()
     # cleaned up; their rows are stale, and the clean-up every write starts with removes them.
-    time.sleep(1.0)
+    wait_for_stragglers(pg, outbox, spark)
     clean_stale(pg, outbox, 0)
     assert leftovers(pg, outbox) == (0, 0)
 

@@ -21,7 +21,7 @@ from harvester.postgres.identifiers import TableName
 from harvester.postgres.migrations import migrate
 from harvester.spark.store import SinkTables, clean_stale
 from tests.spark.cluster import StandaloneCluster, executor_of, kill_tree, spark_submit
-from tests.spark.test_batch import leftovers, records
+from tests.spark.test_batch import leftovers, records, wait_for_stragglers
 from tests.spark.test_stream import PER_FILE, write_inputs
 from tests.spark_drain.conftest import deduplicated, preload, remaining
 from tests.support import Services, consumed_headers, delete_topics, end_offsets, read_messages, text, unique
@@ -196,7 +196,8 @@ def test_batch_writes_on_the_cluster(
 
     assert "injected fault stage p1" in result["failed"]
     assert records(pg, tables["failed"]) == []
-    clean_stale(pg, tables["failed"], 0)  # attempts still running at the abort may stage afterwards
+    wait_for_stragglers(pg, tables["failed"])  # attempts still running at the abort may stage afterwards
+    clean_stale(pg, tables["failed"], 0)
 
     ordered = by_key(records(pg, tables["ordered"]))
     assert len(ordered) == 5
