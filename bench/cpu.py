@@ -81,11 +81,22 @@ def backend_pid(conn: psycopg.Connection[Any]) -> int:
 class CpuSample:
     own: float
     postgres: float
+    walsender: float = 0.0  # the live WAL senders' share of ``postgres``
+    broker: float = 0.0  # the Kafka broker's (a ``kafka.Kafka`` process on this machine)
+
+
+def _command(pid: int) -> bytes:
+    """The command line of ``pid`` (a PostgreSQL backend's is its process title); empty once gone."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 class CpuMeter:
-    """Samples CPU time of this process (with its children) and of the PostgreSQL server ``conn`` is
-    connected to."""
+    """Samples CPU time of this process (with its children), of the PostgreSQL server ``conn`` is
+    connected to, of its WAL senders, and of the Kafka broker: on two shared cores, what one relay
+    makes the server or the broker spend is taken from the others."""
 
     def __init__(self, conn: psycopg.Connection[Any]) -> None:
         fields = proc_stat(backend_pid(conn))
@@ -93,7 +104,7 @@ class CpuMeter:
         self._postmaster = int(fields[1])  # the backend's parent
 
     def sample(self) -> CpuSample:
-        total = 0.0
+        total = walsender = broker = 0.0
         for entry in Path("/proc").iterdir():
             if not entry.name.isdigit():
                 continue
@@ -104,8 +115,13 @@ class CpuMeter:
             if pid == self._postmaster:
                 total += cpu_seconds(fields, children=True)
             elif int(fields[1]) == self._postmaster:
-                total += cpu_seconds(fields, children=False)
-        return CpuSample(own_seconds(), total)
+                seconds = cpu_seconds(fields, children=False)
+                total += seconds
+                if b" walsender " in _command(pid):  # "postgres: [cluster name: ]walsender user ..."
+                    walsender += seconds
+            elif b"\0kafka.Kafka\0" in _command(pid):
+                broker += cpu_seconds(fields, children=False)
+        return CpuSample(own_seconds(), total, walsender, broker)
 
 
 def per_thousand(before: CpuSample, after: CpuSample, records: int) -> tuple[float, float]:

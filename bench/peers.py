@@ -49,11 +49,13 @@ relays run back to back, so the machine's drift from round to round cancels out)
 and CPU seconds per 1,000 records of the relay process (the Connect JVM; this Python process and
 its producer process for the harvester) and of the PostgreSQL server (every backend of
 the private postmaster, Debezium's WAL sender included, minus the COPYing backend's own time during
-the COPY), and that CPU's ratio to Debezium's. Autovacuum is counted the same way for every relay: a
-run within the measurement is in PostgreSQL's CPU (the notes say how many ran), the vacuum of the
-dead rows left at its end is not (the mark-purge store's own vacuums during the drain are). In the
-steady phase, the retention window's bulk deletes run within the measurement too (all but the last
-window or two's).
+the COPY), its WAL senders' part of it (the harvester's default log source deletes what it
+delivered, and its WAL sender decodes those deletes too), and that CPU's ratio to Debezium's, and
+of the Kafka broker (the local one: both relays' producers cost it, on the same two cores).
+Autovacuum is counted the same way for every relay: a run within the measurement is in
+PostgreSQL's CPU (the notes say how many ran), the vacuum of the dead rows left at its end is not
+(the mark-purge store's own vacuums during the drain are). In the steady phase, the retention
+window's bulk deletes run within the measurement too (all but the last window or two's).
 """
 
 from __future__ import annotations
@@ -118,6 +120,8 @@ class Burst:
     rate: float  # records/s, commit to the last record on the topic (the sum of its end offsets)
     cpu_relay: float  # CPU s per 1,000 records: the relay process
     cpu_postgres: float  # ... and the PostgreSQL server
+    cpu_walsender: float  # ... of which its WAL senders
+    cpu_broker: float  # ... and the Kafka broker
     rate_empty: float | None = None  # harvester only: commit to empty outbox (or slot confirmed)
     extra: int = 0  # records beyond N on the topic (at-least-once duplicates)
     # A retention window: PostgreSQL CPU s per 1,000 records until the bulk delete emptied the
@@ -306,6 +310,8 @@ def debezium_burst(
         records / elapsed,
         (relay_after - relay_before) * scale,
         (after.postgres - before.postgres - copy_cpu) * scale,
+        (after.walsender - before.walsender) * scale,
+        (after.broker - before.broker) * scale,
         extra=extra,
         autovacuums=vacuums,
     )
@@ -457,6 +463,8 @@ def harvester_burst(
         records / (published - committed),
         (after.own - own_after_copy) * scale,
         (after.postgres - before.postgres - copy_cpu) * scale,
+        (after.walsender - before.walsender) * scale,
+        (after.broker - before.broker) * scale,
         rate_empty=records / empty,
         cpu_postgres_swept=cpu_swept,
         rate_swept=rate_swept,
@@ -616,7 +624,7 @@ def report(results: dict[str, list[Burst]], records: int) -> None:
     debezium, debezium_pg = med([b.rate for b in first]), med([b.cpu_postgres for b in first])
     print(
         f"{'burst of ' + str(records):<44} {'records/s':>10} {'vs Debezium':>12} {'per round':>20}"
-        f" {'CPU s/1000: relay':>18} {'PostgreSQL':>11} {'vs Debezium':>12}  notes"
+        f" {'CPU s/1000: relay':>18} {'PostgreSQL':>11} {'walsender':>10} {'vs Debezium':>12} {'broker':>7}  notes"
     )
     for name, bursts in results.items():
         rate, pg = med([b.rate for b in bursts]), med([b.cpu_postgres for b in bursts])
@@ -649,8 +657,8 @@ def report(results: dict[str, list[Burst]], records: int) -> None:
             notes.append(f"{vacuums} autovacuum/autoanalyze runs within the measurement")
         print(
             f"{name:<44} {rate:10.0f} {rate / debezium:11.2f}x {per_round:>20}"
-            f" {med([b.cpu_relay for b in bursts]):18.3f} {pg:11.3f} {pg / debezium_pg:11.1f}x"
-            f"  {'; '.join(notes)}"
+            f" {med([b.cpu_relay for b in bursts]):18.3f} {pg:11.3f} {med([b.cpu_walsender for b in bursts]):10.3f}"
+            f" {pg / debezium_pg:11.1f}x {med([b.cpu_broker for b in bursts]):7.3f}  {'; '.join(notes)}"
         )
 
 
