@@ -22,6 +22,7 @@ from confluent_kafka import Consumer, KafkaError, Message, TopicPartition
 from confluent_kafka.admin import AdminClient
 from confluent_kafka.cimpl import NewTopic
 from psycopg import sql
+from psycopg.conninfo import make_conninfo
 
 from harvester.postgres.identifiers import TableName
 
@@ -148,6 +149,24 @@ def _testcontainers() -> Services:
         f"host={host} port={port} user=harvester password={password} dbname=harvester",
         kafka.get_bootstrap_server(),
     )
+
+
+def streaming(dsn: str) -> str:
+    """``dsn`` whose sessions have the server stream any transaction of more than 64 kB of changes
+    while it is in progress (``logical_decoding_work_mem`` at its least; harvester/postgres/streamed.py)."""
+    return make_conninfo(dsn, options="-c logical_decoding_work_mem=64kB")
+
+
+def streamed_transactions(dsn: str, slot: str | None = None) -> int:
+    """How many transactions the server has streamed in progress to ``slot`` (or to every slot),
+    since its last restart."""
+    query = (
+        "SELECT coalesce(sum(stream_txns), 0) FROM pg_stat_replication_slots"
+        " WHERE %s::text IS NULL OR slot_name = %s"
+    )
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute(query, (slot, slot)).fetchone()
+    return 0 if row is None else int(row[0])
 
 
 def unique(prefix: str) -> str:

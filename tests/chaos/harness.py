@@ -30,7 +30,6 @@ import psycopg
 import structlog.testing
 from confluent_kafka import Consumer, KafkaError, Message, TopicPartition
 from psycopg import errors, sql
-from psycopg.conninfo import make_conninfo
 
 from harvester import HarvesterConfig, OutboxRecord, Stasher
 from harvester.client.dedup import DedupReader
@@ -47,6 +46,8 @@ from tests.support import (
     consumed_headers,
     create_topics,
     delete_topics,
+    streamed_transactions,
+    streaming,
     unique,
 )
 
@@ -825,13 +826,6 @@ class ChaosReport:
 # ---------------------------------------------------------------------------------------- the run
 
 
-def streamed(dsn: str) -> int:
-    """Transactions the server's slots streamed in progress (the count a crash of the server resets)."""
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        row = conn.execute("SELECT coalesce(sum(stream_txns), 0) FROM pg_stat_replication_slots").fetchone()
-    return int(row[0]) if row else 0
-
-
 def run_chaos(settings: ChaosSettings, log: Log = print) -> ChaosReport:
     """Run one chaos scenario end to end and report; raises only when the harness itself cannot
     proceed (services that do not start, no first leader, a topic that cannot be read back)."""
@@ -839,7 +833,7 @@ def run_chaos(settings: ChaosSettings, log: Log = print) -> ChaosReport:
         tables = Tables.create(pg.dsn, settings.source)
         topics = [unique("chaos") for _ in range(settings.topics)]
         create_topics(kafka.bootstrap, topics, settings.partitions)
-        dsn = make_conninfo(pg.dsn, options="-c logical_decoding_work_mem=64kB") if settings.large_every else pg.dsn
+        dsn = streaming(pg.dsn) if settings.large_every else pg.dsn
         group = HarvesterGroup(settings, dsn, tables.outbox, kafka.bootstrap)
         writers = Writers(settings, pg.dsn, tables, topics)
         try:
@@ -857,7 +851,8 @@ def run_chaos(settings: ChaosSettings, log: Log = print) -> ChaosReport:
             left = wait_drained(pg.dsn, tables.outbox, settings.drain_timeout)
             drain_seconds = time.monotonic() - stopped
             if settings.large_every:
-                log(f"chaos: transactions streamed in progress since the server's last restart: {streamed(pg.dsn)}")
+                streamed = streamed_transactions(pg.dsn)
+                log(f"chaos: transactions streamed in progress since the server's last restart: {streamed}")
             group.replace_crashed()
             expected = tables.expected(pg.dsn)
             tails = group.log_tails(5) if left else {}

@@ -11,7 +11,6 @@ from uuid import UUID, uuid4
 
 import psycopg
 import pytest
-from psycopg.conninfo import make_conninfo
 
 from harvester import HarvesterConfig, OutboxRecord, Stasher
 from harvester.postgres import pgoutput
@@ -22,27 +21,18 @@ from harvester.postgres.message_store import MessageStore
 from tests.engine.workload import check, insert, wait_drained, wait_until
 from tests.log.conftest import slot_position, stash
 from tests.log.test_log_source import COMMITTED, DELIVERY, at_or_after, lsn, mark_all, slot_reader
-from tests.support import HarvesterFactory, Services, read_messages
+from tests.support import HarvesterFactory, Services, read_messages, streamed_transactions, streaming
 
 pytestmark = pytest.mark.integration
 
 
-def streaming(dsn: str) -> str:
-    """``dsn`` whose sessions stream any transaction of more than 64 kB of changes."""
-    return make_conninfo(dsn, options="-c logical_decoding_work_mem=64kB")
-
-
-def streamed_transactions(dsn: str, table: TableName) -> int:
-    """How many transactions the outbox's slot has streamed in progress (the server's count)."""
-    slot = HarvesterConfig(outbox_table=table.qualified).slot
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        row = conn.execute("SELECT stream_txns FROM pg_stat_replication_slots WHERE slot_name = %s", (slot,))
-        found = row.fetchone()
-    return 0 if found is None else int(found[0])
+def slot_of(table: TableName) -> str:
+    """The slot a harvester of ``table`` reads by default."""
+    return HarvesterConfig(outbox_table=table.qualified).slot
 
 
 def leading_store(dsn: str, table: TableName) -> tuple[LogStore, UUID]:
-    """A log store over ``table`` whose stream streams (see :func:`streaming`), leading a term."""
+    """A log store over ``table`` whose stream streams (see :func:`tests.support.streaming`), leading a term."""
     config = HarvesterConfig(outbox_table=table.qualified)
     store = LogStore(streaming(dsn), LogSetup(table, config.slot, config.publication))
     store.prepare()
@@ -54,7 +44,7 @@ def leading_store(dsn: str, table: TableName) -> tuple[LogStore, UUID]:
 def wait_streamed(store: LogStore, leader: UUID, dsn: str, table: TableName, count: int = 1) -> None:
     """Mark (nothing goes out: the open transaction is not committed) until the server has streamed
     ``count`` transactions in progress to ``store``."""
-    assert wait_until(lambda: not store.mark(leader, 100) and streamed_transactions(dsn, table) >= count)
+    assert wait_until(lambda: not store.mark(leader, 100) and streamed_transactions(dsn, slot_of(table)) >= count)
 
 
 def stash_in(conn: psycopg.Connection[object], table: TableName, rows: list[tuple[str, str, str]]) -> None:
@@ -147,7 +137,7 @@ def test_a_table_less_outbox_s_streamed_messages_go_out_whole(logical_dsn: str, 
         stash(logical_dsn, message_outbox, [("t", f"k{i % 10}", f"m:{i}") for i in range(2000)])
         records = mark_all(store, leader, 2000)
         assert [r.value for r in records] == [f"m:{i}".encode() for i in range(2000)]
-        assert streamed_transactions(logical_dsn, message_outbox) > 0
+        assert streamed_transactions(logical_dsn, slot_of(message_outbox)) > 0
     finally:
         store.close()
 
@@ -180,4 +170,4 @@ def test_streamed_and_whole_transactions_drain_in_order_in_both_modes(
     if delivery == "exactly_once":
         assert verdict.duplicates == 0
     assert wait_drained(logical_dsn, log_outbox) == 0
-    assert streamed_transactions(logical_dsn, log_outbox) >= 3
+    assert streamed_transactions(logical_dsn, slot_of(log_outbox)) >= 3
