@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from harvester.postgres.logical import LogSetup
 from harvester.postgres.replication import SLOT_IN_USE, LogicalStream, StreamError
+from harvester.postgres.streamed import Decoder, Received
 
 # Starting the stream while the slot's previous reader is still exiting: tries, and the pause between.
 _START_TRIES = 50
@@ -21,14 +22,22 @@ _START_PAUSE = 0.1
 class SlotStream:
     """The stream of one slot, as the log source reads and confirms it."""
 
-    def __init__(self, setup: LogSetup, take_over: Callable[[], int], on_start: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        setup: LogSetup,
+        take_over: Callable[[], int],
+        on_start: Callable[[], None],
+        decoder: Decoder | None = None,
+    ) -> None:
         """``take_over`` terminates the slot's other reader under the fence and returns the slot's
         confirmed position; ``on_start`` runs once a new stream started (a restarted stream sends
-        again what the previous one sent past that position)."""
+        again what the previous one sent past that position); ``decoder`` is each stream's (see
+        :class:`~harvester.postgres.replication.LogicalStream`)."""
         self.conninfo = ""  # the store's, set before the first start
         self._setup = setup
         self._take_over = take_over
         self._on_start = on_start
+        self._decoder = decoder
         self._lock = threading.Lock()
         self._stream: LogicalStream | None = None
         # The position confirmed to the server, or to confirm when the next stream starts.
@@ -56,7 +65,7 @@ class SlotStream:
             self._close()
             self._take_over()
 
-    def read(self, limit: int) -> tuple[list[bytes], bool]:
+    def read(self, limit: int) -> tuple[list[Received], bool]:
         """Up to ``limit`` messages that have arrived, starting a stream when there is none, and
         whether they were all that had arrived. A stream that breaks is closed (the next read
         starts another) and its :class:`StreamError` raised."""
@@ -69,7 +78,7 @@ class SlotStream:
                 self._close()
                 raise
 
-    def read_open(self, limit: int) -> list[bytes]:
+    def read_open(self, limit: int) -> list[Received]:
         """As :meth:`read`, from a stream already open only; nothing when it broke."""
         with self._lock:
             if self._stream is None:
@@ -132,6 +141,7 @@ class SlotStream:
                     self._setup.publication,
                     confirmed,
                     messages=self._setup.prefix is not None,
+                    decoder=self._decoder,
                 )
             except StreamError as exc:
                 if exc.sqlstate != SLOT_IN_USE or tries == 1:

@@ -18,8 +18,9 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any, cast
 from uuid import UUID
 
 import psycopg
@@ -29,7 +30,7 @@ from harvester.core.identity import Stamp
 from harvester.core.protocols import StoreError
 from harvester.core.records import Failure, MarkedRecord
 from harvester.postgres import logical, pgoutput
-from harvester.postgres.log_records import outbox_record
+from harvester.postgres.log_records import Columns, outbox_record
 from harvester.postgres.log_slot import SlotStream
 from harvester.postgres.log_transactions import Taken, Transaction, Transactions, reached
 from harvester.postgres.log_visibility import INVISIBLE_RECHECK, visible
@@ -37,6 +38,7 @@ from harvester.postgres.logical import LogSetup
 from harvester.postgres.migrations import fence_table
 from harvester.postgres.replication import StreamError
 from harvester.postgres.store import PostgresStore
+from harvester.postgres.streamed import Received
 
 # Messages one read takes from the stream at most (completions wait for the stream meanwhile).
 _READ_MESSAGES = 5_000
@@ -70,10 +72,11 @@ class LogStore(PostgresStore):
         super().__init__(dsn, setup.table, **{**options, "vacuum_every": 0})
         self._setup = setup
         self._options = f"{self._options} {_SESSION}"
-        self._slot = SlotStream(setup, self._take_over, self._stream_started)
+        self._slot = SlotStream(setup, self._take_over, self._stream_started, self._stream_decoder)
         self._slot.conninfo = psycopg.conninfo.make_conninfo(
             dsn, connect_timeout=5, application_name=self._app, options=self._options
         )
+        self._outbox_oid = 0  # the table's oid, whose inserts the stream decoder decodes (0 until prepared)
         self._state = threading.Lock()  # guards everything below (mark and completion threads)
         self._txns = Transactions(b"I", b"", 1)  # the outbox's oid is known once prepared
         self._term_lsn = 0  # the end of the log when this term began
@@ -112,7 +115,7 @@ class LogStore(PostgresStore):
     def _outbox_messages(self) -> Transactions:
         """The bookkeeping of the outbox's messages in the stream: Inserts naming its table."""
         row = self._run("SELECT to_regclass(%s)::oid", (self._table.quoted,))
-        oid = int(row[0][0])
+        oid = self._outbox_oid = int(row[0][0])
         self._present = sql.SQL("SELECT id FROM {} WHERE id = ANY(%s::bigint[])").format(self._table.ident)
         return Transactions(b"I", oid.to_bytes(4, "big"), 1, oid)
 
@@ -218,9 +221,44 @@ class LogStore(PostgresStore):
         """The records of outbox messages (Inserts), before the identity headers."""
         out: list[MarkedRecord] = []
         for txn, index in taken:
-            assert txn.columns is not None  # checked as the transaction came in
-            out.append(outbox_record(txn.inserts[index], txn.columns))
+            insert = txn.inserts[index]
+            if type(insert) is bytes:
+                assert txn.columns is not None  # checked as the transaction came in
+                out.append(outbox_record(insert, txn.columns))
+            else:
+                out.append(decoded(insert))
         return out
+
+    def _stream_decoder(self) -> Callable[[bytes], MarkedRecord | None]:
+        """The decoder of one transaction streamed in progress (streamed.py): its outbox inserts
+        become records as they come, with the columns its own Relation message names (the walsender
+        sends it in each streamed transaction, before its first change of the table). Decoding so,
+        while the transaction is written, takes that work off the drain after its commit. An insert
+        it cannot decode stays bytes: decoded at hand-out, as any other, where an error surfaces."""
+        oid = self._outbox_oid
+        match = oid.to_bytes(4, "big")
+        columns: Columns | None = None
+
+        def decode(change: bytes) -> MarkedRecord | None:
+            nonlocal columns
+            kind = change[0]
+            if kind == 0x49:  # Insert
+                if columns is None or not change.startswith(match, 1):
+                    return None
+                try:
+                    return outbox_record(change, columns)
+                except Exception:  # raised again at hand-out, where the mark handles it
+                    return None
+            if kind == 0x52:  # Relation
+                relation = pgoutput.parse(change)
+                if isinstance(relation, pgoutput.Relation) and relation.oid == oid:
+                    try:
+                        columns = Columns(relation)
+                    except StoreError:  # a layout the log source cannot read: raised at hand-out
+                        columns = None
+            return None
+
+        return decode
 
     def _gone(self, taken: Taken, records: list[MarkedRecord]) -> set[int]:
         """The ids of ``records`` an earlier term delivered and deleted, as the table says (again,
@@ -285,7 +323,7 @@ class LogStore(PostgresStore):
                 if not receiving or left <= 0 or not self._slot.wait(left):
                     return
 
-    def _receive(self, messages: list[bytes]) -> None:
+    def _receive(self, messages: list[Received]) -> None:
         with self._state:
             self._txns.receive(messages)
 
@@ -382,3 +420,11 @@ class LogStore(PostgresStore):
         """Stop streaming and close every connection."""
         self._slot.close()
         super().close()
+
+
+def decoded(kept: Received) -> MarkedRecord:
+    """The record a stream decoder kept (:meth:`LogStore._stream_decoder`), to hand out: itself the
+    first time; a copy after, since the record handed out before (it has its stamp) may still be in
+    flight."""
+    record = cast(MarkedRecord, kept)
+    return record if record.stamp is None else replace(record, headers=list(record.headers), stamp=None)

@@ -29,6 +29,7 @@ from uuid import UUID
 from harvester.core.protocols import StoreError
 from harvester.postgres import pgoutput
 from harvester.postgres.log_records import Columns
+from harvester.postgres.streamed import Received
 
 
 @dataclass(slots=True, eq=False)
@@ -36,7 +37,9 @@ class Transaction:
     commit_lsn: int  # where its commit record starts (its Begin says)
     xid: int
     columns: Columns | None
-    inserts: list[bytes]  # its outbox messages, kept until all are done (a new pass re-reads them)
+    # Its outbox messages (or what a decoder kept of them, streamed.py), kept until all are done (a
+    # new pass re-reads them).
+    inserts: list[Received]
     done: set[int] = field(default_factory=set)  # indexes in inserts of those acknowledged (or dead-lettered)
     prefix: int = 0  # how many of its first inserts are all done (advanced by Transactions.partial)
     visible: bool = False  # its rows were found visible to new snapshots (see harvester.postgres.log_visibility)
@@ -176,14 +179,15 @@ class Transactions:
 
     # ------------------------------------------------------------------ receiving
 
-    def receive(self, messages: Iterable[bytes]) -> None:
+    def receive(self, messages: Iterable[Received]) -> None:
         """Keep the outbox's messages of each transaction as they come, skipping transactions this
-        term received already (a restarted stream sends them again)."""
+        term received already (a restarted stream sends them again). What is not bytes is what a
+        decoder kept of an outbox message (streamed.py)."""
         kind, match, at, oid = self._kind[0], self._match, self._at, self._oid
         txn, buffer = self._open, self._buffer
         for data in messages:
-            if data[0] == kind:
-                if txn is not None and data.startswith(match, at):
+            if type(data) is not bytes or data[0] == kind:
+                if txn is not None and (type(data) is not bytes or data.startswith(match, at)):
                     if self._skip:
                         self._skip -= 1
                         continue

@@ -13,7 +13,7 @@ Its ``create_time`` is its transaction's commit time.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 from uuid import UUID
@@ -27,6 +27,7 @@ from harvester.postgres import message_format, migrations, pgoutput
 from harvester.postgres.catalog import OutboxColumns
 from harvester.postgres.connections import error_text
 from harvester.postgres.log_position import PositionedLogStore
+from harvester.postgres.log_store import decoded
 from harvester.postgres.log_transactions import Taken, Transaction, Transactions
 from harvester.postgres.logical import LogSetup
 
@@ -68,14 +69,38 @@ class MessageStore(PositionedLogStore):
     # ------------------------------------------------------------------ reading
 
     def _records(self, taken: Taken) -> list[MarkedRecord]:
-        return [self._record(txn, txn.inserts[index]) for txn, index in taken]
+        out: list[MarkedRecord] = []
+        for txn, index in taken:
+            last, created = self._created
+            if txn is not last:
+                created = _EPOCH_2000 + timedelta(microseconds=txn.commit_time)
+                self._created = (txn, created)
+            message = txn.inserts[index]
+            if type(message) is bytes:
+                out.append(self._record(message, created))
+            else:
+                record = decoded(message)
+                record.create_time = created  # not known while the transaction streamed
+                out.append(record)
+        return out
 
-    def _record(self, txn: Transaction, data: bytes) -> MarkedRecord:
+    def _stream_decoder(self) -> Callable[[bytes], MarkedRecord | None]:
+        """As the log store's (:meth:`LogStore._stream_decoder`), of the outbox's messages; their
+        ``create_time``, the transaction's commit time, is set at hand-out."""
+        match = self._prefix + b"\0"
+
+        def decode(change: bytes) -> MarkedRecord | None:
+            if change[0] != 0x4D or not change.startswith(match, 10):  # 'M', after the flags and LSN
+                return None
+            try:
+                return self._record(change, _EPOCH_2000)
+            except Exception:  # raised again at hand-out, where the mark handles it
+                return None
+
+        return decode
+
+    def _record(self, data: bytes, created: datetime) -> MarkedRecord:
         rid, payload = pgoutput.logical_message(data, len(self._prefix))
-        last, created = self._created
-        if txn is not last:
-            created = _EPOCH_2000 + timedelta(microseconds=txn.commit_time)
-            self._created = (txn, created)
         try:
             topic, key, value, headers = message_format.decode(payload)
         except message_format.PayloadError as exc:

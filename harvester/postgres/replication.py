@@ -25,7 +25,7 @@ import psycopg
 from psycopg import pq
 
 from harvester.core.protocols import StoreError
-from harvester.postgres.streamed import STREAM_KINDS, StreamedTransactions
+from harvester.postgres.streamed import STREAM_KINDS, Decoder, Received, StreamedTransactions
 
 _XLOG_HEAD: Final = 25  # 'w', start LSN, end LSN, send time
 _KEEPALIVE = struct.Struct("!QQB")  # end of WAL (for a logical walsender: how far it decoded), time, reply?
@@ -53,15 +53,25 @@ def _ident(text: str) -> str:
 class LogicalStream:
     """The changes of one logical slot, read through a ``pgoutput`` publication."""
 
-    def __init__(self, conninfo: str, slot: str, publication: str, flushed: int, *, messages: bool = False) -> None:
+    def __init__(
+        self,
+        conninfo: str,
+        slot: str,
+        publication: str,
+        flushed: int,
+        *,
+        messages: bool = False,
+        decoder: Decoder | None = None,
+    ) -> None:
         """Connect as a replication client and stream from the slot's confirmed position, which is
         ``flushed`` (answers to keepalives report it until :meth:`confirm` moves it); with
-        ``messages``, the transactions' logical decoding messages too. Needs PostgreSQL 14+."""
+        ``messages``, the transactions' logical decoding messages too; with ``decoder``, the changes
+        of transactions streamed in progress are kept as it says (streamed.py). Needs PostgreSQL 14+."""
         self.server_end = 0  # how far the walsender's decoding reached, per its latest keepalive
         self._flushed = flushed  # the flush position reported last
         self.drained = True  # the last read took everything that had arrived
         self._reported = time.monotonic()  # when the last status update went out
-        self.streamed = StreamedTransactions()
+        self.streamed = StreamedTransactions(decoder)
         self._conn = pq.PGconn.connect(psycopg.conninfo.make_conninfo(conninfo, replication="database").encode())
         try:
             if self._conn.status != pq.ConnStatus.OK:
@@ -92,11 +102,11 @@ class LogicalStream:
         lines = self._conn.get_error_message().strip().splitlines()
         return lines[0] if lines else "connection lost"
 
-    def read(self, limit: int) -> list[bytes]:
-        """Up to ``limit`` pgoutput messages that have arrived, without waiting, after taking in
-        fewer than ``limit`` messages of streamed transactions; keepalives are answered when the
-        server asks."""
-        out: list[bytes] = []
+    def read(self, limit: int) -> list[Received]:
+        """Up to ``limit`` pgoutput messages that have arrived (or what the decoder kept of a
+        streamed transaction's changes), without waiting, after taking in fewer than ``limit``
+        messages of streamed transactions; keepalives are answered when the server asks."""
+        out: list[Received] = []
         conn, streamed = self._conn, self.streamed
         self.drained = False
         taken = 0

@@ -15,13 +15,19 @@ drops the transaction, or the subtransaction and whatever came after its first c
 its own or its subtransactions': PostgreSQL's own apply worker truncates its spool file so).
 
 The outbox's rows of an in-progress transaction are held in memory until its end, as the rows of a
-received transaction are until they are done. Reference: PostgreSQL's "Logical Replication Message
-Formats" (Stream Start, Stream Stop, Stream Commit, Stream Abort).
+received transaction are until they are done. A *decoder* may keep a change in another form: each
+in-progress transaction gets one (:data:`Decoder`), which sees its changes in order as they come and
+returns what to keep instead of a change, or None to keep the change. The log source decodes its
+inserts so, while the transaction is still being written, rather than after its commit, when the
+drain waits for them (docs/log-source.md, "Decoding a streamed transaction as it comes").
+Reference: PostgreSQL's "Logical Replication Message Formats" (Stream Start, Stream Stop, Stream
+Commit, Stream Abort).
 """
 
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 
 from harvester.postgres import pgoutput
 
@@ -34,14 +40,21 @@ _ABORT = struct.Struct("!II")  # xid, subtransaction's xid
 # Truncate, logical Message (an Origin carries none).
 _WITH_XID = frozenset(b"RYIUDTM")
 
+# What a stream gives: a message, or what a decoder kept instead of a change.
+Received = bytes | object
+# Makes the decoder of one in-progress transaction: given each of its changes (without its xid),
+# what to keep instead, or None to keep the change itself.
+Decoder = Callable[[], Callable[[bytes], object | None]]
+
 
 class _Streamed:
     """One in-progress transaction's changes so far, and where each subtransaction's first is."""
 
-    __slots__ = ("changes", "firsts", "last")
+    __slots__ = ("changes", "decode", "firsts", "last")
 
-    def __init__(self) -> None:
-        self.changes: list[bytes] = []
+    def __init__(self, decode: Callable[[bytes], object | None] | None) -> None:
+        self.changes: list[Received] = []
+        self.decode = decode
         self.firsts: dict[bytes, int] = {}  # by the xid's 4 bytes
         self.last = b""  # the xid of the latest change
 
@@ -49,10 +62,11 @@ class _Streamed:
 class StreamedTransactions:
     """The streamed transactions of one replication stream (a new stream sends them again)."""
 
-    def __init__(self) -> None:
+    def __init__(self, decoder: Decoder | None = None) -> None:
+        self._decoder = decoder
         self._open: dict[int, _Streamed] = {}
         self._current: _Streamed | None = None  # inside a Stream Start … Stream Stop block
-        self._ready: list[bytes] = []  # a committed transaction's messages not given out yet
+        self._ready: list[Received] = []  # a committed transaction's messages not given out yet
         self._given = 0  # how many of _ready were
 
     @property
@@ -78,12 +92,17 @@ class StreamedTransactions:
             if xid != current.last:
                 current.firsts.setdefault(xid, len(current.changes))
                 current.last = xid
-            current.changes.append(message[:1] + message[5:])
+            change = message[:1] + message[5:]
+            kept = None if current.decode is None else current.decode(change)
+            current.changes.append(change if kept is None else kept)
         elif current is not None and kind not in STREAM_KINDS:
             current.changes.append(message)
         elif kind == 0x53:  # 'S'
             (xid,) = _START.unpack_from(message, 1)
-            self._current = self._open.setdefault(xid, _Streamed())
+            current = self._open.get(xid)
+            if current is None:
+                current = self._open[xid] = _Streamed(None if self._decoder is None else self._decoder())
+            self._current = current
         elif kind == 0x45:  # 'E'
             self._current = None
         elif kind == 0x63:  # 'c'
@@ -112,7 +131,7 @@ class StreamedTransactions:
         streamed.firsts = {x: at for x, at in streamed.firsts.items() if at < first}
         streamed.last = b""
 
-    def give(self, out: list[bytes], limit: int) -> None:
+    def give(self, out: list[Received], limit: int) -> None:
         """Append up to ``limit`` messages of the committed transaction to ``out``."""
         end = min(len(self._ready), self._given + limit)
         out += self._ready[self._given : end]

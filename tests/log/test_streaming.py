@@ -7,12 +7,14 @@ its least, 64 kB, so that transactions of a few hundred rows are streamed."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
 from uuid import UUID, uuid4
 
 import psycopg
 import pytest
 
 from harvester import HarvesterConfig, OutboxRecord, Stasher
+from harvester.core.records import MarkedRecord
 from harvester.postgres import pgoutput
 from harvester.postgres.identifiers import TableName
 from harvester.postgres.log_store import LogStore
@@ -69,6 +71,40 @@ def test_a_streamed_transaction_goes_out_whole_at_its_commit_in_commit_order(
         assert [r.id for r in records] == sorted(r.id for r in records)
         store.purge([r.id for r in records])
         assert wait_drained(logical_dsn, log_outbox) == 1  # the small one's row: not purged here
+    finally:
+        store.close()
+
+
+def test_records_decoded_while_their_transaction_streams_match_those_decoded_at_hand_out(
+    logical_dsn: str, log_outbox: TableName
+) -> None:
+    """The log store decodes a streamed transaction's inserts as they come (``_stream_decoder``):
+    its records are what the same rows give in transactions too small to stream, which are decoded
+    at hand-out, headers and all; a new pass hands out copies, not the records it handed out before."""
+    rows = [OutboxRecord.of("t", f"k{i % 7}", f"v:{i}", {"h": str(i)} if i % 2 else {}) for i in range(1000)]
+    store, leader = leading_store(logical_dsn, log_outbox)
+    try:
+        with psycopg.connect(logical_dsn) as conn:
+            Stasher(log_outbox).stash(conn, rows)
+            wait_streamed(store, leader, logical_dsn, log_outbox)
+        streamed = mark_all(store, leader, 1000)
+        kept = [m for txn in store._txns.kept for m in txn.inserts]
+        assert len(kept) == 1000 and not any(isinstance(m, bytes) for m in kept)  # decoded as they came
+        for i in range(0, 1000, 10):
+            with psycopg.connect(logical_dsn) as conn:
+                Stasher(log_outbox).stash(conn, rows[i : i + 10])
+        whole = mark_all(store, leader, 1000)
+        assert all(isinstance(m, bytes) for txn in list(store._txns.kept)[1:] for m in txn.inserts)
+
+        def content(records: list[MarkedRecord]) -> list[tuple[object, ...]]:
+            return [(r.topic, r.key, r.value, r.headers, r.malformed, r.stamp) for r in records]
+
+        assert content(streamed) == content(whole)
+        assert [r.value for r in streamed] == [f"v:{i}".encode() for i in range(1000)]
+        again = mark_all(store, uuid4(), 2000)[:1000]  # a new pass, the first still in flight
+        assert [r.id for r in again] == [r.id for r in streamed]
+        assert content(again) == content(streamed)
+        assert not any(a is b for a, b in zip(again, streamed, strict=True))
     finally:
         store.close()
 
@@ -138,6 +174,11 @@ def test_a_table_less_outbox_s_streamed_messages_go_out_whole(logical_dsn: str, 
         records = mark_all(store, leader, 2000)
         assert [r.value for r in records] == [f"m:{i}".encode() for i in range(2000)]
         assert streamed_transactions(logical_dsn, slot_of(message_outbox)) > 0
+        # Decoded as they came, given their transaction's commit time at hand-out.
+        assert not any(isinstance(m, bytes) for txn in store._txns.kept for m in txn.inserts)
+        (committed,) = {txn.commit_time for txn in store._txns.kept}
+        commit_time = datetime(2000, 1, 1, tzinfo=UTC) + timedelta(microseconds=committed)
+        assert {r.create_time for r in records} == {commit_time}
     finally:
         store.close()
 

@@ -7,11 +7,12 @@ runs the same against a real server.)"""
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 
 import pytest
 
 from harvester.postgres import pgoutput
-from harvester.postgres.streamed import StreamedTransactions
+from harvester.postgres.streamed import Received, StreamedTransactions
 
 pytestmark = pytest.mark.unit
 
@@ -36,11 +37,18 @@ def stream_abort(xid: int, sub: int) -> bytes:
     return b"A" + struct.pack("!II", xid, sub)
 
 
-def given(streamed: StreamedTransactions, limit: int = 1000) -> list[bytes]:
-    out: list[bytes] = []
+def given(streamed: StreamedTransactions, limit: int = 1000) -> list[Received]:
+    out: list[Received] = []
     while streamed.ready:
         streamed.give(out, limit)
     return out
+
+
+def given_bytes(streamed: StreamedTransactions) -> list[bytes]:
+    """:func:`given`, with no decoder: every message is bytes."""
+    out = given(streamed)
+    assert all(isinstance(m, bytes) for m in out)
+    return [m for m in out if isinstance(m, bytes)]
 
 
 def feed(streamed: StreamedTransactions, *messages: bytes) -> None:
@@ -53,7 +61,7 @@ def test_a_committed_stream_gives_what_an_unstreamed_transaction_would_be() -> N
     feed(s, start(7, True), change(7, "a"), STOP, start(8, True), change(8, "x"), STOP, start(7), change(7, "b"), STOP)
     assert s.in_progress == 2 and not s.ready
     feed(s, stream_commit(7, 1000, 1010))
-    out = given(s)
+    out = given_bytes(s)
     assert out[1:-1] == [b"Ia", b"Ib"]
     assert pgoutput.parse(out[0]) == pgoutput.Begin(1000, 7, 99)
     assert pgoutput.parse(out[-1]) == pgoutput.Commit(1000, 1010)
@@ -65,7 +73,7 @@ def test_a_large_commit_is_given_in_chunks_and_messages_outside_a_stream_block_a
     feed(s, start(7, True), *(change(7, str(i)) for i in range(10)), STOP)
     assert not s.active
     feed(s, stream_commit(7, 1000, 1010))
-    out: list[bytes] = []
+    out: list[Received] = []
     s.give(out, 5)
     assert len(out) == 5 and s.ready
     s.give(out, 100)
@@ -84,11 +92,32 @@ def test_an_aborted_subtransaction_drops_its_changes_and_what_followed_them() ->
     feed(s, start(7, True), change(7, "a"), change(8, "b"), change(9, "c"), STOP, stream_abort(7, 8))
     feed(s, start(7), change(10, "d"), STOP, stream_abort(7, 11))  # 11 streamed nothing: no change
     feed(s, stream_commit(7, 1000, 1010))
-    assert given(s)[1:-1] == [b"Ia", b"Id"]
+    assert given_bytes(s)[1:-1] == [b"Ia", b"Id"]
 
 
 def test_a_commit_of_a_transaction_whose_changes_were_all_filtered_gives_an_empty_one() -> None:
     s = StreamedTransactions()
     feed(s, stream_commit(5, 1000, 1010))
-    out = given(s)
+    out = given_bytes(s)
     assert [m[:1] for m in out] == [b"B", b"C"]
+
+
+def test_a_decoder_keeps_what_it_returns_instead_of_a_change_one_decoder_per_transaction() -> None:
+    made: list[list[bytes]] = []
+
+    def decoder() -> Callable[[bytes], object | None]:
+        seen: list[bytes] = []
+        made.append(seen)
+
+        def decode(change: bytes) -> object | None:
+            seen.append(change)
+            return ("decoded", change) if change.endswith(b"!") else None
+
+        return decode
+
+    s = StreamedTransactions(decoder)
+    feed(s, start(7, True), change(7, "a!"), change(8, "b!"), STOP, start(9, True), change(9, "x!"), STOP)
+    feed(s, start(7), change(7, "c"), change(10, "d!"), STOP, stream_abort(7, 10))
+    feed(s, stream_commit(7, 1000, 1010))
+    assert given(s)[1:-1] == [("decoded", b"Ia!"), ("decoded", b"Ib!"), b"Ic"]  # 10's change dropped
+    assert made == [[b"Ia!", b"Ib!", b"Ic", b"Id!"], [b"Ix!"]]  # each in its transaction's order
