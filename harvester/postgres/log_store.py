@@ -234,7 +234,8 @@ class LogStore(PostgresStore):
         become records as they come, with the columns its own Relation message names (the walsender
         sends it in each streamed transaction, before its first change of the table). Decoding so,
         while the transaction is written, takes that work off the drain after its commit. An insert
-        it cannot decode stays bytes: decoded at hand-out, as any other, where an error surfaces."""
+        it fails on stays bytes (streamed.py): decoded at hand-out, as any other, where the error
+        surfaces."""
         oid = self._outbox_oid
         match = oid.to_bytes(4, "big")
         columns: Columns | None = None
@@ -245,17 +246,12 @@ class LogStore(PostgresStore):
             if kind == 0x49:  # Insert
                 if columns is None or not change.startswith(match, 1):
                     return None
-                try:
-                    return outbox_record(change, columns)
-                except Exception:  # raised again at hand-out, where the mark handles it
-                    return None
+                return outbox_record(change, columns)
             if kind == 0x52:  # Relation
                 relation = pgoutput.parse(change)
                 if isinstance(relation, pgoutput.Relation) and relation.oid == oid:
-                    try:
-                        columns = Columns(relation)
-                    except StoreError:  # a layout the log source cannot read: raised at hand-out
-                        columns = None
+                    columns = None  # until it is read: a layout the log source cannot read raises here
+                    columns = Columns(relation)
             return None
 
         return decode

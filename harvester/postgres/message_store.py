@@ -92,10 +92,7 @@ class MessageStore(PositionedLogStore):
         def decode(change: bytes) -> MarkedRecord | None:
             if change[0] != 0x4D or not change.startswith(match, 10):  # 'M', after the flags and LSN
                 return None
-            try:
-                return self._record(change, _EPOCH_2000)
-            except Exception:  # raised again at hand-out, where the mark handles it
-                return None
+            return self._record(change, _EPOCH_2000)
 
         return decode
 

@@ -17,7 +17,8 @@ its own or its subtransactions': PostgreSQL's own apply worker truncates its spo
 The outbox's rows of an in-progress transaction are held in memory until its end, as the rows of a
 received transaction are until they are done. A *decoder* may keep a change in another form: each
 in-progress transaction gets one (:data:`Decoder`), which sees its changes in order as they come and
-returns what to keep instead of a change, or None to keep the change. The log source decodes its
+returns what to keep instead of a change, or None to keep the change; a change it fails on is kept
+as it came (whoever reads it later meets the error there). The log source decodes its
 inserts so, while the transaction is still being written, rather than after its commit, when the
 drain waits for them (docs/log-source.md, "Decoding a streamed transaction as it comes").
 Reference: PostgreSQL's "Logical Replication Message Formats" (Stream Start, Stream Stop, Stream
@@ -93,7 +94,12 @@ class StreamedTransactions:
                 current.firsts.setdefault(xid, len(current.changes))
                 current.last = xid
             change = message[:1] + message[5:]
-            kept = None if current.decode is None else current.decode(change)
+            kept = None
+            if current.decode is not None:
+                try:
+                    kept = current.decode(change)
+                except Exception:  # kept as it came: decoded again where it is read, the error met there
+                    kept = None
             current.changes.append(change if kept is None else kept)
         elif current is not None and kind not in STREAM_KINDS:
             current.changes.append(message)

@@ -102,7 +102,7 @@ def test_a_commit_of_a_transaction_whose_changes_were_all_filtered_gives_an_empt
     assert [m[:1] for m in out] == [b"B", b"C"]
 
 
-def test_a_decoder_keeps_what_it_returns_instead_of_a_change_one_decoder_per_transaction() -> None:
+def test_a_decoder_keeps_what_it_returns_instead_of_a_change_one_decoder_per_transaction_and_not_on_errors() -> None:
     made: list[list[bytes]] = []
 
     def decoder() -> Callable[[bytes], object | None]:
@@ -111,13 +111,16 @@ def test_a_decoder_keeps_what_it_returns_instead_of_a_change_one_decoder_per_tra
 
         def decode(change: bytes) -> object | None:
             seen.append(change)
+            if change.endswith(b"?"):
+                raise ValueError("cannot decode")
             return ("decoded", change) if change.endswith(b"!") else None
 
         return decode
 
     s = StreamedTransactions(decoder)
     feed(s, start(7, True), change(7, "a!"), change(8, "b!"), STOP, start(9, True), change(9, "x!"), STOP)
-    feed(s, start(7), change(7, "c"), change(10, "d!"), STOP, stream_abort(7, 10))
+    feed(s, start(7), change(7, "c"), change(7, "e?"), change(10, "d!"), STOP, stream_abort(7, 10))
     feed(s, stream_commit(7, 1000, 1010))
-    assert given(s)[1:-1] == [("decoded", b"Ia!"), ("decoded", b"Ib!"), b"Ic"]  # 10's change dropped
-    assert made == [[b"Ia!", b"Ib!", b"Ic", b"Id!"], [b"Ix!"]]  # each in its transaction's order
+    # 10's change dropped; the one the decoder failed on kept as it came.
+    assert given(s)[1:-1] == [("decoded", b"Ia!"), ("decoded", b"Ib!"), b"Ic", b"Ie?"]
+    assert made == [[b"Ia!", b"Ib!", b"Ic", b"Ie?", b"Id!"], [b"Ix!"]]  # each in its transaction's order
