@@ -95,8 +95,11 @@ class LogStore(PostgresStore):
         """As :meth:`PostgresStore.prepare`, and check that the slot and publication can be read."""
         columns = super().prepare()
         if self._takeover is None:
+            conn, started = self._conn(), time.monotonic()
             try:
-                problems = logical.missing(self._conn(), self._setup)
+                problems = logical.missing(conn, self._setup)
+            except psycopg.OperationalError as exc:
+                raise self._failed(conn, exc, started) from exc
             except psycopg.Error as exc:
                 raise StoreError(f"checking the log source failed: {exc.sqlstate or type(exc).__name__}") from exc
             if problems:

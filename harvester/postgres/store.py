@@ -16,6 +16,7 @@ by retrying.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -128,12 +129,13 @@ class PostgresStore(Fenced):
         recorded one (building the shards' index if it is missing), and build the statements.
         Idempotent.
 
-        Raises :class:`OutboxMissingError` or :class:`StoreError` on a missing or unsupported table
-        or an unreachable database, :class:`ShardCountError` when other reapers harvest the outbox
-        with another number of shards."""
+        Raises :class:`OutboxMissingError` or :class:`StoreError` on a missing or unsupported table,
+        :class:`StoreUnreachableError` on an unreachable database or a connection lost on the way (a
+        restart), :class:`ShardCountError` when other reapers harvest the outbox with another number
+        of shards."""
         if self._prepared is not None:
             return self._prepared.columns
-        conn = self._conn()
+        conn, started = self._conn(), time.monotonic()
         try:
             if self._server_limit:
                 limit_statements(conn, 0)  # migrations and an index build may take their time
@@ -149,9 +151,8 @@ class PostgresStore(Fenced):
                 producer = f"{row[0] if row else 0}/{self._table.qualified}"
             if self._server_limit:
                 limit_statements(conn, self._server_limit)
-        except psycopg.OperationalError as exc:
-            self._forget(conn)
-            raise StoreError(f"database error: {error_text(exc)}") from exc
+        except psycopg.OperationalError as exc:  # a lost connection (a restart): retried, as any start
+            raise self._failed(conn, exc, started) from exc
         except psycopg.Error as exc:
             raise StoreError(f"preparing {self._table} failed: {error_text(exc)}") from exc
         statements = Statements.build(self._table, columns, hold_dead_letter_keys=self._hold, shards=self._shards)

@@ -18,11 +18,12 @@ from psycopg import sql
 
 from harvester import HarvesterConfig, OutboxRecord, Stasher
 from harvester.core.identity import KEY_RUN
-from harvester.core.protocols import FencedError, StoreError
+from harvester.core.protocols import FencedError, StoreError, StoreUnreachableError
 from harvester.core.records import MarkedRecord
 from harvester.postgres.identifiers import TableName
 from harvester.postgres.log_store import LogStore
 from harvester.postgres.logical import LogSetup
+from harvester.postgres.store import PostgresStore
 from tests.engine.workload import check, insert, wait_drained, wait_until, writing
 from tests.fence.test_zombie import install_audit
 from tests.log.conftest import slot_position, stored_done
@@ -423,5 +424,26 @@ def test_a_transaction_goes_out_only_once_its_rows_are_visible(logical_dsn: str,
         with psycopg.connect(logical_dsn, autocommit=True) as conn:
             left = conn.execute(sql.SQL("SELECT count(*) FROM {}").format(log_outbox.ident)).fetchone()
         assert left == (0,)
+    finally:
+        store.close()
+
+
+def test_a_connection_lost_while_checking_the_slot_fails_the_start_as_unreachable(
+    logical_dsn: str, log_outbox: TableName
+) -> None:
+    """A restart as the log store checks its slot and publication (after the outbox's own checks):
+    the start fails as an unreachable database, which is retried, and the next one succeeds."""
+    config = HarvesterConfig(outbox_table=log_outbox.qualified)
+    store = LogStore(logical_dsn, LogSetup(log_outbox, config.slot, config.publication))
+    try:
+        PostgresStore.prepare(store)  # the outbox's checks pass; the slot's come next
+        with psycopg.connect(logical_dsn, autocommit=True) as admin:
+            admin.execute("SELECT pg_terminate_backend(%s, 5000)", (store._conn().info.backend_pid,))
+        with pytest.raises(StoreUnreachableError, match="57P01"):
+            store.prepare()
+        store.prepare()
+        leader = uuid4()
+        store.acquire(leader)
+        assert store.mark(leader, 10) == []
     finally:
         store.close()
