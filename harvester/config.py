@@ -13,7 +13,16 @@ import socket
 from datetime import timedelta
 from typing import Any, Literal
 
-from pydantic import AliasChoices, BaseModel, Field, field_validator, model_validator
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ByteSize,
+    Field,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+    model_validator,
+)
 
 from harvester.core.limits import BOTH_SPELLINGS, Duration, Limits
 from harvester.postgres.identifiers import TableName
@@ -106,6 +115,12 @@ class HarvesterConfig(BaseModel):
         description="With source log and a table: keep delivered rows this long, then delete them in bulk "
         "(0: delete them per batch as they are delivered).",
     )
+    log_transaction_memory: ByteSize = Field(
+        default=ByteSize(1 << 30),
+        gt=0,
+        description="With source log: the memory one transaction's records may take in the leader (an "
+        "estimate); a larger transaction's further records wait in a temporary file (in TMPDIR) until done.",
+    )
     log_prefix: str | None = Field(
         default=None,
         description="The table-less outbox's message prefix; default 'harvester:<schema>.<table>'.",
@@ -123,6 +138,17 @@ class HarvesterConfig(BaseModel):
         if value is not None and not _SLOT.match(value):
             raise ValueError(f"{value!r}: 1-63 lower-case letters, digits or underscores")
         return value
+
+    @field_validator("log_transaction_memory", mode="wrap")
+    @classmethod
+    def _size(cls, value: object, handler: ValidatorFunctionWrapHandler) -> ByteSize:
+        try:
+            size: ByteSize = handler(value)
+        except ValidationError as exc:
+            if any(e["type"] == "greater_than" for e in exc.errors()):
+                raise
+            raise ValueError(f"invalid size {value!r}: use forms like '512MiB', '2GB' or a number of bytes") from None
+        return size
 
     @model_validator(mode="after")
     def _log_source(self) -> HarvesterConfig:

@@ -84,6 +84,8 @@ class Harvester:
             "shards": shards,
         }
         setup = LogSetup(config.table, config.slot, config.publication, config.prefix)
+        if config.source == "log":
+            options["transaction_memory"] = int(config.log_transaction_memory)
         store = (
             PostgresStore(config.data_source, config.table, **options)
             if config.source != "log"

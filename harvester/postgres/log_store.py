@@ -66,13 +66,16 @@ class LogStore(PostgresStore):
     # and skips the rows already deleted, so a crash repeats a run of a key's latest records, in order.
     release_on_ack = True
 
-    def __init__(self, dsn: str, setup: LogSetup, **options: Any) -> None:
+    def __init__(self, dsn: str, setup: LogSetup, *, transaction_memory: int = 1 << 30, **options: Any) -> None:
+        """``transaction_memory``: the memory (estimated) a transaction's records take before the
+        next ones are spilled to a temporary file (spill.py)."""
         # No vacuum while a backlog drains: it keeps the head of the id index clean for the mark
         # query, and this store reads no rows (its deletes find theirs by id); autovacuum suffices.
         super().__init__(dsn, setup.table, **{**options, "vacuum_every": 0})
         self._setup = setup
+        self._memory = transaction_memory
         self._options = f"{self._options} {_SESSION}"
-        self._slot = SlotStream(setup, self._take_over, self._stream_started, self._stream_decoder)
+        self._slot = SlotStream(setup, self._take_over, self._stream_started, self._stream_decoder, transaction_memory)
         self._slot.conninfo = psycopg.conninfo.make_conninfo(
             dsn, connect_timeout=5, application_name=self._app, options=self._options
         )
@@ -120,7 +123,7 @@ class LogStore(PostgresStore):
         row = self._run("SELECT to_regclass(%s)::oid", (self._table.quoted,))
         oid = self._outbox_oid = int(row[0][0])
         self._present = sql.SQL("SELECT id FROM {} WHERE id = ANY(%s::bigint[])").format(self._table.ident)
-        return Transactions(b"I", oid.to_bytes(4, "big"), 1, oid)
+        return Transactions(b"I", oid.to_bytes(4, "big"), 1, oid, self._memory)
 
     @property
     def tracks_attempts(self) -> bool:
@@ -224,7 +227,8 @@ class LogStore(PostgresStore):
         """The records of outbox messages (Inserts), before the identity headers."""
         out: list[MarkedRecord] = []
         for txn, index in taken:
-            insert = txn.inserts[index]
+            inserts = txn.inserts  # in memory, or else where Transaction.insert finds it
+            insert = inserts[index] if index < len(inserts) else txn.insert(index)
             if type(insert) is bytes:
                 assert txn.columns is not None  # checked as the transaction came in
                 out.append(outbox_record(insert, txn.columns))
@@ -416,8 +420,11 @@ class LogStore(PostgresStore):
         return None if state is None else state[:2]
 
     def close(self) -> None:
-        """Stop streaming and close every connection."""
+        """Stop streaming, forget what was received (removing its spill files) and close every
+        connection."""
         self._slot.close()
+        with self._state:
+            self._txns.new_term()
         super().close()
 
 

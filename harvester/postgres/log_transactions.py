@@ -29,7 +29,8 @@ from uuid import UUID
 from harvester.core.protocols import StoreError
 from harvester.postgres import pgoutput
 from harvester.postgres.log_records import Columns
-from harvester.postgres.streamed import Received
+from harvester.postgres.spill import MESSAGE_COST, Spill
+from harvester.postgres.streamed import SPILLED, Received
 
 
 @dataclass(slots=True, eq=False)
@@ -38,21 +39,40 @@ class Transaction:
     xid: int
     columns: Columns | None
     # Its outbox messages (or what a decoder kept of them, streamed.py), kept until all are done (a
-    # new pass re-reads them).
+    # new pass re-reads them): in memory, then, past the memory limit, in a spill (spill.py).
     inserts: list[Received]
     done: set[int] = field(default_factory=set)  # indexes in inserts of those acknowledged (or dead-lettered)
     prefix: int = 0  # how many of its first inserts are all done (advanced by Transactions.partial)
     visible: bool = False  # its rows were found visible to new snapshots (see harvester.postgres.log_visibility)
     commit_time: int = 0  # microseconds since 2000-01-01 UTC
     end_lsn: int = 0  # a slot advanced to here has consumed it; 0 until its Commit came
+    in_memory: int = 0  # what its inserts in memory take (estimated, spill.py; those decoded: see receive)
+    spill: Spill | None = None  # its inserts past the memory limit
+    # Inserts a restarted stream decoded past where the spill began (see receive), by index.
+    apart: dict[int, Received] | None = None
 
     @property
     def size(self) -> int:
-        return len(self.inserts)
+        return len(self.inserts) + (len(self.spill) if self.spill is not None else 0)
 
     @property
     def settled(self) -> bool:
-        return self.end_lsn > 0 and len(self.done) >= len(self.inserts)
+        return self.end_lsn > 0 and len(self.done) >= self.size
+
+    def insert(self, index: int) -> Received:
+        """Its ``index``-th outbox message (what a decoder kept of it)."""
+        inserts = self.inserts
+        if index < len(inserts):
+            return inserts[index]
+        if self.apart is not None and index in self.apart:
+            return self.apart[index]
+        assert self.spill is not None
+        return self.spill[index - len(inserts)]
+
+    def forget(self) -> None:
+        """Remove its spill, if any: it is settled, or its term ended."""
+        if self.spill is not None:
+            self.spill.close()
 
 
 def reached(transactions: Iterable[Transaction], lsn: int) -> bool:
@@ -69,10 +89,12 @@ class Transactions:
 
     ``kind`` and ``match`` say which messages are the outbox's: those whose first byte is ``kind``
     and whose bytes from ``at`` are ``match`` (an Insert naming the outbox's oid; a logical message
-    with the outbox's prefix)."""
+    with the outbox's prefix). A transaction's messages past ``memory`` (estimated bytes, spill.py)
+    are spilled."""
 
-    def __init__(self, kind: bytes, match: bytes, at: int, oid: int = 0) -> None:
+    def __init__(self, kind: bytes, match: bytes, at: int, oid: int = 0, memory: int = 1 << 62) -> None:
         self._kind, self._match, self._at, self._end = kind, match, at, at + len(match)
+        self._memory = memory
         self._oid = oid  # the outbox table's oid, whose Relation messages name its columns (0: none)
         self.columns: Columns | None = None  # from the outbox's latest Relation message
         self._pass: UUID | None = None  # the leader id of the current pass
@@ -99,6 +121,8 @@ class Transactions:
         self._pass = None
         self._buffer.clear()
         self._received_upto = done_upto
+        for txn in self.kept:
+            txn.forget()
         self.kept.clear()
         self._of_id.clear()
         if self._held is not None:
@@ -117,7 +141,7 @@ class Transactions:
         """A new stream begins at a transaction boundary: a half-received transaction comes again
         from its Begin, and the inserts received before are skipped."""
         if self._open is not None:
-            self._skip = len(self._open.inserts)
+            self._skip = self._open.size
 
     # ------------------------------------------------------------------ the pass
 
@@ -125,7 +149,7 @@ class Transactions:
         """A new leader id hands out again every record of the kept transactions."""
         if self._pass != leader_id:
             self._pass = leader_id
-            self._buffer = deque((txn, i) for txn in self.kept for i in range(len(txn.inserts)))
+            self._buffer = deque((txn, i) for txn in self.kept for i in range(txn.size))
 
     @property
     def idle(self) -> bool:
@@ -144,10 +168,17 @@ class Transactions:
         return len(self._buffer)
 
     def take(self, leader_id: UUID, limit: int) -> Taken:
-        """Up to ``limit`` buffered records of the pass of ``leader_id`` (none under another)."""
+        """Of the next ``limit`` buffered records of the pass of ``leader_id`` (none under another)
+        that are not all done already, those not done. (A record taken is not done until it is handed
+        out: its transaction is not settled, its messages are there to read, its spill not removed.)"""
         if self._pass != leader_id:
             return []
-        return [self._buffer.popleft() for _ in range(min(limit, len(self._buffer)))]
+        buffer = self._buffer
+        while buffer:
+            taken = [buffer.popleft() for _ in range(min(limit, len(buffer)))]
+            if left := [entry for entry in taken if entry[1] not in entry[0].done]:
+                return left
+        return []
 
     def put_back(self, leader_id: UUID, taken: Taken) -> None:
         """Return records :meth:`take` gave, to go out first (unless the pass changed meanwhile)."""
@@ -183,7 +214,7 @@ class Transactions:
         """Keep the outbox's messages of each transaction as they come, skipping transactions this
         term received already (a restarted stream sends them again). What is not bytes is what a
         decoder kept of an outbox message (streamed.py)."""
-        kind, match, at, oid = self._kind[0], self._match, self._at, self._oid
+        kind, match, at, oid, memory = self._kind[0], self._match, self._at, self._oid, self._memory
         txn, buffer = self._open, self._buffer
         for data in messages:
             if type(data) is not bytes or data[0] == kind:
@@ -193,12 +224,30 @@ class Transactions:
                         continue
                     if oid and txn.columns is None:
                         raise StoreError("the slot sent inserts of the outbox before its relation")
-                    index = len(txn.inserts)
-                    txn.inserts.append(data)
+                    spill = txn.spill
+                    if spill is None:
+                        index = len(txn.inserts)
+                        txn.inserts.append(data)
+                        if type(data) is bytes:  # what was decoded is in a streamed one's memory, bounded there
+                            txn.in_memory += len(data) + MESSAGE_COST
+                            if txn.in_memory > memory:
+                                txn.spill = Spill()
+                    else:
+                        index = len(txn.inserts) + len(spill)
+                        if type(data) is bytes:
+                            spill.append(data)
+                        else:  # decoded by a restarted stream that reached its limit later than the first
+                            spill.append(b"")
+                            txn.apart = txn.apart or {}
+                            txn.apart[index] = data
                     if index < txn.prefix:  # stored done by an earlier term
                         txn.done.add(index)
                     else:
                         buffer.append((txn, index))
+                continue
+            if data == SPILLED:  # what follows of a streamed transaction was spilled: so is it here
+                if txn is not None and txn.spill is None:
+                    txn.spill = Spill()
                 continue
             message = pgoutput.parse(data)
             if isinstance(message, pgoutput.Begin):
@@ -256,7 +305,9 @@ class Transactions:
         to, if it is not at or past ``advanced`` yet (else 0). A forgotten transaction is never
         handed out again, even if confirming it failed: the next call retries."""
         while self.kept and self.kept[0].settled:
-            self._settled_upto = self.kept.popleft().end_lsn
+            txn = self.kept.popleft()
+            txn.forget()
+            self._settled_upto = txn.end_lsn
         return self._settled_upto if self._settled_upto > advanced else 0
 
     def partial(self) -> tuple[int, int]:

@@ -64,7 +64,7 @@ class MessageStore(PositionedLogStore):
 
     def _outbox_messages(self) -> Transactions:
         """Logical messages with the outbox's prefix (after 'M', the flags and the LSN)."""
-        return Transactions(b"M", self._prefix + b"\0", 10)
+        return Transactions(b"M", self._prefix + b"\0", 10, memory=self._memory)
 
     # ------------------------------------------------------------------ reading
 
@@ -75,7 +75,8 @@ class MessageStore(PositionedLogStore):
             if txn is not last:
                 created = _EPOCH_2000 + timedelta(microseconds=txn.commit_time)
                 self._created = (txn, created)
-            message = txn.inserts[index]
+            inserts = txn.inserts  # in memory, or else where Transaction.insert finds it
+            message = inserts[index] if index < len(inserts) else txn.insert(index)
             if type(message) is bytes:
                 out.append(self._record(message, created))
             else:

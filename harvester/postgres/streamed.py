@@ -14,13 +14,15 @@ changes, a Commit) is what the walsender sends for a transaction it did not stre
 drops the transaction, or the subtransaction and whatever came after its first change (those are
 its own or its subtransactions': PostgreSQL's own apply worker truncates its spool file so).
 
-The outbox's rows of an in-progress transaction are held in memory until its end, as the rows of a
-received transaction are until they are done. A *decoder* may keep a change in another form: each
-in-progress transaction gets one (:data:`Decoder`), which sees its changes in order as they come and
-returns what to keep instead of a change, or None to keep the change; a change it fails on is kept
-as it came (whoever reads it later meets the error there). The log source decodes its
-inserts so, while the transaction is still being written, rather than after its commit, when the
-drain waits for them (docs/log-source.md, "Decoding a streamed transaction as it comes").
+The outbox's rows of an in-progress transaction are held until its end, as the rows of a received
+transaction are until they are done: in memory up to a limit per transaction, and the changes past
+it, as they came, in a :class:`~harvester.postgres.spill.Spill`. A *decoder* may keep a change in
+memory in another form: each in-progress transaction gets one (:data:`Decoder`), which sees its
+changes in order as they come (up to the limit) and returns what to keep instead of a change, or
+None to keep the change; a change it fails on is kept as it came (whoever reads it later meets the
+error there). The log source decodes its inserts so, while the transaction is still being written,
+rather than after its commit, when the drain waits for them (docs/log-source.md, "Decoding a
+streamed transaction as it comes").
 Reference: PostgreSQL's "Logical Replication Message Formats" (Stream Start, Stream Stop, Stream
 Commit, Stream Abort).
 """
@@ -29,8 +31,10 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable
+from typing import Final
 
 from harvester.postgres import pgoutput
+from harvester.postgres.spill import DECODED_COST, MESSAGE_COST, Spill
 
 # The kinds that open, close, commit or abort a stream: 'S', 'E', 'c', 'A'.
 STREAM_KINDS = frozenset(b"SEcA")
@@ -43,32 +47,67 @@ _WITH_XID = frozenset(b"RYIUDTM")
 
 # What a stream gives: a message, or what a decoder kept instead of a change.
 Received = bytes | object
+# Given between a committed transaction's changes kept in memory and those that were spilled: its
+# receiver spills from there too (log_transactions.py), so that what is decoded stays in memory.
+SPILLED: Final = b"\xffspilled"
 # Makes the decoder of one in-progress transaction: given each of its changes (without its xid),
 # what to keep instead, or None to keep the change itself.
 Decoder = Callable[[], Callable[[bytes], object | None]]
 
 
 class _Streamed:
-    """One in-progress transaction's changes so far, and where each subtransaction's first is."""
+    """One in-progress transaction's changes so far (in memory, then past the limit in a spill), and
+    where each subtransaction's first is."""
 
-    __slots__ = ("changes", "decode", "firsts", "last")
+    __slots__ = ("changes", "decode", "firsts", "in_memory", "last", "spill")
 
     def __init__(self, decode: Callable[[bytes], object | None] | None) -> None:
         self.changes: list[Received] = []
         self.decode = decode
         self.firsts: dict[bytes, int] = {}  # by the xid's 4 bytes
         self.last = b""  # the xid of the latest change
+        self.in_memory = 0  # what its changes in memory take (estimated, spill.py)
+        self.spill: Spill | None = None  # its changes past the limit, from the first one that outgrew it
+
+    @property
+    def size(self) -> int:
+        return len(self.changes) + (len(self.spill) if self.spill is not None else 0)
+
+    def truncate(self, length: int) -> None:
+        """Forget the changes from position ``length`` on."""
+        kept = len(self.changes)
+        if length < kept:
+            self.in_memory = self.in_memory * length // kept  # as estimated: about what they took
+            del self.changes[length:]
+            if self.spill is not None:
+                self.spill.close()
+                self.spill = None
+        elif self.spill is not None:
+            self.spill.truncate(length - kept)
+
+    def close(self) -> None:
+        if self.spill is not None:
+            self.spill.close()
 
 
 class StreamedTransactions:
     """The streamed transactions of one replication stream (a new stream sends them again)."""
 
-    def __init__(self, decoder: Decoder | None = None) -> None:
+    def __init__(self, decoder: Decoder | None = None, limit: int = 1 << 62) -> None:
+        """``limit``: the memory (estimated: a change's size and :data:`~harvester.postgres.spill.MESSAGE_COST`,
+        or :data:`~harvester.postgres.spill.DECODED_COST` when decoded) a transaction's changes take
+        before the next ones are spilled, as they came (not decoded), followed by :data:`SPILLED`
+        when given."""
         self._decoder = decoder
+        self._limit = limit
         self._open: dict[int, _Streamed] = {}
         self._current: _Streamed | None = None  # inside a Stream Start … Stream Stop block
-        self._ready: list[Received] = []  # a committed transaction's messages not given out yet
-        self._given = 0  # how many of _ready were
+        # A committed transaction's messages not given out yet: its Begin, its changes and its
+        # Commit, the spilled changes read back as they are given.
+        self._ready: list[Received] = []
+        self._spilled: Spill | None = None
+        self._commit = b""
+        self._given = 0  # how many of _ready, then of _spilled, were
 
     @property
     def active(self) -> bool:
@@ -78,7 +117,7 @@ class StreamedTransactions:
     @property
     def ready(self) -> bool:
         """A committed transaction has messages not given out yet (:meth:`give`)."""
-        return self._given < len(self._ready)
+        return bool(self._commit)
 
     @property
     def in_progress(self) -> int:
@@ -91,18 +130,32 @@ class StreamedTransactions:
         if current is not None and kind in _WITH_XID:
             xid = message[1:5]
             if xid != current.last:
-                current.firsts.setdefault(xid, len(current.changes))
+                current.firsts.setdefault(xid, current.size)
                 current.last = xid
             change = message[:1] + message[5:]
+            if current.spill is not None:
+                current.spill.append(change)
+                return
             kept = None
             if current.decode is not None:
                 try:
                     kept = current.decode(change)
                 except Exception:  # kept as it came: decoded again where it is read, the error met there
                     kept = None
-            current.changes.append(change if kept is None else kept)
+            if kept is None:
+                current.changes.append(change)
+                current.in_memory += len(change) + MESSAGE_COST
+            else:
+                current.changes.append(kept)
+                current.in_memory += len(change) + DECODED_COST
+            if current.in_memory > self._limit:
+                current.spill = Spill()
         elif current is not None and kind not in STREAM_KINDS:
-            current.changes.append(message)
+            if current.spill is not None:
+                current.spill.append(message)
+            else:
+                current.changes.append(message)
+                current.in_memory += len(message) + MESSAGE_COST
         elif kind == 0x53:  # 'S'
             (xid,) = _START.unpack_from(message, 1)
             current = self._open.get(xid)
@@ -114,12 +167,13 @@ class StreamedTransactions:
         elif kind == 0x63:  # 'c'
             xid, flags, commit_lsn, end_lsn, when = _COMMIT.unpack_from(message, 1)
             streamed = self._open.pop(xid, None)
-            changes = streamed.changes if streamed is not None else []
-            self._ready = [
-                pgoutput.begin_message(commit_lsn, when, xid),
-                *changes,
-                pgoutput.commit_message(flags, commit_lsn, end_lsn, when),
-            ]
+            self._ready = [pgoutput.begin_message(commit_lsn, when, xid)]
+            if streamed is not None:
+                self._ready += streamed.changes
+                if streamed.spill is not None:
+                    self._ready.append(SPILLED)
+                    self._spilled = streamed.spill
+            self._commit = pgoutput.commit_message(flags, commit_lsn, end_lsn, when)
             self._given = 0
         elif kind == 0x41:  # 'A'
             xid, sub = _ABORT.unpack_from(message, 1)
@@ -127,20 +181,41 @@ class StreamedTransactions:
 
     def _abort(self, xid: int, sub: int) -> None:
         if sub == xid:
-            self._open.pop(xid, None)
+            streamed = self._open.pop(xid, None)
+            if streamed is not None:
+                streamed.close()
             return
         streamed = self._open.get(xid)
         first = None if streamed is None else streamed.firsts.get(_START.pack(sub))
         if streamed is None or first is None:
             return  # none of its changes came
-        del streamed.changes[first:]
+        streamed.truncate(first)
         streamed.firsts = {x: at for x, at in streamed.firsts.items() if at < first}
         streamed.last = b""
 
     def give(self, out: list[Received], limit: int) -> None:
         """Append up to ``limit`` messages of the committed transaction to ``out``."""
-        end = min(len(self._ready), self._given + limit)
-        out += self._ready[self._given : end]
-        self._given = end
-        if end == len(self._ready):
-            self._ready, self._given = [], 0
+        ready, spilled, given = self._ready, self._spilled, self._given
+        head = len(ready)
+        total = head + (len(spilled) if spilled is not None else 0)  # then its Commit
+        end = min(total + 1, given + limit)
+        if given < head:
+            out += ready[given : min(end, head)]
+        if spilled is not None and given < total and end > head:
+            out += spilled.read(max(given, head) - head, min(end, total) - head)
+        if end <= total:
+            self._given = end
+            return
+        out.append(self._commit)
+        self._ready, self._spilled, self._commit, self._given = [], None, b"", 0
+        if spilled is not None:
+            spilled.close()
+
+    def close(self) -> None:
+        """Remove the spills of the transactions held."""
+        for streamed in self._open.values():
+            streamed.close()
+        self._open.clear()
+        if self._spilled is not None:
+            self._spilled.close()
+            self._spilled = None

@@ -359,6 +359,8 @@ class HarvesterGroup:
             delivery=s.delivery,
             shards=s.shards,
             source=s.source,
+            # The large transactions' records past about 100 (of large_txn) are spilled, under every fault.
+            **({"log_transaction_memory": 64 * 1024} if s.source == "log" else {}),
             limits={
                 "heartbeat_timeout": f"{int(s.heartbeat_timeout * 1000)}ms",
                 "io_error_backoff": "200ms",

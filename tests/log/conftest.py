@@ -17,6 +17,7 @@ from typing import Any
 import psycopg
 import pytest
 from psycopg import sql
+from pydantic import ByteSize
 
 from harvester import HarvesterConfig, Limits, MessageStasher, OutboxRecord
 from harvester.postgres import logical
@@ -89,12 +90,14 @@ def make_log_harvester(services: Services, logical_dsn: str, log_outbox: TableNa
         delivery: Any = "at_least_once",
         producer: dict[str, Any] | None = None,
         dsn: str = logical_dsn,
+        memory: int = 1 << 30,
         **limits: Any,
     ) -> HarvesterConfig:
         return HarvesterConfig(
             data_source=dsn,
             outbox_table=log_outbox.qualified,
             source="log",
+            log_transaction_memory=ByteSize(memory),
             delivery=delivery,
             base_kafka_config={"bootstrap.servers": services.bootstrap},
             producer_kafka_config=producer or {},

@@ -33,10 +33,11 @@ def slot_of(table: TableName) -> str:
     return HarvesterConfig(outbox_table=table.qualified).slot
 
 
-def leading_store(dsn: str, table: TableName) -> tuple[LogStore, UUID]:
-    """A log store over ``table`` whose stream streams (see :func:`tests.support.streaming`), leading a term."""
+def leading_store(dsn: str, table: TableName, memory: int = 1 << 30) -> tuple[LogStore, UUID]:
+    """A log store over ``table`` whose stream streams (see :func:`tests.support.streaming`), leading a
+    term; a transaction's records past ``memory`` are spilled."""
     config = HarvesterConfig(outbox_table=table.qualified)
-    store = LogStore(streaming(dsn), LogSetup(table, config.slot, config.publication))
+    store = LogStore(streaming(dsn), LogSetup(table, config.slot, config.publication), transaction_memory=memory)
     store.prepare()
     leader = uuid4()
     store.acquire(leader)
@@ -105,6 +106,41 @@ def test_records_decoded_while_their_transaction_streams_match_those_decoded_at_
         assert [r.id for r in again] == [r.id for r in streamed]
         assert content(again) == content(streamed)
         assert not any(a is b for a, b in zip(again, streamed, strict=True))
+    finally:
+        store.close()
+
+
+def test_a_transaction_past_the_memory_limit_is_spilled_and_every_pass_reads_it_back(
+    logical_dsn: str, log_outbox: TableName
+) -> None:
+    """A streamed transaction outgrows the store's memory for one transaction (100 kB: about 150 of
+    its records): the rest waits in a spill file as it came, a rolled-back savepoint's rows are cut
+    from it, and its records go out whole and in order, decoded at hand-out; a new pass reads them
+    back again; once they are all done the slot moves past them and the file is removed."""
+    store, leader = leading_store(logical_dsn, log_outbox, memory=100_000)
+    try:
+        with psycopg.connect(logical_dsn) as conn:
+            stash_in(conn, log_outbox, [("t", f"k{i % 7}", f"kept:{i}") for i in range(1500)])
+            conn.execute("SAVEPOINT s")
+            stash_in(conn, log_outbox, [("t", "k", f"rolled-back:{i}") for i in range(500)])
+            wait_streamed(store, leader, logical_dsn, log_outbox)
+            conn.execute("ROLLBACK TO SAVEPOINT s")
+            stash_in(conn, log_outbox, [("t", f"k{i % 7}", f"kept:{i}") for i in range(1500, 2000)])
+        records = mark_all(store, leader, 2000)
+        expected = [f"kept:{i}".encode() for i in range(2000)]
+        assert [r.value for r in records] == expected
+        (txn,) = store._txns.kept
+        spill = txn.spill
+        assert spill is not None and len(spill) > 1500 and len(txn.inserts) < 500
+        again = mark_all(store, uuid4(), 2000)
+        assert [r.value for r in again] == expected and [r.id for r in again] == [r.id for r in records]
+        position = slot_position(logical_dsn, log_outbox)
+        store.purge([r.id for r in again])
+        assert wait_until(lambda: slot_position(logical_dsn, log_outbox) != position)
+        assert not store._txns.kept
+        with pytest.raises(ValueError, match="closed file"):
+            spill[0]
+        assert wait_drained(logical_dsn, log_outbox) == 0
     finally:
         store.close()
 
@@ -192,9 +228,11 @@ def test_streamed_and_whole_transactions_drain_in_order_in_both_modes(
     make_log_harvester: HarvesterFactory,
     delivery: str,
 ) -> None:
-    """Large transactions (streamed) between small ones, each key's values in order across them."""
+    """Large transactions (streamed, and spilled past the memory for one) between small ones, each
+    key's values in order across them."""
     topic = topics(partitions=3)
-    make_log_harvester(delivery=delivery, dsn=streaming(logical_dsn))
+    # A transaction's records past 100 kB (about 150) wait in a spill file.
+    make_log_harvester(delivery=delivery, dsn=streaming(logical_dsn), memory=100_000)
     sizes = [1500, 10, 1500, 10, 10, 1500]
     written = {f"k{k}": 0 for k in range(5)}
     for size in sizes:

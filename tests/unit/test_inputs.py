@@ -67,6 +67,21 @@ def test_goharvest_keys_and_snake_case_are_equivalent() -> None:
     assert a.topic == "g.neli"
 
 
+@pytest.mark.parametrize(
+    ("text", "size"), [("512MiB", 512 << 20), ("2GB", 2 * 10**9), (65536, 65536), ("1GiB", 1 << 30)]
+)
+def test_log_transaction_memory_sizes(text: object, size: int) -> None:
+    assert HarvesterConfig.model_validate({"logTransactionMemory": text}).log_transaction_memory == size
+
+
+@pytest.mark.parametrize(
+    ("text", "message"), [("lots", "invalid size 'lots'"), ("5 parsecs", "invalid size"), (0, "greater than 0")]
+)
+def test_bad_log_transaction_memory(text: object, message: str) -> None:
+    with pytest.raises(ValidationError, match=message):
+        HarvesterConfig.model_validate({"logTransactionMemory": text})
+
+
 def test_negative_limit_rejected() -> None:
     with pytest.raises(ValidationError, match=r"max_in_flight_records|maxInFlightRecords"):
         HarvesterConfig.model_validate({"limits": {"maxInFlightRecords": -1}})

@@ -13,6 +13,7 @@ import pytest
 
 from harvester.postgres.log_records import PUBLISHED
 from harvester.postgres.log_transactions import Transactions, reached
+from harvester.postgres.streamed import SPILLED
 
 pytestmark = pytest.mark.unit
 
@@ -137,3 +138,51 @@ def test_a_done_record_is_durable_once_a_stored_position_covers_it() -> None:
     assert txns.completed([3], 0) == 150
     assert txns.durable([3], 150, (0, 0)) == [3, 4]
     assert txns.durable([4], 150, (0, 0)) == [4]  # forgotten once returned: no longer followed
+
+
+def test_inserts_past_the_memory_limit_are_spilled_and_read_back_by_every_pass() -> None:
+    txns, first, second = Transactions(b"I", OID.to_bytes(4, "big"), 1, OID, memory=500), uuid4(), uuid4()
+    txns.start_pass(first)
+    txns.receive([begin(100), relation(), *(insert(rid) for rid in range(1, 11)), commit(100, 110)])
+    txn = txns.kept[0]
+    spill = txn.spill
+    assert spill is not None and len(txn.inserts) == 4 and txn.size == 10  # an insert counts 86 + 80 bytes
+    assert [txn.insert(i) for i in range(10)] == [insert(rid) for rid in range(1, 11)]
+    taken = txns.take(first, 100)
+    assert [i for _, i in taken] == list(range(10))
+    assert all(txns.handed_out(t, i, i + 1) for t, i in taken)
+    txns.completed([2, 8], 0)  # one in memory, one spilled
+    txns.start_pass(second)  # a new pass hands out what is not done, from memory and the spill
+    again = txns.take(second, 100)
+    assert [i for _, i in again] == [0, 2, 3, 4, 5, 6, 8, 9]
+    assert all(txns.handed_out(t, i, i + 1) for t, i in again)
+    assert txns.completed([i + 1 for _, i in again], 0) == 110 and not txns.kept
+    with pytest.raises(ValueError, match="closed file"):  # settled: its spill is removed
+        spill[0]
+
+
+def test_a_new_term_removes_the_spills_of_what_it_forgets() -> None:
+    txns = Transactions(b"I", OID.to_bytes(4, "big"), 1, OID, memory=100)
+    txns.receive([begin(100), relation(), *(insert(rid) for rid in range(1, 5))])  # half received
+    spill = txns.kept[0].spill
+    assert spill is not None and len(spill) > 0
+    txns.new_term()
+    with pytest.raises(ValueError, match="closed file"):
+        spill[0]
+
+
+def test_a_streamed_transaction_spills_where_its_stream_did_and_a_restarted_one_later_keeps_what_it_decoded() -> None:
+    """What the stream decoded stays in memory, uncounted (bounded by the stream's own limit): the
+    transaction spills where the stream's SPILLED marker says. A restarted stream whose limit came
+    later gives decoded records past where the spill began: they are kept apart, by index."""
+    txns, leader = Transactions(b"I", OID.to_bytes(4, "big"), 1, OID, memory=10**9), uuid4()
+    txns.start_pass(leader)
+    decoded = [("decoded", rid) for rid in range(1, 4)]
+    txns.receive([begin(100), relation(), *decoded, SPILLED, insert(4), insert(5)])
+    txn = txns.kept[0]
+    assert txn.inserts == decoded and txn.spill is not None and len(txn.spill) == 2
+    txns.stream_started()  # the stream broke; the next one decoded up to the fourth
+    txns.receive([begin(100), relation(), *decoded, ("decoded", 4), ("decoded", 5), ("decoded", 6), SPILLED])
+    txns.receive([insert(7), commit(100, 110)])
+    assert [txn.insert(i) for i in range(7)] == [*decoded, insert(4), insert(5), ("decoded", 6), insert(7)]
+    assert [i for _, i in txns.take(leader, 100)] == list(range(7))

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import pytest
 
 from harvester.postgres import pgoutput
-from harvester.postgres.streamed import Received, StreamedTransactions
+from harvester.postgres.streamed import SPILLED, Received, StreamedTransactions
 
 pytestmark = pytest.mark.unit
 
@@ -124,3 +124,39 @@ def test_a_decoder_keeps_what_it_returns_instead_of_a_change_one_decoder_per_tra
     # 10's change dropped; the one the decoder failed on kept as it came.
     assert given(s)[1:-1] == [("decoded", b"Ia!"), ("decoded", b"Ib!"), b"Ic", b"Ie?"]
     assert made == [[b"Ia!", b"Ib!", b"Ic", b"Ie?", b"Id!"], [b"Ix!"]]  # each in its transaction's order
+
+
+def test_changes_past_the_memory_limit_are_spilled_as_they_came_and_given_in_order() -> None:
+    def decoder() -> Callable[[bytes], object | None]:
+        return lambda change: ("decoded", change)
+
+    # A decoded change counts its size and 500 bytes (spill.py): the second outgrows 1,000, the third
+    # and later ones are spilled, as they came.
+    s = StreamedTransactions(decoder, limit=1000)
+    feed(s, start(7, True), change(7, "a"), change(7, "b"), change(7, "c"), change(8, "d"), change(8, "e"), STOP)
+    feed(s, start(7), change(9, "f"), change(7, "g"), STOP, stream_abort(7, 9))  # cut back inside the spill
+    feed(s, stream_commit(7, 1000, 1010))
+    out: list[Received] = []
+    while s.ready:
+        s.give(out, 2)  # chunks across the memory part, the spill and the Commit
+    assert out[1:-1] == [("decoded", b"Ia"), ("decoded", b"Ib"), SPILLED, b"Ic", b"Id", b"Ie"]
+    assert [m[:1] for m in (out[0], out[-1]) if isinstance(m, bytes)] == [b"B", b"C"]
+
+
+def test_an_aborted_subtransaction_that_began_in_memory_drops_the_spill() -> None:
+    s = StreamedTransactions(limit=200)  # a change "Ix" counts 2 + 80 bytes: the third one outgrows 200
+    feed(s, start(7, True), change(7, "a"), change(8, "b"), change(8, "c"), change(8, "d"), STOP)
+    feed(s, stream_abort(7, 8), start(7), change(7, "e"), change(7, "f"), change(7, "g"), change(7, "h"), STOP)
+    feed(s, stream_commit(7, 1000, 1010))
+    assert given_bytes(s)[1:-1] == [b"Ia", b"Ie", b"If", SPILLED, b"Ig", b"Ih"]  # memory again, then spilled
+
+
+def test_a_stream_closed_removes_its_spills() -> None:
+    s = StreamedTransactions(limit=100)
+    feed(s, start(7, True), *(change(7, str(i)) for i in range(5)), STOP, start(8, True), change(8, "x"), STOP)
+    spill = s._open[7].spill
+    assert spill is not None and len(spill) == 3
+    s.close()
+    assert s.in_progress == 0
+    with pytest.raises(ValueError, match="closed file"):
+        spill[0]

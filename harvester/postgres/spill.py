@@ -1,0 +1,68 @@
+"""Where the log source keeps a large transaction's messages beyond its memory limit: an unnamed
+temporary file, read back by position.
+
+The leader holds a transaction's outbox messages from its first streamed block to its commit, and a
+received transaction's until all its records are done (a new pass hands them out again from there).
+A transaction larger than the memory the reaper has would otherwise kill every leader that reads
+it, one after another, with the slot stuck before it. So each transaction holds its messages in
+memory up to the ``logTransactionMemory`` setting (as estimated from their sizes, below), and its
+later ones, as they came, in a :class:`Spill`: what a crash loses of it, the slot sends again, so
+the file is unnamed (``tempfile.TemporaryFile``, in ``TMPDIR``) and goes with the process.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from array import array
+from typing import IO
+
+# What holding a message costs in memory besides its bytes: the bytes object's header and the list's
+# slot; or, for a record decoded from it as it came (streamed.py), the record's objects (640 bytes
+# measured for an insert of a 100-byte value, a message of about 140: docs/log-source.md "Memory").
+MESSAGE_COST = 80
+DECODED_COST = 500
+
+
+class Spill:
+    """Messages in a temporary file, by position: appended in order, read back by index, cut back
+    to a length (a subtransaction's abort). Not thread-safe; its owner serializes the calls."""
+
+    __slots__ = ("_file", "_starts")
+
+    def __init__(self) -> None:
+        self._file: IO[bytes] = tempfile.TemporaryFile(prefix="harvester-spill-")  # noqa: SIM115 (closed by close())
+        self._starts = array("q", [0])  # where each message starts, and where the next one will
+
+    def __len__(self) -> int:
+        return len(self._starts) - 1
+
+    def append(self, message: bytes) -> None:
+        self._file.write(message)
+        self._starts.append(self._starts[-1] + len(message))
+
+    def __getitem__(self, index: int) -> bytes:
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        self._file.flush()
+        start = self._starts[index]
+        return os.pread(self._file.fileno(), self._starts[index + 1] - start, start)
+
+    def read(self, start: int, stop: int) -> list[bytes]:
+        """The messages from position ``start`` to ``stop`` (excluded), in one read."""
+        if not 0 <= start <= stop <= len(self):
+            raise IndexError((start, stop))
+        self._file.flush()
+        starts, first = self._starts, self._starts[start]
+        data = os.pread(self._file.fileno(), starts[stop] - first, first)
+        return [data[starts[i] - first : starts[i + 1] - first] for i in range(start, stop)]
+
+    def truncate(self, length: int) -> None:
+        """Forget the messages from position ``length`` on."""
+        del self._starts[length + 1 :]
+        self._file.flush()
+        self._file.truncate(self._starts[-1])
+        self._file.seek(self._starts[-1])
+
+    def close(self) -> None:
+        self._file.close()
