@@ -32,7 +32,7 @@ from harvester.core.records import Failure, MarkedRecord
 from harvester.postgres import logical, pgoutput
 from harvester.postgres.log_records import Columns, outbox_record
 from harvester.postgres.log_slot import SlotStream
-from harvester.postgres.log_transactions import Taken, Transaction, Transactions, reached
+from harvester.postgres.log_transactions import Taken, Transaction, Transactions, messages, reached
 from harvester.postgres.log_visibility import INVISIBLE_RECHECK, visible
 from harvester.postgres.logical import LogSetup
 from harvester.postgres.migrations import fence_table
@@ -226,9 +226,7 @@ class LogStore(PostgresStore):
     def _records(self, taken: Taken) -> list[MarkedRecord]:
         """The records of outbox messages (Inserts), before the identity headers."""
         out: list[MarkedRecord] = []
-        for txn, index in taken:
-            inserts = txn.inserts  # in memory, or else where Transaction.insert finds it
-            insert = inserts[index] if index < len(inserts) else txn.insert(index)
+        for (txn, _), insert in zip(taken, messages(taken), strict=True):
             if type(insert) is bytes:
                 assert txn.columns is not None  # checked as the transaction came in
                 out.append(outbox_record(insert, txn.columns))

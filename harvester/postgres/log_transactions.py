@@ -62,12 +62,19 @@ class Transaction:
     def insert(self, index: int) -> Received:
         """Its ``index``-th outbox message (what a decoder kept of it)."""
         inserts = self.inserts
-        if index < len(inserts):
-            return inserts[index]
-        if self.apart is not None and index in self.apart:
-            return self.apart[index]
+        return inserts[index] if index < len(inserts) else self.spilled(index, index + 1)[0]
+
+    def spilled(self, start: int, stop: int) -> list[Received]:
+        """Its outbox messages from ``start`` to ``stop`` (excluded), all past those in memory, in
+        one read of its spill."""
         assert self.spill is not None
-        return self.spill[index - len(inserts)]
+        base = len(self.inserts)
+        out: list[Received] = list(self.spill.read(start - base, stop - base))
+        if self.apart is not None:
+            for index, kept in self.apart.items():
+                if start <= index < stop:
+                    out[index - start] = kept
+        return out
 
     def forget(self) -> None:
         """Remove its spill, if any: it is settled, or its term ended."""
@@ -82,6 +89,23 @@ def reached(transactions: Iterable[Transaction], lsn: int) -> bool:
 
 # Records handed out: their transactions and their indexes in its inserts.
 Taken = list[tuple[Transaction, int]]
+
+
+def messages(taken: Taken) -> list[Received]:
+    """The outbox messages (or what a decoder kept of them) of ``taken``, from memory or, past it,
+    from their transactions' spills, a run of consecutive ones in one read."""
+    out: list[Received | None] = [txn.inserts[i] if i < len(txn.inserts) else None for txn, i in taken]
+    gaps = [at for at, message in enumerate(out) if message is None]
+    g = 0
+    while g < len(gaps):
+        at = gaps[g]
+        txn, first = taken[at]
+        run = 1
+        while g + run < len(gaps) and gaps[g + run] == at + run and taken[at + run] == (txn, first + run):
+            run += 1
+        out[at : at + run] = txn.spilled(first, first + run)
+        g += run
+    return out
 
 
 class Transactions:

@@ -28,7 +28,7 @@ from harvester.postgres.catalog import OutboxColumns
 from harvester.postgres.connections import error_text
 from harvester.postgres.log_position import PositionedLogStore
 from harvester.postgres.log_store import decoded
-from harvester.postgres.log_transactions import Taken, Transaction, Transactions
+from harvester.postgres.log_transactions import Taken, Transaction, Transactions, messages
 from harvester.postgres.logical import LogSetup
 
 _EPOCH_2000 = datetime(2000, 1, 1, tzinfo=UTC)
@@ -70,13 +70,11 @@ class MessageStore(PositionedLogStore):
 
     def _records(self, taken: Taken) -> list[MarkedRecord]:
         out: list[MarkedRecord] = []
-        for txn, index in taken:
+        for (txn, _), message in zip(taken, messages(taken), strict=True):
             last, created = self._created
             if txn is not last:
                 created = _EPOCH_2000 + timedelta(microseconds=txn.commit_time)
                 self._created = (txn, created)
-            inserts = txn.inserts  # in memory, or else where Transaction.insert finds it
-            message = inserts[index] if index < len(inserts) else txn.insert(index)
             if type(message) is bytes:
                 out.append(self._record(message, created))
             else:

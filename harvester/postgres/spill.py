@@ -44,9 +44,7 @@ class Spill:
     def __getitem__(self, index: int) -> bytes:
         if not 0 <= index < len(self):
             raise IndexError(index)
-        self._file.flush()
-        start = self._starts[index]
-        return os.pread(self._file.fileno(), self._starts[index + 1] - start, start)
+        return self.read(index, index + 1)[0]
 
     def read(self, start: int, stop: int) -> list[bytes]:
         """The messages from position ``start`` to ``stop`` (excluded), in one read."""

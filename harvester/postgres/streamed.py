@@ -127,35 +127,31 @@ class StreamedTransactions:
     def take(self, message: bytes) -> None:
         """A message of a stream block, or one opening, closing, committing or aborting a stream."""
         current, kind = self._current, message[0]
-        if current is not None and kind in _WITH_XID:
-            xid = message[1:5]
-            if xid != current.last:
-                current.firsts.setdefault(xid, current.size)
-                current.last = xid
-            change = message[:1] + message[5:]
+        if current is not None and kind not in STREAM_KINDS:
+            decode = None
+            if kind in _WITH_XID:
+                xid = message[1:5]
+                if xid != current.last:
+                    current.firsts.setdefault(xid, current.size)
+                    current.last = xid
+                message, decode = message[:1] + message[5:], current.decode
             if current.spill is not None:
-                current.spill.append(change)
+                current.spill.append(message)
                 return
             kept = None
-            if current.decode is not None:
+            if decode is not None:
                 try:
-                    kept = current.decode(change)
+                    kept = decode(message)
                 except Exception:  # kept as it came: decoded again where it is read, the error met there
                     kept = None
             if kept is None:
-                current.changes.append(change)
-                current.in_memory += len(change) + MESSAGE_COST
-            else:
-                current.changes.append(kept)
-                current.in_memory += len(change) + DECODED_COST
-            if current.in_memory > self._limit:
-                current.spill = Spill()
-        elif current is not None and kind not in STREAM_KINDS:
-            if current.spill is not None:
-                current.spill.append(message)
-            else:
                 current.changes.append(message)
                 current.in_memory += len(message) + MESSAGE_COST
+            else:
+                current.changes.append(kept)
+                current.in_memory += len(message) + DECODED_COST
+            if current.in_memory > self._limit:
+                current.spill = Spill()
         elif kind == 0x53:  # 'S'
             (xid,) = _START.unpack_from(message, 1)
             current = self._open.get(xid)

@@ -12,7 +12,7 @@ from uuid import UUID, uuid4
 import pytest
 
 from harvester.postgres.log_records import PUBLISHED
-from harvester.postgres.log_transactions import Transactions, reached
+from harvester.postgres.log_transactions import Transactions, messages, reached
 from harvester.postgres.streamed import SPILLED
 
 pytestmark = pytest.mark.unit
@@ -150,6 +150,7 @@ def test_inserts_past_the_memory_limit_are_spilled_and_read_back_by_every_pass()
     assert [txn.insert(i) for i in range(10)] == [insert(rid) for rid in range(1, 11)]
     taken = txns.take(first, 100)
     assert [i for _, i in taken] == list(range(10))
+    assert messages(taken) == [insert(rid) for rid in range(1, 11)]  # the spilled ones in one read
     assert all(txns.handed_out(t, i, i + 1) for t, i in taken)
     txns.completed([2, 8], 0)  # one in memory, one spilled
     txns.start_pass(second)  # a new pass hands out what is not done, from memory and the spill
@@ -185,4 +186,6 @@ def test_a_streamed_transaction_spills_where_its_stream_did_and_a_restarted_one_
     txns.receive([begin(100), relation(), *decoded, ("decoded", 4), ("decoded", 5), ("decoded", 6), SPILLED])
     txns.receive([insert(7), commit(100, 110)])
     assert [txn.insert(i) for i in range(7)] == [*decoded, insert(4), insert(5), ("decoded", 6), insert(7)]
-    assert [i for _, i in txns.take(leader, 100)] == list(range(7))
+    taken = txns.take(leader, 100)
+    assert [i for _, i in taken] == list(range(7))
+    assert messages(taken) == [*decoded, insert(4), insert(5), ("decoded", 6), insert(7)]
