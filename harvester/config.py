@@ -118,8 +118,9 @@ class HarvesterConfig(BaseModel):
     log_transaction_memory: ByteSize = Field(
         default=ByteSize(1 << 30),
         gt=0,
-        description="With source log: the memory one transaction's records may take in the leader (an "
-        "estimate); a larger transaction's further records wait in a temporary file (in TMPDIR) until done.",
+        description="With source log: the memory the transactions' records may take in the leader, all "
+        "together (an estimate); past it, a large transaction's further records wait in a temporary file "
+        "(in TMPDIR) until done.",
     )
     log_prefix: str | None = Field(
         default=None,

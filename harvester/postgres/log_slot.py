@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from harvester.postgres.logical import LogSetup
 from harvester.postgres.replication import SLOT_IN_USE, LogicalStream, StreamError
+from harvester.postgres.spill import Budget
 from harvester.postgres.streamed import Decoder, Received
 
 # Starting the stream while the slot's previous reader is still exiting: tries, and the pause between.
@@ -28,18 +29,18 @@ class SlotStream:
         take_over: Callable[[], int],
         on_start: Callable[[], None],
         decoder: Decoder | None = None,
-        memory: int = 1 << 62,
+        budget: Budget | None = None,
     ) -> None:
         """``take_over`` terminates the slot's other reader under the fence and returns the slot's
         confirmed position; ``on_start`` runs once a new stream started (a restarted stream sends
-        again what the previous one sent past that position); ``decoder`` and ``memory`` are each
+        again what the previous one sent past that position); ``decoder`` and ``budget`` are each
         stream's (see :class:`~harvester.postgres.replication.LogicalStream`)."""
         self.conninfo = ""  # the store's, set before the first start
         self._setup = setup
         self._take_over = take_over
         self._on_start = on_start
         self._decoder = decoder
-        self._memory = memory
+        self._budget = budget
         self._lock = threading.Lock()
         self._stream: LogicalStream | None = None
         # The position confirmed to the server, or to confirm when the next stream starts.
@@ -144,7 +145,7 @@ class SlotStream:
                     confirmed,
                     messages=self._setup.prefix is not None,
                     decoder=self._decoder,
-                    memory=self._memory,
+                    budget=self._budget,
                 )
             except StreamError as exc:
                 if exc.sqlstate != SLOT_IN_USE or tries == 1:

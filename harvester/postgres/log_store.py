@@ -37,6 +37,7 @@ from harvester.postgres.log_visibility import INVISIBLE_RECHECK, visible
 from harvester.postgres.logical import LogSetup
 from harvester.postgres.migrations import fence_table
 from harvester.postgres.replication import StreamError
+from harvester.postgres.spill import Budget
 from harvester.postgres.store import PostgresStore
 from harvester.postgres.streamed import Received
 
@@ -67,21 +68,21 @@ class LogStore(PostgresStore):
     release_on_ack = True
 
     def __init__(self, dsn: str, setup: LogSetup, *, transaction_memory: int = 1 << 30, **options: Any) -> None:
-        """``transaction_memory``: the memory (estimated) a transaction's records take before the
-        next ones are spilled to a temporary file (spill.py)."""
+        """``transaction_memory``: the memory (estimated) the transactions' records may take, all
+        together, before a large one's next ones are spilled to a temporary file (spill.py)."""
         # No vacuum while a backlog drains: it keeps the head of the id index clean for the mark
         # query, and this store reads no rows (its deletes find theirs by id); autovacuum suffices.
         super().__init__(dsn, setup.table, **{**options, "vacuum_every": 0})
         self._setup = setup
-        self._memory = transaction_memory
+        self._budget = Budget(transaction_memory)  # shared by the streams and the received transactions
         self._options = f"{self._options} {_SESSION}"
-        self._slot = SlotStream(setup, self._take_over, self._stream_started, self._stream_decoder, transaction_memory)
+        self._slot = SlotStream(setup, self._take_over, self._stream_started, self._stream_decoder, self._budget)
         self._slot.conninfo = psycopg.conninfo.make_conninfo(
             dsn, connect_timeout=5, application_name=self._app, options=self._options
         )
         self._outbox_oid = 0  # the table's oid, whose inserts the stream decoder decodes (0 until prepared)
         self._state = threading.Lock()  # guards everything below (mark and completion threads)
-        self._txns = Transactions(b"I", b"", 1)  # the outbox's oid is known once prepared
+        self._txns = Transactions(b"I", b"", 1, budget=self._budget)  # the outbox's oid is known once prepared
         self._term_lsn = 0  # the end of the log when this term began
         self._present: sql.Composed | None = None
         # Exactly-once: (checkpoint position, its records' transactions) of purged batches whose
@@ -123,7 +124,7 @@ class LogStore(PostgresStore):
         row = self._run("SELECT to_regclass(%s)::oid", (self._table.quoted,))
         oid = self._outbox_oid = int(row[0][0])
         self._present = sql.SQL("SELECT id FROM {} WHERE id = ANY(%s::bigint[])").format(self._table.ident)
-        return Transactions(b"I", oid.to_bytes(4, "big"), 1, oid, self._memory)
+        return Transactions(b"I", oid.to_bytes(4, "big"), 1, oid, self._budget)
 
     @property
     def tracks_attempts(self) -> bool:

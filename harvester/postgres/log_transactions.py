@@ -29,7 +29,7 @@ from uuid import UUID
 from harvester.core.protocols import StoreError
 from harvester.postgres import pgoutput
 from harvester.postgres.log_records import Columns
-from harvester.postgres.spill import MESSAGE_COST, Spill
+from harvester.postgres.spill import MESSAGE_COST, Budget, Spill
 from harvester.postgres.streamed import SPILLED, Received
 
 
@@ -46,8 +46,8 @@ class Transaction:
     visible: bool = False  # its rows were found visible to new snapshots (see harvester.postgres.log_visibility)
     commit_time: int = 0  # microseconds since 2000-01-01 UTC
     end_lsn: int = 0  # a slot advanced to here has consumed it; 0 until its Commit came
-    in_memory: int = 0  # what its inserts in memory take (estimated, spill.py; those decoded: see receive)
-    spill: Spill | None = None  # its inserts past the memory limit
+    in_memory: int = 0  # what its inserts in memory take (estimated, spill.py), as counted in the budget
+    spill: Spill | None = None  # its inserts past the budget
     # Inserts a restarted stream decoded past where the spill began (see receive), by index.
     apart: dict[int, Received] | None = None
 
@@ -75,11 +75,6 @@ class Transaction:
                 if start <= index < stop:
                     out[index - start] = kept
         return out
-
-    def forget(self) -> None:
-        """Remove its spill, if any: it is settled, or its term ended."""
-        if self.spill is not None:
-            self.spill.close()
 
 
 def reached(transactions: Iterable[Transaction], lsn: int) -> bool:
@@ -113,12 +108,12 @@ class Transactions:
 
     ``kind`` and ``match`` say which messages are the outbox's: those whose first byte is ``kind``
     and whose bytes from ``at`` are ``match`` (an Insert naming the outbox's oid; a logical message
-    with the outbox's prefix). A transaction's messages past ``memory`` (estimated bytes, spill.py)
-    are spilled."""
+    with the outbox's prefix). What the transactions hold in memory is counted in ``budget``'s
+    ``received`` (spill.py); once it is over, a transaction past its floor spills its next messages."""
 
-    def __init__(self, kind: bytes, match: bytes, at: int, oid: int = 0, memory: int = 1 << 62) -> None:
+    def __init__(self, kind: bytes, match: bytes, at: int, oid: int = 0, budget: Budget | None = None) -> None:
         self._kind, self._match, self._at, self._end = kind, match, at, at + len(match)
-        self._memory = memory
+        self._budget = budget or Budget()
         self._oid = oid  # the outbox table's oid, whose Relation messages name its columns (0: none)
         self.columns: Columns | None = None  # from the outbox's latest Relation message
         self._pass: UUID | None = None  # the leader id of the current pass
@@ -135,6 +130,10 @@ class Transactions:
         self._recovered: set[int] = set()
         self._settled_upto = 0  # the end of the last transaction this term forgot as settled
         self._open: Transaction | None = None  # the transaction being received (kept already)
+        # How much it may hold before it spills: the budget's room for it as of its Begin (the
+        # walsender sends nothing else until its Commit, so what the others hold can only shrink
+        # meanwhile), and at least the floor. Computed once: a message only compares.
+        self._spill_at = 0
         self._skip = 0  # its inserts a restarted stream sends again (received before)
         self._partial = (0, 0)  # (commit LSN, done prefix) of a transaction a new term skips a part of
 
@@ -146,7 +145,7 @@ class Transactions:
         self._buffer.clear()
         self._received_upto = done_upto
         for txn in self.kept:
-            txn.forget()
+            self._forget(txn)
         self.kept.clear()
         self._of_id.clear()
         if self._held is not None:
@@ -237,9 +236,10 @@ class Transactions:
     def receive(self, messages: Iterable[Received]) -> None:
         """Keep the outbox's messages of each transaction as they come, skipping transactions this
         term received already (a restarted stream sends them again). What is not bytes is what a
-        decoder kept of an outbox message (streamed.py)."""
-        kind, match, at, oid, memory = self._kind[0], self._match, self._at, self._oid, self._memory
-        txn, buffer = self._open, self._buffer
+        decoder kept of an outbox message (streamed.py), counted by its stream: at a Begin, the
+        count a stream handed over at its commit is taken into the transaction's."""
+        kind, match, at, oid, budget = self._kind[0], self._match, self._at, self._oid, self._budget
+        txn, buffer, spill_at = self._open, self._buffer, self._spill_at
         for data in messages:
             if type(data) is not bytes or data[0] == kind:
                 if txn is not None and (type(data) is not bytes or data.startswith(match, at)):
@@ -252,9 +252,11 @@ class Transactions:
                     if spill is None:
                         index = len(txn.inserts)
                         txn.inserts.append(data)
-                        if type(data) is bytes:  # what was decoded is in a streamed one's memory, bounded there
-                            txn.in_memory += len(data) + MESSAGE_COST
-                            if txn.in_memory > memory:
+                        if type(data) is bytes:  # what was decoded, its stream counted (handed over)
+                            cost = len(data) + MESSAGE_COST
+                            txn.in_memory += cost
+                            budget.received += cost
+                            if txn.in_memory > spill_at:
                                 txn.spill = Spill()
                     else:
                         index = len(txn.inserts) + len(spill)
@@ -276,6 +278,14 @@ class Transactions:
             message = pgoutput.parse(data)
             if isinstance(message, pgoutput.Begin):
                 txn = self._begin(message)
+                if budget.handed:  # a streamed one's: its stream's count passes to the memory it is in
+                    if txn is not None:  # else received before: its messages are skipped
+                        txn.in_memory += budget.handed
+                        budget.received += budget.handed
+                    budget.handed = 0
+                if txn is not None:
+                    others = budget.streamed + budget.received + budget.handed - txn.in_memory
+                    spill_at = self._spill_at = max(budget.floor, budget.limit - others)
             elif isinstance(message, pgoutput.Relation) and message.oid == oid:
                 self.columns = Columns(message)
                 if txn is not None:
@@ -330,9 +340,15 @@ class Transactions:
         handed out again, even if confirming it failed: the next call retries."""
         while self.kept and self.kept[0].settled:
             txn = self.kept.popleft()
-            txn.forget()
+            self._forget(txn)
             self._settled_upto = txn.end_lsn
         return self._settled_upto if self._settled_upto > advanced else 0
+
+    def _forget(self, txn: Transaction) -> None:
+        """Free what ``txn`` holds: it settled, or its term ended."""
+        self._budget.received -= txn.in_memory
+        if txn.spill is not None:
+            txn.spill.close()
 
     def partial(self) -> tuple[int, int]:
         """(commit LSN, done prefix) of the first transaction not all done, if that prefix is not

@@ -64,7 +64,7 @@ class MessageStore(PositionedLogStore):
 
     def _outbox_messages(self) -> Transactions:
         """Logical messages with the outbox's prefix (after 'M', the flags and the LSN)."""
-        return Transactions(b"M", self._prefix + b"\0", 10, memory=self._memory)
+        return Transactions(b"M", self._prefix + b"\0", 10, budget=self._budget)
 
     # ------------------------------------------------------------------ reading
 

@@ -25,6 +25,7 @@ import psycopg
 from psycopg import pq
 
 from harvester.core.protocols import StoreError
+from harvester.postgres.spill import Budget
 from harvester.postgres.streamed import STREAM_KINDS, Decoder, Received, StreamedTransactions
 
 _XLOG_HEAD: Final = 25  # 'w', start LSN, end LSN, send time
@@ -62,18 +63,18 @@ class LogicalStream:
         *,
         messages: bool = False,
         decoder: Decoder | None = None,
-        memory: int = 1 << 62,
+        budget: Budget | None = None,
     ) -> None:
         """Connect as a replication client and stream from the slot's confirmed position, which is
         ``flushed`` (answers to keepalives report it until :meth:`confirm` moves it); with
         ``messages``, the transactions' logical decoding messages too; with ``decoder``, the changes
-        of transactions streamed in progress are kept as it says, each transaction's in ``memory``
-        (estimated bytes) and the rest spilled (streamed.py). Needs PostgreSQL 14+."""
+        of transactions streamed in progress are kept as it says, within ``budget`` and past it
+        spilled (streamed.py, spill.py). Needs PostgreSQL 14+."""
         self.server_end = 0  # how far the walsender's decoding reached, per its latest keepalive
         self._flushed = flushed  # the flush position reported last
         self.drained = True  # the last read took everything that had arrived
         self._reported = time.monotonic()  # when the last status update went out
-        self.streamed = StreamedTransactions(decoder, memory)
+        self.streamed = StreamedTransactions(decoder, budget)
         self._conn = pq.PGconn.connect(psycopg.conninfo.make_conninfo(conninfo, replication="database").encode())
         try:
             if self._conn.status != pq.ConnStatus.OK:

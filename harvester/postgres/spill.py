@@ -4,10 +4,11 @@ temporary file, read back by position.
 The leader holds a transaction's outbox messages from its first streamed block to its commit, and a
 received transaction's until all its records are done (a new pass hands them out again from there).
 A transaction larger than the memory the reaper has would otherwise kill every leader that reads
-it, one after another, with the slot stuck before it. So each transaction holds its messages in
-memory up to the ``logTransactionMemory`` setting (as estimated from their sizes, below), and its
-later ones, as they came, in a :class:`Spill`: what a crash loses of it, the slot sends again, so
-the file is unnamed (``tempfile.TemporaryFile``, in ``TMPDIR``) and goes with the process.
+it, one after another, with the slot stuck before it; so would several large ones at once. So the
+transactions of a store hold their messages in memory up to the ``logTransactionMemory`` setting,
+all together (a :class:`Budget`, as estimated from their sizes, below), and a large one's later
+messages, as they came, in a :class:`Spill`: what a crash loses of it, the slot sends again, so the
+file is unnamed (``tempfile.TemporaryFile``, in ``TMPDIR``) and goes with the process.
 """
 
 from __future__ import annotations
@@ -22,6 +23,27 @@ from typing import IO
 # measured for an insert of a 100-byte value, a message of about 140: docs/log-source.md "Memory").
 MESSAGE_COST = 80
 DECODED_COST = 500
+# What a transaction holds in memory before it may spill: one that holds less never does, so that
+# small transactions get no file each (how many are held at once, the read-ahead bounds).
+FLOOR = 64 << 10
+
+
+class Budget:
+    """The memory (estimated) the transactions of one store may hold, all together. Those streamed
+    in progress are counted by their stream (:class:`~harvester.postgres.streamed.StreamedTransactions`,
+    ``streamed``) and those received by their receiver (:class:`~harvester.postgres.log_transactions.Transactions`,
+    ``received``), each side writing only its own count, under its own lock; a committed streamed
+    transaction's count passes from one to the other through ``handed``. A transaction holding more
+    than ``floor`` spills its next messages while the sum is over ``limit``."""
+
+    __slots__ = ("floor", "handed", "limit", "received", "streamed")
+
+    def __init__(self, limit: int = 1 << 62, floor: int = FLOOR) -> None:
+        self.limit = limit
+        self.floor = min(limit, floor)
+        self.streamed = 0
+        self.received = 0
+        self.handed = 0
 
 
 class Spill:

@@ -15,10 +15,11 @@ drops the transaction, or the subtransaction and whatever came after its first c
 its own or its subtransactions': PostgreSQL's own apply worker truncates its spool file so).
 
 The outbox's rows of an in-progress transaction are held until its end, as the rows of a received
-transaction are until they are done: in memory up to a limit per transaction, and the changes past
-it, as they came, in a :class:`~harvester.postgres.spill.Spill`. A *decoder* may keep a change in
-memory in another form: each in-progress transaction gets one (:data:`Decoder`), which sees its
-changes in order as they come (up to the limit) and returns what to keep instead of a change, or
+transaction are until they are done: in memory within the store's
+:class:`~harvester.postgres.spill.Budget`, and a large transaction's changes past it, as they came,
+in a :class:`~harvester.postgres.spill.Spill`. A *decoder* may keep a change in memory in another
+form: each in-progress transaction gets one (:data:`Decoder`), which sees its changes in order as
+they come (until they spill) and returns what to keep instead of a change, or
 None to keep the change; a change it fails on is kept as it came (whoever reads it later meets the
 error there). The log source decodes its inserts so, while the transaction is still being written,
 rather than after its commit, when the drain waits for them (docs/log-source.md, "Decoding a
@@ -34,7 +35,7 @@ from collections.abc import Callable
 from typing import Final
 
 from harvester.postgres import pgoutput
-from harvester.postgres.spill import DECODED_COST, MESSAGE_COST, Spill
+from harvester.postgres.spill import DECODED_COST, MESSAGE_COST, Budget, Spill
 
 # The kinds that open, close, commit or abort a stream: 'S', 'E', 'c', 'A'.
 STREAM_KINDS = frozenset(b"SEcA")
@@ -67,15 +68,15 @@ class _Streamed:
         self.firsts: dict[bytes, int] = {}  # by the xid's 4 bytes
         self.last = b""  # the xid of the latest change
         self.in_memory = 0  # what its changes in memory take (estimated, spill.py)
-        self.spill: Spill | None = None  # its changes past the limit, from the first one that outgrew it
+        self.spill: Spill | None = None  # its changes past the budget, from the first one that outgrew it
 
     @property
     def size(self) -> int:
         return len(self.changes) + (len(self.spill) if self.spill is not None else 0)
 
-    def truncate(self, length: int) -> None:
-        """Forget the changes from position ``length`` on."""
-        kept = len(self.changes)
+    def truncate(self, length: int) -> int:
+        """Forget the changes from position ``length`` on; what that frees in memory (estimated)."""
+        kept, before = len(self.changes), self.in_memory
         if length < kept:
             self.in_memory = self.in_memory * length // kept  # as estimated: about what they took
             del self.changes[length:]
@@ -84,6 +85,7 @@ class _Streamed:
                 self.spill = None
         elif self.spill is not None:
             self.spill.truncate(length - kept)
+        return before - self.in_memory
 
     def close(self) -> None:
         if self.spill is not None:
@@ -93,13 +95,18 @@ class _Streamed:
 class StreamedTransactions:
     """The streamed transactions of one replication stream (a new stream sends them again)."""
 
-    def __init__(self, decoder: Decoder | None = None, limit: int = 1 << 62) -> None:
-        """``limit``: the memory (estimated: a change's size and :data:`~harvester.postgres.spill.MESSAGE_COST`,
-        or :data:`~harvester.postgres.spill.DECODED_COST` when decoded) a transaction's changes take
-        before the next ones are spilled, as they came (not decoded), followed by :data:`SPILLED`
-        when given."""
+    def __init__(self, decoder: Decoder | None = None, budget: Budget | None = None) -> None:
+        """``budget``: what the transactions' changes may take in memory (estimated: a change's size
+        and :data:`~harvester.postgres.spill.MESSAGE_COST`, or :data:`~harvester.postgres.spill.DECODED_COST`
+        when decoded), counted in its ``streamed``; once over it, a transaction past its floor spills
+        its next changes as they came (not decoded), given after :data:`SPILLED`. At its commit, a
+        transaction's count is ``handed`` to its receiver, whose memory its changes go to."""
         self._decoder = decoder
-        self._limit = limit
+        self._budget = budget or Budget()
+        # How much the current transaction may hold before it spills: the budget's room for it as of
+        # its block's start (the walsender sends nothing else inside a block, so what the others hold
+        # can hardly grow meanwhile), and at least the floor. Computed once: a change only compares.
+        self._spill_at = 0
         self._open: dict[int, _Streamed] = {}
         self._current: _Streamed | None = None  # inside a Stream Start … Stream Stop block
         # A committed transaction's messages not given out yet: its Begin, its changes and its
@@ -146,11 +153,13 @@ class StreamedTransactions:
                     kept = None
             if kept is None:
                 current.changes.append(message)
-                current.in_memory += len(message) + MESSAGE_COST
+                cost = len(message) + MESSAGE_COST
             else:
                 current.changes.append(kept)
-                current.in_memory += len(message) + DECODED_COST
-            if current.in_memory > self._limit:
+                cost = len(message) + DECODED_COST
+            current.in_memory += cost
+            self._budget.streamed += cost
+            if current.in_memory > self._spill_at:
                 current.spill = Spill()
         elif kind == 0x53:  # 'S'
             (xid,) = _START.unpack_from(message, 1)
@@ -158,6 +167,9 @@ class StreamedTransactions:
             if current is None:
                 current = self._open[xid] = _Streamed(None if self._decoder is None else self._decoder())
             self._current = current
+            budget = self._budget
+            others = budget.streamed + budget.received + budget.handed - current.in_memory
+            self._spill_at = max(budget.floor, budget.limit - others)
         elif kind == 0x45:  # 'E'
             self._current = None
         elif kind == 0x63:  # 'c'
@@ -165,6 +177,8 @@ class StreamedTransactions:
             streamed = self._open.pop(xid, None)
             self._ready = [pgoutput.begin_message(commit_lsn, when, xid)]
             if streamed is not None:
+                self._budget.streamed -= streamed.in_memory
+                self._budget.handed += streamed.in_memory
                 self._ready += streamed.changes
                 if streamed.spill is not None:
                     self._ready.append(SPILLED)
@@ -179,13 +193,14 @@ class StreamedTransactions:
         if sub == xid:
             streamed = self._open.pop(xid, None)
             if streamed is not None:
+                self._budget.streamed -= streamed.in_memory
                 streamed.close()
             return
         streamed = self._open.get(xid)
         first = None if streamed is None else streamed.firsts.get(_START.pack(sub))
         if streamed is None or first is None:
             return  # none of its changes came
-        streamed.truncate(first)
+        self._budget.streamed -= streamed.truncate(first)
         streamed.firsts = {x: at for x, at in streamed.firsts.items() if at < first}
         streamed.last = b""
 
@@ -208,10 +223,13 @@ class StreamedTransactions:
             spilled.close()
 
     def close(self) -> None:
-        """Remove the spills of the transactions held."""
+        """Remove the spills of the transactions held, and their count from the budget (a committed
+        one's too, unless its receiver took it)."""
         for streamed in self._open.values():
+            self._budget.streamed -= streamed.in_memory
             streamed.close()
         self._open.clear()
+        self._budget.handed = 0
         if self._spilled is not None:
             self._spilled.close()
             self._spilled = None

@@ -35,7 +35,7 @@ def slot_of(table: TableName) -> str:
 
 def leading_store(dsn: str, table: TableName, memory: int = 1 << 30) -> tuple[LogStore, UUID]:
     """A log store over ``table`` whose stream streams (see :func:`tests.support.streaming`), leading a
-    term; a transaction's records past ``memory`` are spilled."""
+    term; past ``memory`` (its transactions' records together), a large one's further records are spilled."""
     config = HarvesterConfig(outbox_table=table.qualified)
     store = LogStore(streaming(dsn), LogSetup(table, config.slot, config.publication), transaction_memory=memory)
     store.prepare()
@@ -113,7 +113,7 @@ def test_records_decoded_while_their_transaction_streams_match_those_decoded_at_
 def test_a_transaction_past_the_memory_limit_is_spilled_and_every_pass_reads_it_back(
     logical_dsn: str, log_outbox: TableName
 ) -> None:
-    """A streamed transaction outgrows the store's memory for one transaction (100 kB: about 150 of
+    """A streamed transaction outgrows the store's memory for transactions (100 kB: about 150 of
     its records): the rest waits in a spill file as it came, a rolled-back savepoint's rows are cut
     from it, and its records go out whole and in order, decoded at hand-out; a new pass reads them
     back again; once they are all done the slot moves past them and the file is removed."""
@@ -143,6 +143,37 @@ def test_a_transaction_past_the_memory_limit_is_spilled_and_every_pass_reads_it_
         with pytest.raises(ValueError, match="closed file"):
             spill[0]
         assert wait_drained(logical_dsn, log_outbox) == 0
+    finally:
+        store.close()
+
+
+def test_large_transactions_at_once_share_the_memory_limit(logical_dsn: str, log_outbox: TableName) -> None:
+    """Two transactions written at once, each under the store's memory for transactions (300 kB:
+    about 350 records of these) but not together: what outgrows the sum spills; both go out
+    whole, in commit order, and once they are done nothing is counted and no file is left."""
+    store, leader = leading_store(logical_dsn, log_outbox, memory=300_000)
+    pad = "x" * 200
+    try:
+        with psycopg.connect(logical_dsn) as a, psycopg.connect(logical_dsn) as b:
+            for i in range(0, 250, 50):
+                stash_in(a, log_outbox, [("t", f"k{j % 7}", f"a:{j}:{pad}") for j in range(i, i + 50)])
+                stash_in(b, log_outbox, [("t", f"k{j % 7}", f"b:{j}:{pad}") for j in range(i, i + 50)])
+            wait_streamed(store, leader, logical_dsn, log_outbox, count=2)
+            b.commit()
+            a.commit()
+        records = mark_all(store, leader, 500)
+        expected = [f"{t}:{j}:{pad}".encode() for t in "ba" for j in range(250)]
+        assert [r.value for r in records] == expected
+        txns = [t for t in store._txns.kept if t.size]  # not others' streamed empty ones
+        assert [t.size for t in txns] == [250, 250]
+        spills = [t.spill for t in txns if t.spill is not None]  # one, or both if they streamed in turns
+        assert spills and all(0 < len(spill) < 250 for spill in spills)
+        position = slot_position(logical_dsn, log_outbox)
+        store.purge([r.id for r in records])
+        assert wait_until(lambda: slot_position(logical_dsn, log_outbox) != position)
+        assert (store._budget.received, store._budget.streamed, store._budget.handed) == (0, 0, 0)
+        with pytest.raises(ValueError, match="closed file"):
+            spills[0][0]
     finally:
         store.close()
 

@@ -13,6 +13,7 @@ import pytest
 
 from harvester.postgres.log_records import PUBLISHED
 from harvester.postgres.log_transactions import Transactions, messages, reached
+from harvester.postgres.spill import Budget
 from harvester.postgres.streamed import SPILLED
 
 pytestmark = pytest.mark.unit
@@ -141,12 +142,14 @@ def test_a_done_record_is_durable_once_a_stored_position_covers_it() -> None:
 
 
 def test_inserts_past_the_memory_limit_are_spilled_and_read_back_by_every_pass() -> None:
-    txns, first, second = Transactions(b"I", OID.to_bytes(4, "big"), 1, OID, memory=500), uuid4(), uuid4()
+    budget, first, second = Budget(500), uuid4(), uuid4()
+    txns = Transactions(b"I", OID.to_bytes(4, "big"), 1, OID, budget)
     txns.start_pass(first)
     txns.receive([begin(100), relation(), *(insert(rid) for rid in range(1, 11)), commit(100, 110)])
     txn = txns.kept[0]
     spill = txn.spill
     assert spill is not None and len(txn.inserts) == 4 and txn.size == 10  # an insert counts 86 + 80 bytes
+    assert budget.received == txn.in_memory == 4 * 166
     assert [txn.insert(i) for i in range(10)] == [insert(rid) for rid in range(1, 11)]
     taken = txns.take(first, 100)
     assert [i for _, i in taken] == list(range(10))
@@ -157,31 +160,37 @@ def test_inserts_past_the_memory_limit_are_spilled_and_read_back_by_every_pass()
     again = txns.take(second, 100)
     assert [i for _, i in again] == [0, 2, 3, 4, 5, 6, 8, 9]
     assert all(txns.handed_out(t, i, i + 1) for t, i in again)
-    assert txns.completed([i + 1 for _, i in again], 0) == 110 and not txns.kept
+    assert txns.completed([i + 1 for _, i in again], 0) == 110 and not txns.kept and budget.received == 0
     with pytest.raises(ValueError, match="closed file"):  # settled: its spill is removed
         spill[0]
 
 
 def test_a_new_term_removes_the_spills_of_what_it_forgets() -> None:
-    txns = Transactions(b"I", OID.to_bytes(4, "big"), 1, OID, memory=100)
+    budget = Budget(100)
+    txns = Transactions(b"I", OID.to_bytes(4, "big"), 1, OID, budget)
     txns.receive([begin(100), relation(), *(insert(rid) for rid in range(1, 5))])  # half received
     spill = txns.kept[0].spill
     assert spill is not None and len(spill) > 0
     txns.new_term()
+    assert budget.received == 0
     with pytest.raises(ValueError, match="closed file"):
         spill[0]
 
 
 def test_a_streamed_transaction_spills_where_its_stream_did_and_a_restarted_one_later_keeps_what_it_decoded() -> None:
-    """What the stream decoded stays in memory, uncounted (bounded by the stream's own limit): the
-    transaction spills where the stream's SPILLED marker says. A restarted stream whose limit came
-    later gives decoded records past where the spill began: they are kept apart, by index."""
-    txns, leader = Transactions(b"I", OID.to_bytes(4, "big"), 1, OID, memory=10**9), uuid4()
+    """What the stream decoded stays in memory, counted by the stream, whose count the transaction
+    takes over at its Begin: it spills where the stream's SPILLED marker says. A restarted stream
+    whose limit came later gives decoded records past where the spill began: they are kept apart,
+    by index."""
+    budget, leader = Budget(10**9), uuid4()
+    txns = Transactions(b"I", OID.to_bytes(4, "big"), 1, OID, budget)
     txns.start_pass(leader)
     decoded = [("decoded", rid) for rid in range(1, 4)]
+    budget.handed = 3 * 600  # as the stream handed it over at the commit
     txns.receive([begin(100), relation(), *decoded, SPILLED, insert(4), insert(5)])
     txn = txns.kept[0]
     assert txn.inserts == decoded and txn.spill is not None and len(txn.spill) == 2
+    assert budget.handed == 0 and budget.received == txn.in_memory == 1800
     txns.stream_started()  # the stream broke; the next one decoded up to the fourth
     txns.receive([begin(100), relation(), *decoded, ("decoded", 4), ("decoded", 5), ("decoded", 6), SPILLED])
     txns.receive([insert(7), commit(100, 110)])
@@ -189,3 +198,28 @@ def test_a_streamed_transaction_spills_where_its_stream_did_and_a_restarted_one_
     taken = txns.take(leader, 100)
     assert [i for _, i in taken] == list(range(7))
     assert messages(taken) == [*decoded, insert(4), insert(5), ("decoded", 6), insert(7)]
+
+
+def test_the_received_transactions_share_one_budget_and_a_small_one_never_spills() -> None:
+    """Each of two transactions is under the limit, together they are not: the second spills once
+    it is past the floor; a small one keeps its inserts in memory however far over the sum is; a
+    settled one gives its count back. A stream's count handed over for a transaction received before
+    (sent again by a restarted stream, skipped) is dropped."""
+    budget, leader = Budget(700, floor=300), uuid4()  # an insert counts 86 + 80 bytes
+    txns = Transactions(b"I", OID.to_bytes(4, "big"), 1, OID, budget)
+    txns.start_pass(leader)
+    txns.receive([begin(100), relation(), *(insert(rid) for rid in range(1, 4)), commit(100, 110)])
+    txns.receive([begin(200), *(insert(rid) for rid in range(4, 8)), commit(200, 210)])
+    txns.receive([begin(300), insert(8), commit(300, 310)])
+    first, second, small = txns.kept
+    assert first.spill is None and small.spill is None and second.spill is not None
+    assert (len(second.inserts), len(second.spill)) == (2, 2)  # the 2nd made it 830 > 700, past 300
+    assert budget.received == 6 * 166
+    taken = txns.take(leader, 100)
+    assert messages(taken) == [insert(rid) for rid in range(1, 9)]
+    assert all(txns.handed_out(t, i, rid) for (t, i), rid in zip(taken, range(1, 9), strict=True))
+    assert txns.completed([1, 2, 3], 0) == 110 and budget.received == 3 * 166
+    budget.handed = 1000
+    txns.receive([begin(100), insert(1), commit(100, 110)])  # received before: skipped
+    assert budget.handed == 0 and budget.received == 3 * 166
+    assert txns.completed(list(range(4, 9)), 0) == 310 and budget.received == 0 and not txns.kept

@@ -12,6 +12,7 @@ from collections.abc import Callable
 import pytest
 
 from harvester.postgres import pgoutput
+from harvester.postgres.spill import Budget
 from harvester.postgres.streamed import SPILLED, Received, StreamedTransactions
 
 pytestmark = pytest.mark.unit
@@ -132,10 +133,12 @@ def test_changes_past_the_memory_limit_are_spilled_as_they_came_and_given_in_ord
 
     # A decoded change counts its size and 500 bytes (spill.py): the second outgrows 1,000, the third
     # and later ones are spilled, as they came.
-    s = StreamedTransactions(decoder, limit=1000)
+    budget = Budget(1000)
+    s = StreamedTransactions(decoder, budget)
     feed(s, start(7, True), change(7, "a"), change(7, "b"), change(7, "c"), change(8, "d"), change(8, "e"), STOP)
     feed(s, start(7), change(9, "f"), change(7, "g"), STOP, stream_abort(7, 9))  # cut back inside the spill
     feed(s, stream_commit(7, 1000, 1010))
+    assert (budget.streamed, budget.handed) == (0, 2 * (2 + 500))  # its receiver takes its count over
     out: list[Received] = []
     while s.ready:
         s.give(out, 2)  # chunks across the memory part, the spill and the Commit
@@ -144,19 +147,43 @@ def test_changes_past_the_memory_limit_are_spilled_as_they_came_and_given_in_ord
 
 
 def test_an_aborted_subtransaction_that_began_in_memory_drops_the_spill() -> None:
-    s = StreamedTransactions(limit=200)  # a change "Ix" counts 2 + 80 bytes: the third one outgrows 200
+    budget = Budget(200)  # a change "Ix" counts 2 + 80 bytes: the third one outgrows 200
+    s = StreamedTransactions(budget=budget)
     feed(s, start(7, True), change(7, "a"), change(8, "b"), change(8, "c"), change(8, "d"), STOP)
-    feed(s, stream_abort(7, 8), start(7), change(7, "e"), change(7, "f"), change(7, "g"), change(7, "h"), STOP)
+    feed(s, stream_abort(7, 8))
+    assert budget.streamed == 82  # "Ia" only
+    feed(s, start(7), change(7, "e"), change(7, "f"), change(7, "g"), change(7, "h"), STOP)
     feed(s, stream_commit(7, 1000, 1010))
     assert given_bytes(s)[1:-1] == [b"Ia", b"Ie", b"If", SPILLED, b"Ig", b"Ih"]  # memory again, then spilled
 
 
 def test_a_stream_closed_removes_its_spills() -> None:
-    s = StreamedTransactions(limit=100)
+    budget = Budget(100)
+    s = StreamedTransactions(budget=budget)
     feed(s, start(7, True), *(change(7, str(i)) for i in range(5)), STOP, start(8, True), change(8, "x"), STOP)
     spill = s._open[7].spill
     assert spill is not None and len(spill) == 3
     s.close()
-    assert s.in_progress == 0
+    assert s.in_progress == 0 and budget.streamed == 0
     with pytest.raises(ValueError, match="closed file"):
         spill[0]
+
+
+def test_the_transactions_in_progress_share_one_budget_and_a_small_one_never_spills() -> None:
+    """Each of two interleaved transactions stays under the limit, together they do not: the one
+    that outgrows it (past the floor) spills; a transaction under the floor keeps its changes in
+    memory however far over the sum is. An aborted transaction gives its count back."""
+    budget = Budget(500, floor=200)  # a change "Ix" counts 2 + 80 bytes
+    s = StreamedTransactions(budget=budget)
+    feed(s, start(7, True), *(change(7, c) for c in "abc"), STOP)  # 246: in memory
+    feed(s, start(8, True), *(change(8, c) for c in "def"), STOP)  # 492: in memory
+    feed(s, start(9, True), change(9, "x"), change(9, "y"), STOP)  # 656 (over), but 164 is under the floor
+    feed(s, start(7), change(7, "g"), change(7, "h"), STOP)  # over, and 7 is past the floor: "h" spills
+    spill = s._open[7].spill
+    assert s._open[9].spill is None and s._open[8].spill is None and spill is not None and len(spill) == 1
+    assert budget.streamed == 82 * 9  # what is in memory
+    feed(s, stream_abort(8, 8))
+    assert budget.streamed == 82 * 6
+    feed(s, stream_commit(7, 1000, 1010))
+    assert given_bytes(s)[1:-1] == [b"Ia", b"Ib", b"Ic", b"Ig", SPILLED, b"Ih"]
+    assert (budget.streamed, budget.handed) == (82 * 2, 82 * 4)
