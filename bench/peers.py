@@ -381,9 +381,12 @@ def _check_record(topic: str) -> None:
 
 
 @contextlib.contextmanager
-def harvester_relay(conn: psycopg.Connection[Any], limits: Limits, source: Source) -> Iterator[Relay]:
+def harvester_relay(
+    conn: psycopg.Connection[Any], limits: Limits, source: Source, memory: int = 1 << 30
+) -> Iterator[Relay]:
     """The harvester in-process over a fresh outbox with ``source`` (with the log, its publication
-    and slot made first; table-less, the outbox's table stays empty)."""
+    and slot made first, and ``memory`` its logTransactionMemory; table-less, the outbox's table
+    stays empty)."""
     table, topic = fresh_outbox(conn), fresh_topic(PARTITIONS)
     prefix = default_prefix(table) if source == MESSAGES else None
     setup = LogSetup(table, f"{table.schema}_slot", f"{table.schema}_pub", prefix)
@@ -393,9 +396,11 @@ def harvester_relay(conn: psycopg.Connection[Any], limits: Limits, source: Sourc
         logical.create(conn, setup)
         every = limits.vacuum_every_records
         if source == RETAIN:
-            log_store = RetainingLogStore(harvest.DSN, setup, RETENTION, vacuum_every=every)
+            log_store = RetainingLogStore(harvest.DSN, setup, RETENTION, vacuum_every=every, transaction_memory=memory)
         else:
-            log_store = (MessageStore if source == MESSAGES else LogStore)(harvest.DSN, setup, vacuum_every=every)
+            log_store = (MessageStore if source == MESSAGES else LogStore)(
+                harvest.DSN, setup, vacuum_every=every, transaction_memory=memory
+            )
         log_store.prepare()
     engine, store = run_engine(table, limits, store=log_store)
     try:
