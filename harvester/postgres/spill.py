@@ -33,8 +33,10 @@ class Budget:
     in progress are counted by their stream (:class:`~harvester.postgres.streamed.StreamedTransactions`,
     ``streamed``) and those received by their receiver (:class:`~harvester.postgres.log_transactions.Transactions`,
     ``received``), each side writing only its own count, under its own lock; a committed streamed
-    transaction's count passes from one to the other through ``handed``. A transaction holding more
-    than ``floor`` spills its next messages while the sum is over ``limit``."""
+    transaction's count passes from one to the other through ``handed`` (both sides run in the
+    thread that reads the stream). A transaction holding more than ``floor`` spills its next
+    messages once it and the others (as they stood at its stream block's start or its Begin) hold
+    more than ``limit``."""
 
     __slots__ = ("floor", "handed", "limit", "received", "streamed")
 
