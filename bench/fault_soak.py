@@ -224,7 +224,7 @@ def report(delivery: str, minutes: float, soak: Soak, outcome: Outcome, sc: Scen
         inside = [t for t in times if f.start <= t <= f.end + AFTER]
         edges = [f.start, *inside, min(f.end + AFTER, times[-1] if times else f.end)]
         stalls[f.kind].append(max(b - a for a, b in pairwise(edges)))
-    f = outcome.findings
+    findings = outcome.findings
     violations = outcome.violations() + [f"harvester crashed: {c}" for c in soak.crashes]
     lines = [
         f"fault soak: delivery {delivery}, {minutes:g} min, {sc.settings.records_per_second:.0f} records/s, "
@@ -238,11 +238,11 @@ def report(delivery: str, minutes: float, soak: Soak, outcome: Outcome, sc: Scen
             lines.append(f"{kind:<26}{len(gaps):>9}{max(gaps):>17.1f}{sum(gaps) / len(gaps):>14.1f}")
     rows: list[tuple[str, object]] = [
         ("records written", outcome.records_written),
-        ("records read (read_committed)", f.records_read),
-        ("records lost", len(f.lost)),
-        ("keys out of order", len(f.out_of_order)),
-        ("duplicates (read_committed)", f.duplicates),
-        ("duplicates after DedupReader", f.dedup_left),
+        ("records read (read_committed)", findings.records_read),
+        ("records lost", len(findings.lost)),
+        ("keys out of order", len(findings.out_of_order)),
+        ("duplicates (read_committed)", findings.duplicates),
+        ("duplicates after DedupReader", findings.dedup_left),
         ("records left in outbox", outcome.left_in_outbox),
         ("calm records (latency sample)", len(latencies)),
         ("p50 commit-to-append, calm (ms)", f"{p50 * 1000:.0f}"),

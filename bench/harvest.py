@@ -31,7 +31,8 @@ from typing import Any
 
 import psycopg
 from confluent_kafka import Producer
-from confluent_kafka.admin import AdminClient, NewTopic
+from confluent_kafka.admin import AdminClient
+from confluent_kafka.cimpl import NewTopic
 from cpu import CpuMeter, per_thousand
 from psycopg import sql
 

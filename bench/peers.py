@@ -293,9 +293,10 @@ def debezium_burst(
             meter = CpuMeter(conn)
             before, relay_before = meter.sample(), connect.cpu()
             committed, copy_cpu = copy_burst(conn, relay.table, relay.topic, records, keys, spread)
+            schema = relay.table.schema
+            assert schema is not None  # fresh_outbox's
             elapsed = (
-                wait_published(consumer, relay.topic, records, lambda: _assert_running(connect, relay.table.schema))
-                - committed
+                wait_published(consumer, relay.topic, records, lambda: _assert_running(connect, schema)) - committed
             )
             after, relay_after = meter.sample(), connect.cpu()
             vacuums = autovacuums(conn, relay.table)
@@ -411,6 +412,7 @@ def harvester_relay(
         stop(engine, store)
         if source != MARK_PURGE:
             _drop_slot(conn, setup.slot, setup.publication)
+        assert table.schema is not None  # fresh_outbox's
         conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(table.schema)))
 
 
