@@ -30,11 +30,11 @@ import peers
 import psycopg
 from confluent_kafka import Consumer
 from cpu import own_seconds
-from pydantic import ByteSize, TypeAdapter, ValidationError
+from pydantic import ValidationError
 
-from harvester import Limits, TableName
+from harvester import HarvesterConfig, Limits, TableName
 
-DEFAULT = 1 << 30  # HarvesterConfig's log_transaction_memory
+DEFAULT = int(HarvesterConfig().log_transaction_memory)
 _PART = 20_000  # rows per COPY of a writer
 
 
@@ -91,10 +91,11 @@ def run_one(records: int, writers: int, keys: int, memory: int) -> dict[str, flo
 
 
 def size(text: str) -> int:
+    """``text`` read as the reaper reads logTransactionMemory."""
     try:
-        return int(TypeAdapter(ByteSize).validate_python(text))
-    except ValidationError:
-        raise argparse.ArgumentTypeError(f"invalid size {text!r}: use forms like '256MiB', '2GB' or bytes") from None
+        return int(HarvesterConfig.model_validate({"logTransactionMemory": text}).log_transaction_memory)
+    except ValidationError as exc:
+        raise argparse.ArgumentTypeError(exc.errors()[0]["msg"]) from None
 
 
 def main() -> None:

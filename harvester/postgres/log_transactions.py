@@ -59,11 +59,6 @@ class Transaction:
     def settled(self) -> bool:
         return self.end_lsn > 0 and len(self.done) >= self.size
 
-    def insert(self, index: int) -> Received:
-        """Its ``index``-th outbox message (what a decoder kept of it)."""
-        inserts = self.inserts
-        return inserts[index] if index < len(inserts) else self.spilled(index, index + 1)[0]
-
     def spilled(self, start: int, stop: int) -> list[Received]:
         """Its outbox messages from ``start`` to ``stop`` (excluded), all past those in memory, in
         one read of its spill."""
@@ -284,8 +279,7 @@ class Transactions:
                         budget.received += budget.handed
                     budget.handed = 0
                 if txn is not None:
-                    others = budget.streamed + budget.received + budget.handed - txn.in_memory
-                    spill_at = self._spill_at = max(budget.floor, budget.limit - others)
+                    spill_at = self._spill_at = budget.room(txn.in_memory)
             elif isinstance(message, pgoutput.Relation) and message.oid == oid:
                 self.columns = Columns(message)
                 if txn is not None:

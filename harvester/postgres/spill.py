@@ -47,6 +47,12 @@ class Budget:
         self.received = 0
         self.handed = 0
 
+    def room(self, holding: int) -> int:
+        """How much a transaction that holds ``holding`` (counted already) may hold before it spills:
+        what the others leave of the limit, and at least the floor."""
+        others = self.streamed + self.received + self.handed - holding
+        return max(self.floor, self.limit - others)
+
 
 class Spill:
     """Messages in a temporary file, by position: appended in order, read back by index, cut back
@@ -64,11 +70,6 @@ class Spill:
     def append(self, message: bytes) -> None:
         self._file.write(message)
         self._starts.append(self._starts[-1] + len(message))
-
-    def __getitem__(self, index: int) -> bytes:
-        if not 0 <= index < len(self):
-            raise IndexError(index)
-        return self.read(index, index + 1)[0]
 
     def read(self, start: int, stop: int) -> list[bytes]:
         """The messages from position ``start`` to ``stop`` (excluded), in one read."""

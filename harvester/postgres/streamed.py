@@ -167,9 +167,7 @@ class StreamedTransactions:
             if current is None:
                 current = self._open[xid] = _Streamed(None if self._decoder is None else self._decoder())
             self._current = current
-            budget = self._budget
-            others = budget.streamed + budget.received + budget.handed - current.in_memory
-            self._spill_at = max(budget.floor, budget.limit - others)
+            self._spill_at = self._budget.room(current.in_memory)
         elif kind == 0x45:  # 'E'
             self._current = None
         elif kind == 0x63:  # 'c'

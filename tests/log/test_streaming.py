@@ -141,7 +141,7 @@ def test_a_transaction_past_the_memory_limit_is_spilled_and_every_pass_reads_it_
         assert wait_until(lambda: slot_position(logical_dsn, log_outbox) != position)
         assert not store._txns.kept
         with pytest.raises(ValueError, match="closed file"):
-            spill[0]
+            spill.read(0, 1)
         assert wait_drained(logical_dsn, log_outbox) == 0
     finally:
         store.close()
@@ -173,7 +173,7 @@ def test_large_transactions_at_once_share_the_memory_limit(logical_dsn: str, log
         assert wait_until(lambda: slot_position(logical_dsn, log_outbox) != position)
         assert (store._budget.received, store._budget.streamed, store._budget.handed) == (0, 0, 0)
         with pytest.raises(ValueError, match="closed file"):
-            spills[0][0]
+            spills[0].read(0, 1)
     finally:
         store.close()
 

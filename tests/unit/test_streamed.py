@@ -166,7 +166,7 @@ def test_a_stream_closed_removes_its_spills() -> None:
     s.close()
     assert s.in_progress == 0 and budget.streamed == 0
     with pytest.raises(ValueError, match="closed file"):
-        spill[0]
+        spill.read(0, 1)
 
 
 def test_the_transactions_in_progress_share_one_budget_and_a_small_one_never_spills() -> None:
