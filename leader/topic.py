@@ -1,15 +1,20 @@
 """The leader topic: one partition per shard, created at start when allowed (with a retention that
-keeps heartbeats an hour for inspection), otherwise required to exist with the right partitions."""
+keeps heartbeats an hour for inspection), otherwise required to exist with the right partitions.
+
+:func:`ensure_topic`, the creation of any topic that is absent, lives here because the elector needs it
+and :mod:`leader` imports nothing of :mod:`harvester`; the harvester's checkpoint topic uses it too
+(through :mod:`harvester.kafka.topics`)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import structlog
 from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient
+from confluent_kafka.cimpl import NewTopic
 
-from harvester.kafka.topics import ensure_topic
 from leader.config import ElectorConfig
 
 log = structlog.get_logger("leader")
@@ -19,6 +24,32 @@ _HOUR_MS = str(3_600_000)
 
 class LeaderTopicError(RuntimeError):
     """The leader topic is missing and could not (or must not) be created."""
+
+
+def ensure_topic(
+    client_config: Mapping[str, Any],
+    topic: str,
+    *,
+    partitions: int = 1,
+    config: Mapping[str, str] | None = None,
+    timeout: float = 30.0,
+) -> bool:
+    """Create ``topic`` unless it exists; True if this call created it.
+
+    A topic created concurrently by another process counts as existing. Raises ``KafkaException``
+    when the cluster cannot be asked or refuses the creation."""
+    admin = AdminClient(dict(client_config))
+    found = admin.list_topics(topic=topic, timeout=timeout).topics.get(topic)
+    if found is not None and found.error is None:
+        return False
+    new = NewTopic(topic, num_partitions=partitions, replication_factor=-1, config=dict(config or {}))
+    try:
+        admin.create_topics([new], request_timeout=timeout)[topic].result(timeout)
+    except KafkaException as exc:
+        if exc.args[0].code() == KafkaError.TOPIC_ALREADY_EXISTS:
+            return False
+        raise
+    return True
 
 
 def ensure_leader_topic(config: ElectorConfig, client: dict[str, Any]) -> None:
