@@ -33,7 +33,7 @@ case "${1:-}" in
     setup_venv; services ;;
   demo)
     setup_venv; services
-    shift; exec "$PY" -m harvester.demo "$@" ;;
+    shift; exec "$PY" -m examples.demo "$@" ;;
   test)
     setup_venv; services
     shift

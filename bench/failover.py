@@ -2,8 +2,8 @@
 
     ./dev.sh bench failover [--runs 5] [--members 3] [--scenarios kill,stop,term] [timing flags]
 
-Each run starts ``--members`` competing ``python -m leader.demo`` processes in a fresh group, waits for
-one stable leader, signals it and measures the time from the signal to the successor's LeaderAcquired.
+Each run starts ``--members`` competing ``python -m examples.leader_demo`` processes in a fresh group,
+waits for one stable leader, signals it and measures the time from the signal to the successor's LeaderAcquired.
 
 - kill: SIGKILL; the coordinator notices after about ``--session-timeout``.
 - stop: SIGSTOP for ``--session-timeout`` + 2 s (a zombie), then SIGCONT; the resumed process must fence
@@ -11,7 +11,7 @@ one stable leader, signals it and measures the time from the signal to the succe
 - term: SIGTERM; the elector closes gracefully and leaves the group at once.
 
 Also printed per scenario: the longest time two members both believed they led ("overlap").
-Timing flags default to the test settings (``leader.demo.DemoSettings``); see ``docs/leader.md``.
+Timing flags default to the test settings (``examples.leader_demo.DemoSettings``); see ``docs/leader.md``.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from confluent_kafka.admin import AdminClient
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from leader.demo import Competitor, DemoSettings, max_overlap, wait_new_leader, wait_single_leader
+from examples.leader_demo import Competitor, DemoSettings, max_overlap, wait_new_leader, wait_single_leader
 
 BOOTSTRAP = os.environ.get("HARVESTER_TEST_KAFKA", "127.0.0.1:9092")
 SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM}

@@ -1,4 +1,4 @@
-"""Fixtures for leader election tests: groups of competing ``python -m leader.demo`` processes."""
+"""Fixtures for leader election tests: groups of competing ``python -m examples.leader_demo`` processes."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from leader.demo import Competitor, DemoSettings
+from examples.leader_demo import Competitor, DemoSettings
 from tests.support import Services, delete_topics, unique
 
 Spawn = Callable[..., list[Competitor]]

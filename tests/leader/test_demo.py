@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from leader.demo import DemoSettings, longest_overlap
+from examples.leader_demo import DemoSettings, longest_overlap
 
 pytestmark = pytest.mark.unit
 

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from leader.demo import Competitor, DemoSettings, leaders, max_overlap, wait_new_leader, wait_single_leader
+from examples.leader_demo import Competitor, DemoSettings, leaders, max_overlap, wait_new_leader, wait_single_leader
 from tests.leader.conftest import Spawn
 from tests.support import PrivateKafka
 

@@ -1,6 +1,6 @@
 """The main job on local defaults: migrate, harvest, write a few records, watch them arrive.
 
-    python -m harvester.demo [--records 10] [--config reaper.yaml]
+    python -m examples.demo [--records 10] [--config reaper.yaml]
 
 Runs against the services of ``deploy/local/services.sh`` (``./dev.sh demo`` starts them). It runs
 the real daemon: ``reaper migrate`` and ``reaper run`` as a child process, writes records in one

@@ -2,7 +2,7 @@
 
 Run one by hand to watch an election (start several in other terminals, then stop or kill them)::
 
-    python -m leader.demo --bootstrap 127.0.0.1:9092 --group demo
+    python -m examples.leader_demo --bootstrap 127.0.0.1:9092 --group demo
 
 Each stdout line is a JSON object with ``t`` (``time.monotonic()``, comparable between processes on one
 host), ``pid``, ``event`` and, where relevant, ``leader_id``. Events: ``ready``, ``acquired``,
@@ -50,7 +50,7 @@ class DemoSettings:
     work_interval: float = 0.1
 
     def args(self) -> list[str]:
-        """Command-line arguments of ``python -m leader.demo`` for these settings."""
+        """Command-line arguments of ``python -m examples.leader_demo`` for these settings."""
         return [part for key, value in asdict(self).items() for part in (f"--{key.replace('_', '-')}", str(value))]
 
 
@@ -67,7 +67,7 @@ class _Printer:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Compete for leadership until SIGTERM or SIGINT, printing events and work as JSON lines."""
-    parser = argparse.ArgumentParser(prog="python -m leader.demo", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m examples.leader_demo", description=__doc__.split("\n")[0])
     parser.add_argument("--bootstrap", default="127.0.0.1:9092")
     parser.add_argument("--group", required=True)
     for key, value in asdict(DemoSettings()).items():
@@ -120,7 +120,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 class Competitor:
-    """A ``python -m leader.demo`` child process and the lines it printed."""
+    """A ``python -m examples.leader_demo`` child process and the lines it printed."""
 
     def __init__(self, bootstrap: str, group: str, settings: DemoSettings) -> None:
         root = str(Path(__file__).resolve().parent.parent)
@@ -130,8 +130,9 @@ class Competitor:
         self.stderr: list[str] = []
         self._lines: list[Line] = []
         self._cond = threading.Condition()
+        argv = [sys.executable, "-m", "examples.leader_demo", "--bootstrap", bootstrap, "--group", group]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "leader.demo", "--bootstrap", bootstrap, "--group", group, *settings.args()],
+            [*argv, *settings.args()],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
