@@ -20,11 +20,13 @@ WORKDIR /src
 # header of each for the command that regenerates it): nothing resolves at build time.
 COPY requirements.lock requirements-build.lock ./
 # README.md is left out on purpose: the image needs no long description, and the build must not depend on it.
-COPY pyproject.toml ./
+# setup.py maps the top-level sql/ (the migrations) into the wheel as harvester/postgres/sql/.
+COPY pyproject.toml setup.py ./
 # LICENSE is pyproject.toml's license-files: the wheel ships it (setuptools only warns when it is missing, for now).
 COPY LICENSE ./
 COPY leader/ leader/
 COPY harvester/ harvester/
+COPY sql/ sql/
 # /opt/build holds the tools (pip, the locked setuptools) that build the wheel; /opt/reaper gets only the
 # locked dependencies and that wheel, installed by /opt/build's pip from outside (--python).
 # confluent-kafka and psycopg[binary] ship manylinux wheels (librdkafka and libpq inside): no compiler needed.

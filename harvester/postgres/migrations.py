@@ -1,4 +1,4 @@
-"""Applies the ``sql/`` migrations to one outbox table, idempotently.
+"""Applies the migrations of the top-level ``sql/`` to one outbox table, idempotently.
 
 Each file is a template over the outbox table's name; applied versions are recorded per table in
 ``harvester_migrations`` (in the outbox's schema), under an advisory lock so concurrent runs are
@@ -12,6 +12,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from importlib import resources
+from importlib.resources.abc import Traversable
+from pathlib import Path
 from string import Template
 from typing import Literal
 
@@ -77,10 +79,21 @@ def _value_type(table: TableName, conn: psycopg.Connection[tuple[object, ...]]) 
     return str(row[0]) if row else "VARCHAR(10000)"
 
 
+def _directory() -> Traversable:
+    """Where the migrations are: the top-level ``sql/`` of a checkout (their one home), which the
+    wheel installs as the package data ``harvester/postgres/sql/`` (setup.py)."""
+    installed = resources.files("harvester.postgres") / "sql"
+    if installed.is_dir():
+        return installed
+    return Path(str(resources.files("harvester"))).parent / "sql"
+
+
 def available() -> list[Migration]:
     """The migrations shipped with the package, in order."""
-    root = resources.files("harvester.postgres") / "sql"
+    root = _directory()
     files = sorted((p for p in root.iterdir() if p.name.endswith(".sql")), key=lambda p: p.name)
+    if not files:
+        raise RuntimeError(f"no migrations (*.sql) in {root}")
     return [Migration(p.name.removesuffix(".sql"), p.read_text("utf-8")) for p in files]
 
 

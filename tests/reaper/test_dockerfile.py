@@ -105,7 +105,8 @@ def test_copied_sources_exist_and_are_not_ignored() -> None:
         assert (ROOT / src).exists(), f"COPY source {src} is missing"
         assert not ignored(src), f"COPY source {src} is excluded by .dockerignore"
     # Everything the package needs at run time is copied, and the LICENSE its metadata names (license-files).
-    assert {"pyproject.toml", "LICENSE", "leader/", "harvester/", LOCK.name, BUILD_LOCK.name} <= set(sources)
+    needed = {"pyproject.toml", "setup.py", "LICENSE", "leader/", "harvester/", "sql/", LOCK.name, BUILD_LOCK.name}
+    assert needed <= set(sources)
 
 
 def pins(lock: Path) -> dict[str, tuple[str, list[str]]]:
@@ -220,7 +221,7 @@ def test_build_stage_replayed_in_a_venv(tmp_path: Path) -> None:
     # The package, not this checkout, answered: its migrations ship inside it as real files.
     sql_files = sorted(p.name for p in (installed / "harvester" / "postgres" / "sql").glob("*.sql"))
     assert sql_files, "the migrations are installed"
-    assert sql_files == sorted(p.name for p in (ROOT / "harvester" / "postgres" / "sql").glob("*.sql"))
+    assert sql_files == sorted(p.name for p in (ROOT / "sql").glob("*.sql"))
     assert not (installed / "harvester" / "postgres" / "sql").is_symlink()
     assert (venv / "bin" / "reaper").exists()
     # The COPY of LICENSE reached the wheel's metadata (pyproject.toml's license-files).

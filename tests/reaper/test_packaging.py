@@ -1,4 +1,5 @@
-"""The wheel: PEP 639 license metadata, the LICENSE file, the one-source version and the package data.
+"""The wheel: PEP 639 license metadata, the LICENSE file, the one-source version, the package data, and
+``reaper migrate`` run from the installed wheel.
 
 The wheel is built from a copy of the checkout (``tests.support.build_wheel``).
 """
@@ -6,19 +7,26 @@ The wheel is built from a copy of the checkout (``tests.support.build_wheel``).
 from __future__ import annotations
 
 import hashlib
+import os
+import subprocess
+import sys
 import zipfile
 from email.message import Message
 from email.parser import HeaderParser
 from pathlib import Path
 
+import psycopg
 import pytest
+from psycopg import sql
 
 import harvester
-from tests.support import ROOT, build_wheel
+from harvester.postgres.identifiers import TableName
+from harvester.postgres.migrations import applied
+from tests.support import ROOT, Services, build_wheel
 
 # sha256 of https://www.apache.org/licenses/LICENSE-2.0.txt (also Debian's /usr/share/common-licenses/Apache-2.0).
 APACHE_2_0_SHA256 = "cfc7749b96f63bd31c3c42b5c471bf756814053e847c10f3eb003417bc523d30"
-MIGRATIONS = sorted((ROOT / "harvester" / "postgres" / "sql").glob("*.sql"))
+MIGRATIONS = sorted((ROOT / "sql").glob("*.sql"))
 
 
 @pytest.fixture(scope="module")
@@ -71,3 +79,34 @@ def test_wheel_ships_every_migration_and_the_typing_markers(wheel: zipfile.ZipFi
     for p in MIGRATIONS:
         assert wheel.read(f"harvester/postgres/sql/{p.name}") == p.read_bytes()
     assert {"harvester/py.typed", "leader/py.typed"} <= names
+
+
+@pytest.mark.integration
+def test_reaper_migrate_runs_from_the_installed_wheel(
+    wheel: zipfile.ZipFile,
+    services: Services,
+    pg: psycopg.Connection[tuple[object, ...]],
+    schema: str,
+    tmp_path: Path,
+) -> None:
+    """The wheel installed into a directory of its own (its dependencies are this interpreter's), its
+    ``reaper`` script run outside the checkout: the migrations it applies are the ones it carries."""
+    site = tmp_path / "site"
+    install = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", str(site)]
+    subprocess.run([*install, str(wheel.filename)], check=True, capture_output=True, timeout=120)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REAPER_")} | {"PYTHONPATH": str(site)}
+    where = subprocess.run(
+        [sys.executable, "-c", "from harvester.postgres import migrations as m; print(m._directory())"],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    assert where.stdout.strip() == str(site / "harvester" / "postgres" / "sql")
+    config = tmp_path / "reaper.yaml"
+    config.write_text(f"harvest:\n  dataSource: {services.pg_dsn}\n  outboxTable: {schema}.outbox\n")
+    done = subprocess.run(
+        [str(site / "bin" / "reaper"), "migrate", "-f", str(config)],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    table = TableName(schema, "outbox")
+    assert applied(pg, table) == [p.stem for p in MIGRATIONS]
+    assert pg.execute(sql.SQL("SELECT count(*) FROM {}").format(table.ident)).fetchone() == (0,)
