@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -20,9 +19,9 @@ from harvester.kafka.publisher import producer_config
 from harvester.kafka.topics import ensure_topic
 from harvester.kafka.transactions import KafkaTransactionalPublisher, read_checkpoints
 from harvester.postgres.identifiers import TableName
-from tests.engine.workload import check, insert, wait_drained, write_concurrently, writing
+from tests.engine.workload import check, insert, wait_drained, wait_until, write_concurrently, writing
 from tests.proc.processes import HarvesterProcess, harvester_spec
-from tests.support import ManualElector, Services, delete_topics, read_messages, unique
+from tests.support import ManualElector, Services, delete_topics, read_messages, reader, unique
 
 pytestmark = pytest.mark.integration
 
@@ -39,6 +38,19 @@ def eos_config(services: Services, outbox: TableName, group: str, **limits: obje
         delivery="exactly_once",
         limits=Limits(**{"mark_query_records": 50, **limits}),  # type: ignore[arg-type]
     )
+
+
+def wait_committed(bootstrap: str, topic: str, count: int) -> bool:
+    """Until a read_committed consumer has read ``count`` records of ``topic``."""
+    seen = 0
+    with reader(bootstrap, [topic], **COMMITTED) as consumer:
+
+        def enough() -> bool:
+            nonlocal seen
+            seen += sum(1 for m in consumer.consume(1000, 0.2) if m.error() is None)
+            return seen >= count
+
+        return wait_until(enough, timeout=60)
 
 
 def test_read_committed_consumer_sees_each_record_once_in_key_order(
@@ -139,7 +151,7 @@ def test_sigkill_failover_delivers_exactly_once(
         assert a.wait_for("LeaderAcquired"), a.log
         b = HarvesterProcess(spec("second"))
         writer = writing(services.pg_dsn, outbox, topic, keys=40, per_key=40, writers=4, per_txn=1)
-        time.sleep(1.5)
+        assert wait_committed(services.bootstrap, topic, 40)  # the kill lands after commits, mid-stream
         os.kill(a.proc.pid, signal.SIGKILL)
         assert b.wait_for("LeaderAcquired", timeout=30), b.log
         writer.join()

@@ -33,9 +33,7 @@ def test_a_poison_record_is_dead_lettered_the_slot_moves_past_it_and_replay_deli
 ) -> None:
     good, small = topics(), topics(**{"max.message.bytes": "1024"})
     big = "p:0:" + os.urandom(2000).hex()  # larger than the small topic takes, compressed too
-    make_log_harvester(
-        delivery=delivery, producer=FAST, max_attempts=2, retry_backoff="10ms", max_retry_backoff="50ms"
-    )
+    make_log_harvester(delivery=delivery, producer=FAST, max_attempts=2, retry_backoff="10ms", max_retry_backoff="50ms")
     rows = [(good, f"g{i % 4}", f"g{i % 4}:{i // 4}") for i in range(40)]
     insert(logical_dsn, log_outbox, rows[:20])
     # The poison among good ones in one transaction; at least once, with the next record of its key.
