@@ -25,7 +25,7 @@ from harvester import MessageStasher, OutboxRecord, Stasher
 from harvester.postgres.identifiers import TableName
 from harvester.postgres.migrations import ensure_shard_index
 from tests.engine.workload import check, wait_until
-from tests.log.conftest import log_outbox, logical_dsn, message_outbox, stored_done  # noqa: F401  (fixtures)
+from tests.log.conftest import log_outbox, logical_dsn, message_outbox, stored_done, tableless  # noqa: F401  (fixtures)
 from tests.proc.processes import HarvesterProcess, harvester_spec
 from tests.support import Services, delete_topics, reader, unique
 
@@ -33,11 +33,6 @@ pytestmark = pytest.mark.integration
 
 KEYS = [f"k{i}" for i in range(8)]  # over every shard of four
 PER_KEY = 2  # records of each key in each transaction
-
-
-def tableless() -> dict[str, Any]:
-    """The settings of a table-less outbox (the one place to add what its start will require)."""
-    return {"source": "log", "log_messages": True}
 
 
 # variant -> (the outbox fixture, the database fixture, the harvester's settings)

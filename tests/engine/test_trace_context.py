@@ -19,11 +19,12 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, TraceState
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from harvester import AsyncStasher, OutboxRecord, Stasher
+from harvester import AsyncStasher, HarvesterConfig, MessageStasher, OutboxRecord, Stasher
 from harvester.postgres.identifiers import TableName
 from tests.engine.test_stasher import rows
 from tests.engine.workload import wait_drained, wait_until
-from tests.support import HarvesterFactory, Services, consumed_headers, delete_topics, read_messages, unique
+from tests.log.conftest import logical_dsn, message_outbox, tableless  # noqa: F401  (fixtures)
+from tests.support import HarvesterFactory, Services, consumed_headers, delete_topics, harvesters, read_messages, unique
 
 pytestmark = pytest.mark.integration
 
@@ -148,12 +149,58 @@ def test_records_carry_the_stash_time_span_and_the_publish_span_links_to_it(
         assert span.attributes is not None and span.attributes["messaging.destination.name"] == topic
 
 
+@pytest.mark.parametrize("delivery", ["at_least_once", "exactly_once"])
+def test_a_table_less_outbox_s_records_carry_the_stash_time_span(
+    request: pytest.FixtureRequest,
+    services: Services,
+    topics: Callable[..., str],
+    tracer: trace.Tracer,
+    delivery: str,
+) -> None:
+    """MessageStasher (trace_context=True, its default) writes the current span's context into the
+    logical message; the harvester publishes it as the record's headers."""
+    dsn: str = request.getfixturevalue("logical_dsn")
+    table: TableName = request.getfixturevalue("message_outbox")
+    topic = topics()
+    own = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    with (
+        tracer.start_as_current_span("request", context=remote_parent()) as span,
+        psycopg.connect(dsn) as conn,
+        conn.transaction(),
+    ):
+        MessageStasher(table).stash(conn, OutboxRecord.of(topic, "traced", "1"))
+        MessageStasher(table).stash(conn, OutboxRecord.of(topic, "own", "2", {"traceparent": own}))
+        MessageStasher(table, trace_context=False).stash(conn, OutboxRecord.of(topic, "off", "3"))
+
+    def config() -> HarvesterConfig:
+        return HarvesterConfig(
+            data_source=dsn,
+            outbox_table=table.qualified,
+            delivery=delivery,  # type: ignore[arg-type]
+            base_kafka_config={"bootstrap.servers": services.bootstrap},
+            **tableless(),
+        )
+
+    group = HarvesterConfig(outbox_table=table.qualified).group_id
+    with harvesters(config) as make:
+        make()
+        committed: dict[str, Any] = {"isolation.level": "read_committed"}
+        messages = read_messages(services.bootstrap, [topic], 3, **committed)
+    delete_topics(services.bootstrap, [f"{group}.checkpoints"] if delivery == "exactly_once" else [])
+    headers = {(m.key() or b"").decode(): dict(consumed_headers(m) or []) for m in messages}
+    assert len(messages) == 3
+    assert headers["traced"]["traceparent"] == traceparent(span.get_span_context()).encode()
+    assert headers["traced"]["tracestate"] == b"vendor=opaque"
+    assert headers["own"]["traceparent"] == own.encode()
+    assert "traceparent" not in headers["off"] and "tracestate" not in headers["off"]
+
+
 def test_without_opentelemetry_stashing_works_and_adds_no_header(services: Services, outbox: TableName) -> None:
     probe = f"""
 import asyncio, json, sys
 sys.modules["opentelemetry"] = None  # as if the otel extra were not installed
 import psycopg
-from harvester import AsyncStasher, OutboxRecord, Stasher
+from harvester import AsyncStasher, HarvesterConfig, MessageStasher, OutboxRecord, Stasher
 from harvester.pipelines import tracing
 with psycopg.connect({services.pg_dsn!r}) as conn:
     Stasher({outbox.qualified!r}).stash(conn, OutboxRecord.of("t", "sync", "1"))

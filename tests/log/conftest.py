@@ -128,6 +128,12 @@ def stored_done(dsn: str, table: TableName) -> int:
     return int(row[0]) if row else 0
 
 
+def tableless() -> dict[str, Any]:
+    """The settings (HarvesterConfig fields) of a harvester of a table-less outbox: the one place to
+    add what its start will require."""
+    return {"source": "log", "log_messages": True}
+
+
 @pytest.fixture
 def message_outbox(logical_dsn: str) -> Iterator[TableName]:
     """A table-less outbox as ``reaper migrate`` leaves it: fence and dead-letter tables, an empty
