@@ -73,6 +73,31 @@ def test_induced_duplicates_each_record_once_in_key_order(services: Services, to
     assert registry.get_sample_value("harvester_dedup_duplicates_dropped_total") == dropped
 
 
+def test_poll_yields_each_record_once_and_none_when_only_copies_remain(
+    services: Services, topics: Callable[..., str]
+) -> None:
+    """``poll``, record by record, on the fault patterns; the partition ends with copies only, which
+    the polls after the last record drop, returning None at their timeout, up to the partition's end."""
+    topic = topics()
+    stream = [*PATTERNS, ("remark", 20, 1), ("zombie", 41, 1)]
+    produce(services.bootstrap, topic, stream)
+    with consumer(services) as c:
+        reader = DedupReader(c)
+        reader.assign([TopicPartition(topic, 0, OFFSET_BEGINNING)])
+        end = ends(c, topic, 1)
+        kept: list[Message] = []
+        wanted = len(first_copies(stream))
+        while len(kept) < wanted and (m := reader.poll(10.0)) is not None:
+            assert m.error() is None, m.error()
+            kept.append(m)
+        deadline = time.monotonic() + 30
+        while reader.positions() != end and time.monotonic() < deadline:
+            assert reader.poll(0.5) is None
+    assert by_key(kept) == expected(stream)
+    assert reader.duplicates_dropped == len(stream) - len(first_copies(stream))
+    assert reader.positions() == end
+
+
 # The rebalance protocols a subscribed reader meets: eager, cooperative (KIP-429) and the
 # broker-driven consumer protocol (KIP-848); the last two add partitions incrementally.
 PROTOCOLS = {
