@@ -5,8 +5,11 @@ the leader topic leads (Kafka's admin API, describing the consumer group). The f
 PostgreSQL adds the term's leader id, epoch and start, written by the leader when its term began.
 With ``shards`` > 1 the holder of partition ``i`` leads shard ``i``: each member lists its shards,
 the fence row shown is the latest term of any shard, and every shard must have a leader.
-The outbox itself gives the backlog (an exact count), the oldest record's age and the records in
-flight (marked by a leader); the dead-letter table the dead letters waiting. With the log source,
+The outbox itself gives the backlog (an exact count) and the oldest record's age, which is the lag
+(the age of the oldest record committed and not acknowledged by Kafka) where a row leaves the table
+once acknowledged; the leaders' heartbeats give the records in flight and, for the log source
+without per-batch deletes (the table-less outbox, the retention window), the lag their meter
+sampled. The dead-letter table gives the dead letters waiting. With the log source,
 ``pg_replication_slots`` gives the slot's lag and the WAL it retains.
 """
 
@@ -59,6 +62,7 @@ class Heartbeat:
     leader_id: str
     age_seconds: float  # by the sender's clock: the message's timestamp against this host's
     in_flight: int | None = None
+    lag_seconds: float | None = None  # its leader's lag as its meter sampled it last
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +95,9 @@ class Status:
     dead_letters: int | None  # None without a dead-letter table
     shards: int = 1
     slot: Slot | None = None  # the log source's slot; None with mark-purge/reset, or when it is missing
+    # The age of the oldest record committed and not acknowledged by Kafka; None when unknown (a log
+    # source without per-batch deletes whose leaders' heartbeats do not report it).
+    lag_seconds: float | None = None
 
     def to_json(self) -> str:
         doc = asdict(self)
@@ -133,6 +140,10 @@ class Status:
         lines.append(
             f"backlog: {self.backlog_records} record(s)" + (f", oldest {age:.1f} s old" if age is not None else "")
         )
+        if self.lag_seconds is None:
+            lines.append("lag: not reported (no leader's heartbeat carries it)")
+        else:
+            lines.append(f"lag: {self.lag_seconds:.1f} s (the oldest record committed and not acknowledged by Kafka)")
         if self.in_flight_records is None:
             lines.append("in flight: not reported (no leader's heartbeat carries it)")
         else:
@@ -193,6 +204,11 @@ def _report(settings: ReaperSettings, timeout: float) -> tuple[Status, bool]:
     # Only shards someone leads now: a gone leader's last heartbeat says nothing about the present.
     led = {s for m in members for s in m.shards}
     reported = [b.in_flight for shard, b in beats.items() if shard in led and b.in_flight is not None]
+    lag: float | None = oldest or 0.0
+    if settings.harvest.log_messages or settings.harvest.log_retention:
+        # The table, if any, keeps delivered rows: what is not done is in the leader's memory.
+        lags = [b.lag_seconds for shard, b in beats.items() if shard in led and b.lag_seconds is not None]
+        lag = max(lags) if lags else None
     report = Status(
         outbox_table=settings.harvest.table.qualified,
         group=settings.harvest.group_id,
@@ -210,6 +226,7 @@ def _report(settings: ReaperSettings, timeout: float) -> tuple[Status, bool]:
         dead_letters=dead,
         shards=shards,
         slot=slot,
+        lag_seconds=lag,
     )
     return report, leader is not None and every
 
@@ -338,12 +355,13 @@ def _last_heartbeats(settings: ReaperSettings, quiet: logging.Logger, deadline: 
             if not isinstance(doc, dict) or doc.get("format") != HEARTBEAT_FORMAT:
                 continue
             age = max(0.0, time.time() - message.timestamp()[1] / 1000)
-            in_flight = doc.get("in_flight")
+            in_flight, lag = doc.get("in_flight"), doc.get("lag_seconds")
             beats[got] = Heartbeat(
                 member=str(doc.get("member")),
                 leader_id=str(doc.get("leader_id")),
                 age_seconds=age,
                 in_flight=in_flight if isinstance(in_flight, int) else None,
+                lag_seconds=float(lag) if isinstance(lag, int | float) else None,
             )
         return beats
     finally:

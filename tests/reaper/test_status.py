@@ -75,11 +75,12 @@ def test_status_with_nobody_then_a_leader_then_after_a_handover(
     assert doc["delivery"] == "at_least_once"
     assert (doc["backlog_records"], doc["in_flight_records"], doc["dead_letters"]) == (3, None, 1)
     assert doc["oldest_record_age_seconds"] >= 3600
+    assert doc["lag_seconds"] == doc["oldest_record_age_seconds"]  # a row leaves only once acknowledged
     text = status(config)
     assert text.returncode == 1 and text.stderr == ""
     assert f"leader: none (no member holds partition 0 of {group}.neli)" in text.stdout
     assert "backlog: 3 record(s), oldest 36" in text.stdout  # 3600-3699 s
-    assert "in flight: not reported (no leader's heartbeat carries it)" in text.stdout
+    assert "lag: 36" in text.stdout and "in flight: not reported (no leader's heartbeat carries it)" in text.stdout
     assert "dead letters: 1 waiting" in text.stdout
 
     reapers: list[Process] = []
@@ -105,7 +106,8 @@ def test_status_with_nobody_then_a_leader_then_after_a_handover(
         assert doc["heartbeat_timeout_seconds"] == 5.0
         # In flight as the leader's heartbeat reports it: nothing, once the backlog is drained.
         wait_for("in flight reported", lambda: status_json(config)[1]["in_flight_records"] == 0, 30)
-        assert (doc["dead_letters"], doc["oldest_record_age_seconds"]) == (1, None)
+        assert (doc["dead_letters"], doc["oldest_record_age_seconds"], doc["lag_seconds"]) == (1, None, 0.0)
+        wait_for("its meter's lag in a heartbeat", lambda: status_json(config)[1]["heartbeat"]["lag_seconds"] == 0, 30)
         text = status(config)
         assert text.returncode == 0, text.stderr
         assert f"leader: {leader.name}; leader id {term['leader_id']}, epoch {term['epoch']}, since " in text.stdout
@@ -205,7 +207,7 @@ def test_a_leader_without_recent_heartbeats_is_flagged(age: float, warned: bool)
     text = report.to_text()
     assert f"last heartbeat: {age:.1f} s ago, from a, leader id l1" in text
     assert ("warning: no heartbeat for more than harvest.limits.heartbeatTimeout (5 s): a may have" in text) is warned
-    beat = {"member": "a", "leader_id": "l1", "age_seconds": age, "in_flight": None}
+    beat = {"member": "a", "leader_id": "l1", "age_seconds": age, "in_flight": None, "lag_seconds": None}
     assert json.loads(report.to_json())["heartbeat"] == beat
 
 
