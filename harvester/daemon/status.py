@@ -18,13 +18,14 @@ from __future__ import annotations
 import json
 import logging
 import multiprocessing
+import signal
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, cast
 
-from harvester.daemon.check import connect_pg, kafka_reason, pg_reason
+from harvester.daemon.check import connect_pg, connection_cause, kafka_reason, pg_reason
 from harvester.daemon.errors import FailError
 from harvester.daemon.settings import ReaperSettings
 
@@ -166,7 +167,8 @@ def status(settings: ReaperSettings, timeout: float, *, as_json: bool) -> int:
 
     With several harvest sections, each outbox's status in file order (a JSON list with ``--json``);
     0 only when every outbox is led. An outbox whose table is missing is reported and the next one
-    read; an unreachable service ends the command (exit 2)."""
+    read; an unreachable service ends the command (exit 2), a group lookup that timed out or died
+    too (exit 1)."""
     sections = settings.sections
     if len(sections) == 1:
         report, led = _report(settings, timeout)
@@ -240,16 +242,19 @@ def _group(settings: ReaperSettings, timeout: float) -> _Group:
 
     librdkafka's group describe can abort the whole process when a request times out while the
     coordinator's broker restarts (``leader/members.py`` says more); ``reaper status`` is most wanted
-    just then, so a child that dies that way is a lookup that failed, said in one line.
+    just then, so a child that dies that way, or answers nothing in time, is a lookup that failed,
+    said in one line (exit 1: try again), as is a lookup that timed out.
     """
+    group = settings.harvest.group_id
     context = multiprocessing.get_context("fork")  # the child needs the settings, not a re-import
     answers, answer = context.Pipe(duplex=False)
     child = context.Process(target=_group_in_child, args=(settings, timeout, answer), daemon=True)
     child.start()
     answer.close()
-    got: tuple[bool, _Group | str] | None = None
+    got: tuple[bool, Any] | None = None
+    backstop = timeout + 30  # the lookup has its own deadline; this is for a child that hangs
     try:
-        if answers.poll(timeout + 30):  # the lookup has its own deadline; this is a backstop
+        if answers.poll(backstop):
             got = answers.recv()
     except EOFError:
         pass
@@ -258,38 +263,45 @@ def _group(settings: ReaperSettings, timeout: float) -> _Group:
         child.join(5)
         if child.is_alive():
             child.kill()
+            child.join()
     if got is None:
         code = child.exitcode
-        why = (
-            f"it was killed by signal {-code} (librdkafka aborts so when a broker restarts mid-request): try again"
-            if code is not None and code < 0
-            else f"exit code {code}"
-        )
-        raise FailError(f"Kafka: the lookup of group {settings.harvest.group_id} ended without an answer: {why}")
+        if code == -signal.SIGKILL:  # killed here, hung
+            why = f"it did not answer within {backstop:g} s"
+        elif code is not None and code < 0:
+            why = f"it was killed by signal {-code} (librdkafka aborts so when a broker restarts mid-request)"
+        else:
+            why = f"exit code {code}"
+        raise FailError(f"Kafka: the lookup of group {group} ended without an answer: {why}: try again", code=1)
     ok, result = got
     if not ok:
-        raise FailError(str(result))
-    assert not isinstance(result, str)
-    return result
+        message, code = result
+        raise FailError(message, code=code)
+    return cast(_Group, result)
 
 
 def _group_in_child(settings: ReaperSettings, timeout: float, answer: Connection) -> None:
+    """Answers (True, the group) or (False, (one line, exit code)); nothing escapes as a traceback."""
     try:
         answer.send((True, _lookup_group(settings, timeout)))
     except FailError as exc:
-        answer.send((False, str(exc)))
+        answer.send((False, (str(exc), exc.code)))
+    except Exception as exc:  # a client call this code did not expect to fail: still one line
+        group = settings.harvest.group_id
+        answer.send((False, (f"Kafka: the lookup of group {group} failed: {kafka_reason(exc)}", 1)))
 
 
 def _lookup_group(settings: ReaperSettings, timeout: float) -> _Group:
-    from confluent_kafka import KafkaException
+    from confluent_kafka import KafkaError, KafkaException
     from confluent_kafka.admin import AdminClient
 
     harvest = settings.harvest
     servers = harvest.base_kafka_config.get("bootstrap.servers", "?")
     quiet = logging.getLogger("reaper.status.kafka")
     quiet.setLevel(logging.CRITICAL)  # librdkafka's retries would repeat what the one-line error says
+    errors: list[KafkaError] = []  # what librdkafka says of its connections (error_cb)
     try:
-        config: dict[str, Any] = {**harvest.base_kafka_config, "logger": quiet}
+        config: dict[str, Any] = {**harvest.base_kafka_config, "logger": quiet, "error_cb": errors.append}
         admin = AdminClient(config)
     except (KafkaException, TypeError, ValueError) as exc:
         raise FailError(f"harvest.baseKafkaConfig: {kafka_reason(exc)}") from None
@@ -305,8 +317,19 @@ def _lookup_group(settings: ReaperSettings, timeout: float) -> _Group:
             if time.monotonic() < deadline and any(t in str(exc) for t in _TRANSIENT):
                 time.sleep(0.2)
                 continue
+            admin.poll(0)  # serves the error callback
+            cause = connection_cause(errors)
+            err = exc.args[0] if exc.args else None
+            if isinstance(err, KafkaError) and err.code() == KafkaError._TIMED_OUT and cause is None:
+                # Connected, and no answer in time: a broker that restarts or is overloaded.
+                raise FailError(
+                    f"Kafka: the lookup of group {harvest.group_id} at {servers} timed out after {timeout:g} s"
+                    " (a broker restarting or overloaded?): try again, or raise --timeout",
+                    code=1,
+                ) from None
             raise FailError(
-                f"Kafka: cannot describe group {harvest.group_id} at {servers} (harvest.baseKafkaConfig): {reason}"
+                f"Kafka: cannot describe group {harvest.group_id} at {servers} (harvest.baseKafkaConfig): "
+                + (cause or reason)
             ) from None
     members = []
     for m in group.members:
