@@ -3,12 +3,15 @@ per batch, a retention window, the table-less outbox): the age of the oldest rec
 not yet acknowledged by Kafka grows while the drain is stalled (a producer whose broker never
 answers), and, where the table cannot tell (the retention window keeps delivered rows, the
 table-less outbox has none), the backlog and the oldest record's age come from the leader's
-transactions instead of being left at 0."""
+transactions instead of being left at 0; ``reaper status`` shows a table-less outbox's lag as its
+leader's heartbeats carry it."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from datetime import timedelta
+from pathlib import Path
 
 import psycopg
 import pytest
@@ -19,7 +22,9 @@ from harvester import Harvester, HarvesterConfig, Limits
 from harvester.postgres.identifiers import TableName
 from tests.engine.workload import wait_until
 from tests.log.conftest import stash
-from tests.support import HarvesterFactory, Services, free_ports, harvesters, unique
+from tests.reaper.test_e2e import wait_for
+from tests.reaper.test_http_port import Process
+from tests.support import HarvesterFactory, Services, delete_topics, free_ports, harvesters, run_reaper, unique
 
 pytestmark = pytest.mark.integration
 
@@ -84,3 +89,43 @@ def test_the_lag_of_a_stalled_drain_grows_from_commit_time(
     # Where the table counts delivered rows too, or there is none, from the leader's transactions.
     assert backlog == 4 and oldest > 0, (lag, backlog, oldest)
     h.stop(timeout=1)  # its records cannot be acknowledged: no use waiting for them
+
+
+def test_status_shows_the_lag_of_a_stalled_table_less_outbox_from_the_leaders_heartbeats(
+    services: Services, logical_dsn: str, message_outbox: TableName, tmp_path: Path
+) -> None:
+    # No table to read the lag from: the leader's meter samples it, its heartbeats carry it.
+    group = unique("lag-status")
+    config = tmp_path / "reaper.yaml"
+    config.write_text(f"""\
+harvest:
+  dataSource: '{logical_dsn}'
+  outboxTable: {message_outbox}
+  source: log
+  logMessages: true
+  leaderGroupID: {group}
+  leaderTopic: {group}.neli
+  baseKafkaConfig:
+    bootstrap.servers: {services.bootstrap}
+  producerKafkaConfig:
+    bootstrap.servers: 127.0.0.1:{free_ports(1)}
+  limits:
+    minMetricsInterval: 200ms
+""")
+    reaper = Process(config, "lag", tmp_path)
+    try:
+        wait_for("the reaper to lead", lambda: run_reaper("status", "-f", str(config)).returncode == 0, 90)
+        stash(logical_dsn, message_outbox, [(unique("topic"), "k", "v")])
+
+        def lag() -> float:
+            done = run_reaper("status", "-f", str(config), "--json")
+            assert done.returncode == 0, done.stderr
+            value = json.loads(done.stdout)["lag_seconds"]
+            return float(value) if value is not None else 0.0
+
+        wait_for("the lag to pass a second", lambda: lag() >= 1.0, 60)
+        text = run_reaper("status", "-f", str(config)).stdout
+        assert "lag: " in text and "(the oldest record committed and not acknowledged by Kafka)" in text, text
+    finally:
+        reaper.kill()
+        delete_topics(services.bootstrap, [f"{group}.neli"])
