@@ -260,11 +260,16 @@ class Harvester:
         limit = self.config.limits.heartbeat_timeout.total_seconds()
         return all(engine.unreachable_seconds <= limit for engine in self._engines)
 
-    def _heartbeat_report(self, shard: int) -> Mapping[str, int]:
+    def _heartbeat_report(self, shard: int) -> Mapping[str, float]:
         """What a shard's heartbeats tell ``reaper status``: the records its leader has marked and
-        not yet purged (marks live in the leader's memory, not in the table)."""
+        not yet purged (marks live in the leader's memory, not in the table), and the lag the meter
+        sampled last (a log source without per-batch deletes knows it only in the leader's memory)."""
         engine = self._pipelines[shard].engine if shard < len(self._pipelines) else None
-        return {"in_flight": engine.in_flight_records + engine.queued_records} if engine is not None else {}
+        if engine is None:
+            return {}
+        lag = self._meter.lag
+        report: dict[str, float] = {"in_flight": engine.in_flight_records + engine.queued_records}
+        return report if lag is None else {**report, "lag_seconds": round(lag, 3)}
 
     @property
     def in_flight_records(self) -> int:

@@ -193,8 +193,7 @@ def reach_kafka(settings: ReaperSettings, timeout: float, *, say_waiting: bool =
             return admin.list_topics(timeout=max(0.1, min(left, _KAFKA_ATTEMPT)))
         except KafkaException as exc:
             admin.poll(0)  # serves the error callback
-            causes = [e.str() for e in errors if e.code() != KafkaError._ALL_BROKERS_DOWN]
-            reason = _RDKAFKA_NOISE.sub("", causes[0]) if causes else kafka_reason(exc)
+            reason = connection_cause(errors) or kafka_reason(exc)
             where = _kafka_settings(reason)
             if left <= _KAFKA_ATTEMPT:
                 raise FailError(f"Kafka unreachable at {servers} ({where}): {reason}") from None
@@ -212,6 +211,16 @@ _KAFKA_ATTEMPT = 2.0
 # "sasl_plaintext://host:9092/bootstrap: ... (after 1ms in state AUTH_HANDSHAKE)": the broker's name
 # and librdkafka's timing around the cause.
 _RDKAFKA_NOISE = re.compile(r"^\S+/(?:bootstrap|\d+): |\s*\(after \d+ms in state \w+[^)]*\)|[\s:]+$")
+
+
+def connection_cause(errors: list[Any]) -> str | None:
+    """The cause of a failed connection among what librdkafka's error callback gave (``KafkaError``
+    values), without the broker's name and timing around it; None when it gave none (the brokers
+    were reached, or not tried yet)."""
+    from confluent_kafka import KafkaError
+
+    causes = [e.str() for e in errors if e.code() != KafkaError._ALL_BROKERS_DOWN]
+    return _RDKAFKA_NOISE.sub("", causes[0]) if causes else None
 
 
 def _kafka_settings(reason: str) -> str:

@@ -410,6 +410,12 @@ class LogStore(PostgresStore):
             return True
         return self._slot.wait(timeout)
 
+    def received_age(self) -> float | None:
+        """Seconds since the commit of the oldest transaction received with records not done (None:
+        none): what this leader holds of the lag, from its own bookkeeping, without a query."""
+        with self._state:
+            return self._txns.oldest_age()
+
     def slot_bytes(self) -> tuple[int, int] | None:
         """(WAL bytes not consumed by the slot, WAL bytes it retains), or None without the slot."""
         try:
