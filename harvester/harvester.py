@@ -32,6 +32,7 @@ from harvester.postgres.log_retention import RetainingLogStore
 from harvester.postgres.log_store import LogStore
 from harvester.postgres.logical import LogSetup
 from harvester.postgres.message_store import MessageStore
+from harvester.postgres.spill import spill_directory
 from harvester.postgres.store import PostgresStore
 
 if TYPE_CHECKING:
@@ -86,6 +87,11 @@ class Harvester:
         setup = LogSetup(config.table, config.slot, config.publication, config.prefix)
         if config.source == "log":
             options["transaction_memory"] = int(config.log_transaction_memory)
+            # Checked now: a directory that takes no file would fail the leader in a large transaction.
+            try:
+                options["spill_directory"] = spill_directory(config.log_spill_directory)
+            except ValueError as exc:
+                raise ValueError(f"logSpillDirectory: {exc}") from None
         store = (
             PostgresStore(config.data_source, config.table, **options)
             if config.source != "log"

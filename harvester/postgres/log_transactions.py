@@ -262,7 +262,7 @@ class Transactions:
                             txn.in_memory += cost
                             budget.received += cost
                             if txn.in_memory > spill_at:
-                                txn.spill = Spill()
+                                txn.spill = budget.spill()
                     else:
                         index = len(txn.inserts) + len(spill)
                         if type(data) is bytes:
@@ -278,7 +278,7 @@ class Transactions:
                 continue
             if data == SPILLED:  # what follows of a streamed transaction was spilled: so is it here
                 if txn is not None and txn.spill is None:
-                    txn.spill = Spill()
+                    txn.spill = budget.spill()
                 continue
             message = pgoutput.parse(data)
             if isinstance(message, pgoutput.Begin):
