@@ -120,7 +120,13 @@ class HarvesterConfig(BaseModel):
         gt=0,
         description="With source log: the memory the transactions' records may take in the leader, all "
         "together (an estimate); past it, a large transaction's further records wait in a temporary file "
-        "(in TMPDIR) until done.",
+        "(in logSpillDirectory) until done.",
+    )
+    log_spill_directory: str | None = Field(
+        default=None,
+        min_length=1,
+        description="With source log: the directory of those temporary files; default the system's temporary "
+        "directory (TMPDIR, else /tmp). It must exist and be writable (checked at start).",
     )
     log_prefix: str | None = Field(
         default=None,

@@ -33,7 +33,7 @@ def elector_config(config: HarvesterConfig) -> ElectorConfig:
 
 def neli_elector(
     config: HarvesterConfig,
-    report: Callable[[int], Mapping[str, int]] | None = None,
+    report: Callable[[int], Mapping[str, float]] | None = None,
     healthy: Callable[[], bool] | None = None,
 ) -> Elector:
     """The default elector: Fast NELI over the configured leader group and topic; its heartbeats

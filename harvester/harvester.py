@@ -32,6 +32,7 @@ from harvester.postgres.log_retention import RetainingLogStore
 from harvester.postgres.log_store import LogStore
 from harvester.postgres.logical import LogSetup
 from harvester.postgres.message_store import MessageStore
+from harvester.postgres.spill import spill_directory
 from harvester.postgres.store import PostgresStore
 
 if TYPE_CHECKING:
@@ -86,6 +87,11 @@ class Harvester:
         setup = LogSetup(config.table, config.slot, config.publication, config.prefix)
         if config.source == "log":
             options["transaction_memory"] = int(config.log_transaction_memory)
+            # Checked now: a directory that takes no file would fail the leader in a large transaction.
+            try:
+                options["spill_directory"] = spill_directory(config.log_spill_directory)
+            except ValueError as exc:
+                raise ValueError(f"logSpillDirectory: {exc}") from None
         store = (
             PostgresStore(config.data_source, config.table, **options)
             if config.source != "log"
@@ -260,11 +266,16 @@ class Harvester:
         limit = self.config.limits.heartbeat_timeout.total_seconds()
         return all(engine.unreachable_seconds <= limit for engine in self._engines)
 
-    def _heartbeat_report(self, shard: int) -> Mapping[str, int]:
+    def _heartbeat_report(self, shard: int) -> Mapping[str, float]:
         """What a shard's heartbeats tell ``reaper status``: the records its leader has marked and
-        not yet purged (marks live in the leader's memory, not in the table)."""
+        not yet purged (marks live in the leader's memory, not in the table), and the lag the meter
+        sampled last (a log source without per-batch deletes knows it only in the leader's memory)."""
         engine = self._pipelines[shard].engine if shard < len(self._pipelines) else None
-        return {"in_flight": engine.in_flight_records + engine.queued_records} if engine is not None else {}
+        if engine is None:
+            return {}
+        lag = self._meter.lag
+        report: dict[str, float] = {"in_flight": engine.in_flight_records + engine.queued_records}
+        return report if lag is None else {**report, "lag_seconds": round(lag, 3)}
 
     @property
     def in_flight_records(self) -> int:

@@ -46,7 +46,7 @@ class NeliElector:
         config: ElectorConfig,
         *,
         clock: Callable[[], float] = time.monotonic,
-        report: Callable[[int], Mapping[str, int]] | None = None,
+        report: Callable[[int], Mapping[str, float]] | None = None,
         healthy: Callable[[], bool] | None = None,
     ) -> None:
         self._config = config

@@ -34,7 +34,7 @@ from leader.events import LeaderAcquired, LeaderEvent, LeaderFenced, LeaderRevok
 HEARTBEAT_FORMAT = "neli-heartbeat/1"
 
 
-def encode_heartbeat(leader_id: UUID, seq: int, member: str, report: Mapping[str, int] | None = None) -> bytes:
+def encode_heartbeat(leader_id: UUID, seq: int, member: str, report: Mapping[str, float] | None = None) -> bytes:
     """The value of a heartbeat message: JSON naming the term (``leader_id``) that sent it, with the
     leader's ``report`` (such as its records in flight) for readers like ``reaper status``."""
     doc: dict[str, object] = {**(report or {})}

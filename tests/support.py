@@ -325,6 +325,11 @@ class PrivateKafka:
     def restart(self) -> None:
         self._run("restart-kafka")
 
+    @property
+    def pid(self) -> int:
+        """The broker's process (to pause it, say), from the pid file services.sh wrote."""
+        return int((Path(self._env["HARVESTER_LOCAL_DIR"]) / "kafka" / "kafka.pid").read_text())
+
 
 class ManualElector:
     """An elector the test drives by hand (leadership is not what these tests are about; the NELI

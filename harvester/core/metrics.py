@@ -17,7 +17,11 @@ from prometheus_client.registry import Collector
 
 # Series about the whole outbox (sampled by the meter thread, which shard 0's set holds): exported
 # once, without a shard label, so that a sum over shards still means something.
-OUTBOX_WIDE = ("harvester_outbox_backlog_records", "harvester_outbox_oldest_record_age_seconds")
+OUTBOX_WIDE = (
+    "harvester_outbox_backlog_records",
+    "harvester_outbox_oldest_record_age_seconds",
+    "harvester_outbox_lag_seconds",
+)
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -120,6 +124,11 @@ class HarvesterMetrics:
         )
         self.oldest_age = Gauge(
             "harvester_outbox_oldest_record_age_seconds", "Age of the oldest outbox record (sampled).", registry=r
+        )
+        self.lag = Gauge(
+            "harvester_outbox_lag_seconds",
+            "Age of the oldest record committed and not yet acknowledged by Kafka (sampled).",
+            registry=r,
         )
 
 

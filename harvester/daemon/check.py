@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
+import tempfile
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -57,6 +58,20 @@ def validate_election(settings: ReaperSettings) -> None:
         raise FailError(f"harvest.limits: {message}") from None
 
 
+def validate_spill_directory(settings: ReaperSettings) -> None:
+    """Raise :class:`FailError` when the log source could not spill a large transaction where the
+    settings say (``run`` and ``check`` both call this): found at start, not in the middle of a drain."""
+    from harvester.postgres.spill import spill_directory
+
+    harvest = settings.harvest
+    if harvest.source != "log":
+        return
+    try:
+        spill_directory(harvest.log_spill_directory)
+    except ValueError as exc:
+        raise FailError(f"harvest.logSpillDirectory: {exc}") from None
+
+
 def check(settings: ReaperSettings, timeout: float) -> int:
     """Check every harvest section in file order; 0 when all is in place, 1 when something is missing."""
     sections = settings.sections
@@ -65,6 +80,7 @@ def check(settings: ReaperSettings, timeout: float) -> int:
         with in_section(i if several else None):
             validate_kafka_config(section)
             validate_election(section)
+            validate_spill_directory(section)
     problems: list[str] = []
     for i, section in enumerate(sections):
         if several:
@@ -141,7 +157,8 @@ def _check_log_source(conn: Any, settings: ReaperSettings) -> list[str]:
         conn, logical.LogSetup(harvest.table, harvest.slot, harvest.publication, harvest.prefix)
     )
     state = "ready" if not problems else "not ready"
-    print(f"log source: slot {harvest.slot}, publication {harvest.publication}: {state}")
+    spills = harvest.log_spill_directory or tempfile.gettempdir()  # usable: validate_spill_directory said so
+    print(f"log source: slot {harvest.slot}, publication {harvest.publication}: {state}; spill files in {spills}")
     return [f"log source: {p}" for p in problems]
 
 
@@ -193,8 +210,7 @@ def reach_kafka(settings: ReaperSettings, timeout: float, *, say_waiting: bool =
             return admin.list_topics(timeout=max(0.1, min(left, _KAFKA_ATTEMPT)))
         except KafkaException as exc:
             admin.poll(0)  # serves the error callback
-            causes = [e.str() for e in errors if e.code() != KafkaError._ALL_BROKERS_DOWN]
-            reason = _RDKAFKA_NOISE.sub("", causes[0]) if causes else kafka_reason(exc)
+            reason = connection_cause(errors) or kafka_reason(exc)
             where = _kafka_settings(reason)
             if left <= _KAFKA_ATTEMPT:
                 raise FailError(f"Kafka unreachable at {servers} ({where}): {reason}") from None
@@ -212,6 +228,16 @@ _KAFKA_ATTEMPT = 2.0
 # "sasl_plaintext://host:9092/bootstrap: ... (after 1ms in state AUTH_HANDSHAKE)": the broker's name
 # and librdkafka's timing around the cause.
 _RDKAFKA_NOISE = re.compile(r"^\S+/(?:bootstrap|\d+): |\s*\(after \d+ms in state \w+[^)]*\)|[\s:]+$")
+
+
+def connection_cause(errors: list[Any]) -> str | None:
+    """The cause of a failed connection among what librdkafka's error callback gave (``KafkaError``
+    values), without the broker's name and timing around it; None when it gave none (the brokers
+    were reached, or not tried yet)."""
+    from confluent_kafka import KafkaError
+
+    causes = [e.str() for e in errors if e.code() != KafkaError._ALL_BROKERS_DOWN]
+    return _RDKAFKA_NOISE.sub("", causes[0]) if causes else None
 
 
 def _kafka_settings(reason: str) -> str:

@@ -21,7 +21,14 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from harvester.daemon.check import connect_pg, in_section, reach_kafka, validate_election, validate_kafka_config
+from harvester.daemon.check import (
+    connect_pg,
+    in_section,
+    reach_kafka,
+    validate_election,
+    validate_kafka_config,
+    validate_spill_directory,
+)
 from harvester.daemon.errors import FailError
 from harvester.daemon.outboxes import Outbox, OutboxLabels, Probes, in_flight, leader_in_logs
 from harvester.daemon.settings import ReaperSettings, defaulted_connections
@@ -162,6 +169,7 @@ def validate(settings: ReaperSettings) -> None:
         with in_section(index if len(sections) > 1 else None):
             validate_kafka_config(section)
             validate_election(section)
+            validate_spill_directory(section)
 
 
 def _started(settings: ReaperSettings, version: str, outboxes: list[Outbox], server: HttpServer | None) -> None:

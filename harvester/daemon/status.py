@@ -5,8 +5,11 @@ the leader topic leads (Kafka's admin API, describing the consumer group). The f
 PostgreSQL adds the term's leader id, epoch and start, written by the leader when its term began.
 With ``shards`` > 1 the holder of partition ``i`` leads shard ``i``: each member lists its shards,
 the fence row shown is the latest term of any shard, and every shard must have a leader.
-The outbox itself gives the backlog (an exact count), the oldest record's age and the records in
-flight (marked by a leader); the dead-letter table the dead letters waiting. With the log source,
+The outbox itself gives the backlog (an exact count) and the oldest record's age, which is the lag
+(the age of the oldest record committed and not acknowledged by Kafka) where a row leaves the table
+once acknowledged; the leaders' heartbeats give the records in flight and, for the log source
+without per-batch deletes (the table-less outbox, the retention window), the lag their meter
+sampled. The dead-letter table gives the dead letters waiting. With the log source,
 ``pg_replication_slots`` gives the slot's lag and the WAL it retains.
 """
 
@@ -15,13 +18,14 @@ from __future__ import annotations
 import json
 import logging
 import multiprocessing
+import signal
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, cast
 
-from harvester.daemon.check import connect_pg, kafka_reason, pg_reason
+from harvester.daemon.check import connect_pg, connection_cause, kafka_reason, pg_reason
 from harvester.daemon.errors import FailError
 from harvester.daemon.settings import ReaperSettings
 
@@ -59,6 +63,7 @@ class Heartbeat:
     leader_id: str
     age_seconds: float  # by the sender's clock: the message's timestamp against this host's
     in_flight: int | None = None
+    lag_seconds: float | None = None  # its leader's lag as its meter sampled it last
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +96,9 @@ class Status:
     dead_letters: int | None  # None without a dead-letter table
     shards: int = 1
     slot: Slot | None = None  # the log source's slot; None with mark-purge/reset, or when it is missing
+    # The age of the oldest record committed and not acknowledged by Kafka; None when unknown (a log
+    # source without per-batch deletes whose leaders' heartbeats do not report it).
+    lag_seconds: float | None = None
 
     def to_json(self) -> str:
         doc = asdict(self)
@@ -133,6 +141,10 @@ class Status:
         lines.append(
             f"backlog: {self.backlog_records} record(s)" + (f", oldest {age:.1f} s old" if age is not None else "")
         )
+        if self.lag_seconds is None:
+            lines.append("lag: not reported (no leader's heartbeat carries it)")
+        else:
+            lines.append(f"lag: {self.lag_seconds:.1f} s (the oldest record committed and not acknowledged by Kafka)")
         if self.in_flight_records is None:
             lines.append("in flight: not reported (no leader's heartbeat carries it)")
         else:
@@ -155,7 +167,8 @@ def status(settings: ReaperSettings, timeout: float, *, as_json: bool) -> int:
 
     With several harvest sections, each outbox's status in file order (a JSON list with ``--json``);
     0 only when every outbox is led. An outbox whose table is missing is reported and the next one
-    read; an unreachable service ends the command (exit 2)."""
+    read; an unreachable service ends the command (exit 2), a group lookup that timed out or died
+    too (exit 1)."""
     sections = settings.sections
     if len(sections) == 1:
         report, led = _report(settings, timeout)
@@ -193,6 +206,11 @@ def _report(settings: ReaperSettings, timeout: float) -> tuple[Status, bool]:
     # Only shards someone leads now: a gone leader's last heartbeat says nothing about the present.
     led = {s for m in members for s in m.shards}
     reported = [b.in_flight for shard, b in beats.items() if shard in led and b.in_flight is not None]
+    lag: float | None = oldest or 0.0
+    if settings.harvest.log_messages or settings.harvest.log_retention:
+        # The table, if any, keeps delivered rows: what is not done is in the leader's memory.
+        lags = [b.lag_seconds for shard, b in beats.items() if shard in led and b.lag_seconds is not None]
+        lag = max(lags) if lags else None
     report = Status(
         outbox_table=settings.harvest.table.qualified,
         group=settings.harvest.group_id,
@@ -210,6 +228,7 @@ def _report(settings: ReaperSettings, timeout: float) -> tuple[Status, bool]:
         dead_letters=dead,
         shards=shards,
         slot=slot,
+        lag_seconds=lag,
     )
     return report, leader is not None and every
 
@@ -223,16 +242,19 @@ def _group(settings: ReaperSettings, timeout: float) -> _Group:
 
     librdkafka's group describe can abort the whole process when a request times out while the
     coordinator's broker restarts (``leader/members.py`` says more); ``reaper status`` is most wanted
-    just then, so a child that dies that way is a lookup that failed, said in one line.
+    just then, so a child that dies that way, or answers nothing in time, is a lookup that failed,
+    said in one line (exit 1: try again), as is a lookup that timed out.
     """
+    group = settings.harvest.group_id
     context = multiprocessing.get_context("fork")  # the child needs the settings, not a re-import
     answers, answer = context.Pipe(duplex=False)
     child = context.Process(target=_group_in_child, args=(settings, timeout, answer), daemon=True)
     child.start()
     answer.close()
-    got: tuple[bool, _Group | str] | None = None
+    got: tuple[bool, Any] | None = None
+    backstop = timeout + 30  # the lookup has its own deadline; this is for a child that hangs
     try:
-        if answers.poll(timeout + 30):  # the lookup has its own deadline; this is a backstop
+        if answers.poll(backstop):
             got = answers.recv()
     except EOFError:
         pass
@@ -241,38 +263,45 @@ def _group(settings: ReaperSettings, timeout: float) -> _Group:
         child.join(5)
         if child.is_alive():
             child.kill()
+            child.join()
     if got is None:
         code = child.exitcode
-        why = (
-            f"it was killed by signal {-code} (librdkafka aborts so when a broker restarts mid-request): try again"
-            if code is not None and code < 0
-            else f"exit code {code}"
-        )
-        raise FailError(f"Kafka: the lookup of group {settings.harvest.group_id} ended without an answer: {why}")
+        if code == -signal.SIGKILL:  # killed here, hung
+            why = f"it did not answer within {backstop:g} s"
+        elif code is not None and code < 0:
+            why = f"it was killed by signal {-code} (librdkafka aborts so when a broker restarts mid-request)"
+        else:
+            why = f"exit code {code}"
+        raise FailError(f"Kafka: the lookup of group {group} ended without an answer: {why}: try again", code=1)
     ok, result = got
     if not ok:
-        raise FailError(str(result))
-    assert not isinstance(result, str)
-    return result
+        message, code = result
+        raise FailError(message, code=code)
+    return cast(_Group, result)
 
 
 def _group_in_child(settings: ReaperSettings, timeout: float, answer: Connection) -> None:
+    """Answers (True, the group) or (False, (one line, exit code)); nothing escapes as a traceback."""
     try:
         answer.send((True, _lookup_group(settings, timeout)))
     except FailError as exc:
-        answer.send((False, str(exc)))
+        answer.send((False, (str(exc), exc.code)))
+    except Exception as exc:  # a client call this code did not expect to fail: still one line
+        group = settings.harvest.group_id
+        answer.send((False, (f"Kafka: the lookup of group {group} failed: {kafka_reason(exc)}", 1)))
 
 
 def _lookup_group(settings: ReaperSettings, timeout: float) -> _Group:
-    from confluent_kafka import KafkaException
+    from confluent_kafka import KafkaError, KafkaException
     from confluent_kafka.admin import AdminClient
 
     harvest = settings.harvest
     servers = harvest.base_kafka_config.get("bootstrap.servers", "?")
     quiet = logging.getLogger("reaper.status.kafka")
     quiet.setLevel(logging.CRITICAL)  # librdkafka's retries would repeat what the one-line error says
+    errors: list[KafkaError] = []  # what librdkafka says of its connections (error_cb)
     try:
-        config: dict[str, Any] = {**harvest.base_kafka_config, "logger": quiet}
+        config: dict[str, Any] = {**harvest.base_kafka_config, "logger": quiet, "error_cb": errors.append}
         admin = AdminClient(config)
     except (KafkaException, TypeError, ValueError) as exc:
         raise FailError(f"harvest.baseKafkaConfig: {kafka_reason(exc)}") from None
@@ -288,8 +317,19 @@ def _lookup_group(settings: ReaperSettings, timeout: float) -> _Group:
             if time.monotonic() < deadline and any(t in str(exc) for t in _TRANSIENT):
                 time.sleep(0.2)
                 continue
+            admin.poll(0)  # serves the error callback
+            cause = connection_cause(errors)
+            err = exc.args[0] if exc.args else None
+            if isinstance(err, KafkaError) and err.code() == KafkaError._TIMED_OUT and cause is None:
+                # Connected, and no answer in time: a broker that restarts or is overloaded.
+                raise FailError(
+                    f"Kafka: the lookup of group {harvest.group_id} at {servers} timed out after {timeout:g} s"
+                    " (a broker restarting or overloaded?): try again, or raise --timeout",
+                    code=1,
+                ) from None
             raise FailError(
-                f"Kafka: cannot describe group {harvest.group_id} at {servers} (harvest.baseKafkaConfig): {reason}"
+                f"Kafka: cannot describe group {harvest.group_id} at {servers} (harvest.baseKafkaConfig): "
+                + (cause or reason)
             ) from None
     members = []
     for m in group.members:
@@ -338,12 +378,13 @@ def _last_heartbeats(settings: ReaperSettings, quiet: logging.Logger, deadline: 
             if not isinstance(doc, dict) or doc.get("format") != HEARTBEAT_FORMAT:
                 continue
             age = max(0.0, time.time() - message.timestamp()[1] / 1000)
-            in_flight = doc.get("in_flight")
+            in_flight, lag = doc.get("in_flight"), doc.get("lag_seconds")
             beats[got] = Heartbeat(
                 member=str(doc.get("member")),
                 leader_id=str(doc.get("leader_id")),
                 age_seconds=age,
                 in_flight=in_flight if isinstance(in_flight, int) else None,
+                lag_seconds=float(lag) if isinstance(lag, int | float) else None,
             )
         return beats
     finally:

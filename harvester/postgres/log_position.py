@@ -72,10 +72,11 @@ class PositionedLogStore(LogStore):
         return epoch
 
     def head(self) -> tuple[int, float | None]:
-        """The records received and not done yet: the table, if any, holds delivered rows too (the
-        slot's lag says what is not received yet)."""
+        """The records received and not done yet, and the age of the oldest of them (from its
+        transaction's commit): the table, if any, holds delivered rows too (the slot's lag says what
+        is not received yet)."""
         with self._state:
-            return self._txns.pending(), None
+            return self._txns.pending(), self._txns.oldest_age()
 
     def purge(self, ids: Sequence[int]) -> None:
         """Nothing deleted now: the records are done, and the position with them (the done prefix

@@ -67,14 +67,24 @@ class LogStore(PostgresStore):
     # and skips the rows already deleted, so a crash repeats a run of a key's latest records, in order.
     release_on_ack = True
 
-    def __init__(self, dsn: str, setup: LogSetup, *, transaction_memory: int = 1 << 30, **options: Any) -> None:
+    def __init__(
+        self,
+        dsn: str,
+        setup: LogSetup,
+        *,
+        transaction_memory: int = 1 << 30,
+        spill_directory: str | None = None,
+        **options: Any,
+    ) -> None:
         """``transaction_memory``: the memory (estimated) the transactions' records may take, all
-        together, before a large one's next ones are spilled to a temporary file (spill.py)."""
+        together, before a large one's next ones are spilled to a temporary file (spill.py), in
+        ``spill_directory`` (None: the system's temporary directory)."""
         # No vacuum while a backlog drains: it keeps the head of the id index clean for the mark
         # query, and this store reads no rows (its deletes find theirs by id); autovacuum suffices.
         super().__init__(dsn, setup.table, **{**options, "vacuum_every": 0})
         self._setup = setup
-        self._budget = Budget(transaction_memory)  # shared by the streams and the received transactions
+        # Shared by the streams and the received transactions.
+        self._budget = Budget(transaction_memory, directory=spill_directory)
         self._options = f"{self._options} {_SESSION}"
         self._slot = SlotStream(setup, self._take_over, self._stream_started, self._stream_decoder, self._budget)
         self._slot.conninfo = psycopg.conninfo.make_conninfo(
@@ -409,6 +419,12 @@ class LogStore(PostgresStore):
             self._slot.wait(min(timeout, INVISIBLE_RECHECK))
             return True
         return self._slot.wait(timeout)
+
+    def received_age(self) -> float | None:
+        """Seconds since the commit of the oldest transaction received with records not done (None:
+        none): what this leader holds of the lag, from its own bookkeeping, without a query."""
+        with self._state:
+            return self._txns.oldest_age()
 
     def slot_bytes(self) -> tuple[int, int] | None:
         """(WAL bytes not consumed by the slot, WAL bytes it retains), or None without the slot."""

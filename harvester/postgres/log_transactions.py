@@ -20,6 +20,7 @@ stores too, so that a new leader skips it even when an earlier record of another
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -31,6 +32,8 @@ from harvester.postgres import pgoutput
 from harvester.postgres.log_records import Columns
 from harvester.postgres.spill import MESSAGE_COST, Budget, Spill
 from harvester.postgres.streamed import SPILLED, Received
+
+_EPOCH_2000 = 946_684_800.0  # PostgreSQL's timestamps count from 2000-01-01 UTC, in Unix seconds
 
 
 @dataclass(slots=True, eq=False)
@@ -222,6 +225,13 @@ class Transactions:
         """Records received and not done yet."""
         return sum(txn.size - len(txn.done) for txn in self.kept)
 
+    def oldest_age(self) -> float | None:
+        """Seconds since the commit of the oldest received transaction not all done, by this host's
+        clock against the server's commit timestamp (None: every received one is done). The leading
+        settled ones are forgotten at each completion, so this looks at one or two."""
+        commit = next((txn.commit_time for txn in self.kept if not txn.settled), None)
+        return None if commit is None else max(0.0, time.time() - _EPOCH_2000 - commit / 1e6)
+
     def transactions_of(self, ids: Iterable[int]) -> list[Transaction]:
         """The transactions of the in-flight records among ``ids`` (see :func:`reached`)."""
         return list({at[0] for rid in ids if (at := self._of_id.get(rid)) is not None})
@@ -252,7 +262,7 @@ class Transactions:
                             txn.in_memory += cost
                             budget.received += cost
                             if txn.in_memory > spill_at:
-                                txn.spill = Spill()
+                                txn.spill = budget.spill()
                     else:
                         index = len(txn.inserts) + len(spill)
                         if type(data) is bytes:
@@ -268,7 +278,7 @@ class Transactions:
                 continue
             if data == SPILLED:  # what follows of a streamed transaction was spilled: so is it here
                 if txn is not None and txn.spill is None:
-                    txn.spill = Spill()
+                    txn.spill = budget.spill()
                 continue
             message = pgoutput.parse(data)
             if isinstance(message, pgoutput.Begin):

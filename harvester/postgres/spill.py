@@ -8,7 +8,10 @@ it, one after another, with the slot stuck before it; so would several large one
 transactions of a store hold their messages in memory up to the ``logTransactionMemory`` setting,
 all together (a :class:`Budget`, as estimated from their sizes, below), and a large one's later
 messages, as they came, in a :class:`Spill`: what a crash loses of it, the slot sends again, so the
-file is unnamed (``tempfile.TemporaryFile``, in ``TMPDIR``) and goes with the process.
+file is unnamed (``tempfile.TemporaryFile``, in the ``logSpillDirectory`` setting's directory or the
+system's temporary one) and goes with the process. :func:`spill_directory` checks at start that a file
+can be made there, so that a directory that is missing or read-only (a container's read-only root)
+is a configuration error rather than a leader failing in the middle of a large transaction.
 """
 
 from __future__ import annotations
@@ -26,6 +29,23 @@ DECODED_COST = 500
 # What a transaction holds in memory before it may spill: one that holds less never does, so that
 # small transactions get no file each (how many are held at once, the read-ahead bounds).
 FLOOR = 64 << 10
+_PREFIX = "harvester-spill-"
+
+
+def spill_directory(directory: str | None) -> str:
+    """The directory spill files go to: ``directory``, or the system's temporary directory (``TMPDIR``,
+    then ``/tmp`` and the like) when None, once a file was made there and removed; :class:`ValueError`
+    saying why not."""
+    try:
+        where = directory if directory is not None else tempfile.gettempdir()
+    except FileNotFoundError as exc:  # no candidate of the system's list takes a file
+        raise ValueError(f"not set, and {exc.strerror}: set it to a writable directory") from None
+    try:
+        with tempfile.TemporaryFile(prefix=_PREFIX, dir=where):
+            pass
+    except OSError as exc:
+        raise ValueError(f"cannot make a file in {where}: {exc.strerror or exc}") from None
+    return where
 
 
 class Budget:
@@ -36,11 +56,12 @@ class Budget:
     transaction's count passes from one to the other through ``handed`` (both sides run in the
     thread that reads the stream). A transaction holding more than ``floor`` spills its next
     messages once it and the others (as they stood at its stream block's start or its Begin) hold
-    more than ``limit``."""
+    more than ``limit``, to a :class:`Spill` in ``directory`` (None: the system's temporary directory)."""
 
-    __slots__ = ("floor", "handed", "limit", "received", "streamed")
+    __slots__ = ("directory", "floor", "handed", "limit", "received", "streamed")
 
-    def __init__(self, limit: int = 1 << 62, floor: int = FLOOR) -> None:
+    def __init__(self, limit: int = 1 << 62, floor: int = FLOOR, directory: str | None = None) -> None:
+        self.directory = directory
         self.limit = limit
         self.floor = min(limit, floor)
         self.streamed = 0
@@ -53,6 +74,10 @@ class Budget:
         others = self.streamed + self.received + self.handed - holding
         return max(self.floor, self.limit - others)
 
+    def spill(self) -> Spill:
+        """A new spill file, in the budget's directory."""
+        return Spill(self.directory)
+
 
 class Spill:
     """Messages in a temporary file, by position: appended in order, read back by index, cut back
@@ -60,8 +85,9 @@ class Spill:
 
     __slots__ = ("_file", "_starts")
 
-    def __init__(self) -> None:
-        self._file: IO[bytes] = tempfile.TemporaryFile(prefix="harvester-spill-")  # noqa: SIM115 (closed by close())
+    def __init__(self, directory: str | None = None) -> None:
+        """``directory``: where the file is made (None: the system's temporary directory)."""
+        self._file: IO[bytes] = tempfile.TemporaryFile(prefix=_PREFIX, dir=directory)  # noqa: SIM115 (closed by close())
         self._starts = array("q", [0])  # where each message starts, and where the next one will
 
     def __len__(self) -> int:

@@ -160,7 +160,7 @@ class StreamedTransactions:
             current.in_memory += cost
             self._budget.streamed += cost
             if current.in_memory > self._spill_at:
-                current.spill = Spill()
+                current.spill = self._budget.spill()
         elif kind == 0x53:  # 'S'
             (xid,) = _START.unpack_from(message, 1)
             current = self._open.get(xid)

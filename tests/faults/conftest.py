@@ -10,16 +10,17 @@ from tests.faults.cluster import KafkaCluster
 from tests.faults.pgpair import PgPair
 from tests.support import free_ports
 
-# Ports from tests.support.free_ports, outside the kernel's ephemeral range: the cluster takes 40
-# from its first (see deploy/local/cluster.sh), the PostgreSQL pair 2.
-CLUSTER_PORTS = 40
+# Ports from tests.support.free_ports, outside the kernel's ephemeral range: the cluster takes 60
+# from its first, with two proxied listener sets (see deploy/local/cluster.sh), the PostgreSQL pair 2.
+CLUSTER_PORTS = 60
 PGPAIR_PORTS = 2
 
 
 @pytest.fixture(scope="session")
 def cluster() -> Iterator[KafkaCluster]:
-    """Three brokers, replication 3, min.insync.replicas 2; stopped at the end of the session."""
-    c = KafkaCluster("faults", free_ports(CLUSTER_PORTS))
+    """Three brokers, replication 3, min.insync.replicas 2, two proxied listener sets; stopped at the
+    end of the session."""
+    c = KafkaCluster("faults", free_ports(CLUSTER_PORTS), proxied=2)  # a path of its own for each of two processes
     c.start()
     yield c
     c.stop()

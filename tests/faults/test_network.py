@@ -17,6 +17,7 @@ from tests.chaos.harness import read_all
 from tests.faults.cluster import KafkaCluster
 from tests.faults.proxy import Mode, Proxy
 from tests.faults.scenario import Scenario, exit_counters, settings
+from tests.proc.processes import HarvesterProcess
 from tests.support import Services, consumed_headers
 
 pytestmark = [pytest.mark.integration]
@@ -85,27 +86,57 @@ def test_proxy_modes(echo: tuple[str, int]) -> None:
 @pytest.mark.timeout(300)
 def test_leader_cut_from_kafka_yields_and_is_fenced(services: Services, whole_cluster: KafkaCluster) -> None:
     """The leader reaches the cluster (election and producer) through proxies that are cut: it
-    yields, the other process takes over and fences it; nothing is lost, per-key order holds."""
+    yields, the other process takes over and fences it; nothing is lost, per-key order holds.
+
+    Each process reaches the cluster through proxies of its own, and the one that leads at the cut
+    is cut. The first need not lead by then: on a loaded machine a leader's own heartbeats can take
+    longer than heartbeatTimeout to come back, and a leader fenced that way steps down to the other
+    member (as it should), which then leads before the cut. Cutting the first process regardless
+    made this test wait for a takeover that had already happened ("no takeover after the cut")."""
     s = settings()
-    with whole_cluster.proxied() as proxies, Scenario(s, services.pg_dsn, whole_cluster.bootstrap) as sc:
-        cut_off = sc.spawn_leader("cut-kafka-a", bootstrap=whole_cluster.proxied_bootstrap())
-        other = sc.spawn("cut-kafka-b")
+    with (
+        whole_cluster.proxied(1) as first,
+        whole_cluster.proxied(2) as second,
+        Scenario(s, services.pg_dsn, whole_cluster.bootstrap) as sc,
+    ):
+        a = sc.spawn_leader("cut-kafka-a", bootstrap=whole_cluster.proxied_bootstrap(1))
+        b = sc.spawn("cut-kafka-b", bootstrap=whole_cluster.proxied_bootstrap(2))
         sc.wait_group(2)
         sc.writers.start()
         sc.wait_published(150)
+        cut_off = leading([a, b])
+        other, paths = (b, first) if cut_off is a else (a, second)
         cut = time.time()
-        proxies.set_mode("cut")
+        paths.set_mode("cut")
         assert other.wait_for("LeaderAcquired", 60.0, after=cut), "no takeover after the cut"
         # It yields on its own (its heartbeats stop coming back: LeaderFenced) or in a rebalance.
         assert cut_off.seen("LeaderFenced", cut) or cut_off.wait_for("LeaderRevoked", 10.0, after=cut)
         sc.wait_published(150)  # the new leader harvests
-        proxies.set_mode("pass")
+        paths.set_mode("pass")
         outcome = sc.finish()
         sc.group.stop()
         counters = exit_counters([cut_off])[cut_off.name]
         assert outcome.violations() == [], outcome.explain()
         # Its late purges (records acknowledged once the path healed) met the new leader's fence.
         assert counters.get("fenced_statements", 0) >= 1, (counters, outcome.explain())
+
+
+def leading(procs: list[HarvesterProcess], timeout: float = 60.0) -> HarvesterProcess:
+    """The one process of ``procs`` that leads now: its latest leadership event is LeaderAcquired.
+    Waits while none does (a leader fenced, not yet taken over)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        leaders = [p for p in procs if latest_leadership(p) == "LeaderAcquired"]
+        if len(leaders) == 1:
+            return leaders[0]
+        assert len(leaders) < 2, "two processes lead at once"
+        assert time.monotonic() < deadline, f"nobody led within {timeout:.0f} s"
+        time.sleep(0.1)
+
+
+def latest_leadership(proc: HarvesterProcess) -> str | None:
+    kinds = ("LeaderAcquired", "LeaderFenced", "LeaderRevoked")
+    return next((e["event"] for e in reversed(list(proc.events)) if e["event"] in kinds), None)
 
 
 @pytest.mark.timeout(300)

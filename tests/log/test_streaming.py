@@ -6,8 +6,10 @@ its least, 64 kB, so that transactions of a few hundred rows are streamed."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from uuid import UUID, uuid4
 
 import psycopg
@@ -33,11 +35,15 @@ def slot_of(table: TableName) -> str:
     return HarvesterConfig(outbox_table=table.qualified).slot
 
 
-def leading_store(dsn: str, table: TableName, memory: int = 1 << 30) -> tuple[LogStore, UUID]:
+def leading_store(
+    dsn: str, table: TableName, memory: int = 1 << 30, spill_directory: str | None = None
+) -> tuple[LogStore, UUID]:
     """A log store over ``table`` whose stream streams (see :func:`tests.support.streaming`), leading a
-    term; past ``memory`` (its transactions' records together), a large one's further records are spilled."""
+    term; past ``memory`` (its transactions' records together), a large one's further records are
+    spilled (in ``spill_directory``)."""
     config = HarvesterConfig(outbox_table=table.qualified)
-    store = LogStore(streaming(dsn), LogSetup(table, config.slot, config.publication), transaction_memory=memory)
+    setup = LogSetup(table, config.slot, config.publication)
+    store = LogStore(streaming(dsn), setup, transaction_memory=memory, spill_directory=spill_directory)
     store.prepare()
     leader = uuid4()
     store.acquire(leader)
@@ -142,6 +148,27 @@ def test_a_transaction_past_the_memory_limit_is_spilled_and_every_pass_reads_it_
         assert not store._txns.kept
         with pytest.raises(ValueError, match="closed file"):
             spill.read(0, 1)
+        assert wait_drained(logical_dsn, log_outbox) == 0
+    finally:
+        store.close()
+
+
+def test_a_large_transaction_spills_into_the_spill_directory(
+    logical_dsn: str, log_outbox: TableName, tmp_path: Path
+) -> None:
+    """logSpillDirectory: the file a transaction past the memory limit spills to is made there (unnamed,
+    so the directory lists nothing: the descriptor's link names it), and the transaction drains whole."""
+    store, leader = leading_store(logical_dsn, log_outbox, memory=100_000, spill_directory=str(tmp_path))
+    try:
+        with psycopg.connect(logical_dsn) as conn:
+            stash_in(conn, log_outbox, [("t", f"k{i % 7}", f"v:{i}") for i in range(1500)])
+        records = mark_all(store, leader, 1500)
+        assert [r.value for r in records] == [f"v:{i}".encode() for i in range(1500)]
+        (txn,) = [t for t in store._txns.kept if t.size]
+        assert txn.spill is not None and len(txn.spill) > 1000
+        assert os.readlink(f"/proc/self/fd/{txn.spill._file.fileno()}").startswith(f"{tmp_path}/")
+        assert not list(tmp_path.iterdir())
+        store.purge([r.id for r in records])
         assert wait_drained(logical_dsn, log_outbox) == 0
     finally:
         store.close()

@@ -109,6 +109,25 @@ def test_limits_the_election_refuses_exit_2(tmp_path: Path, capsys: pytest.Captu
 
 
 @pytest.mark.unit
+def test_a_spill_directory_that_takes_no_file_is_refused_at_start(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The log source's spill directory is tried before anything starts, by run and check alike: a
+    large transaction would otherwise fail its leader in the middle of a drain."""
+    text = "harvest:\n  dataSource: host=127.0.0.1 port=1\n  source: log\n  logSpillDirectory: /nonexistent\n"
+    path = config(tmp_path, text)
+    expected = "reaper: error: harvest.logSpillDirectory: cannot make a file in /nonexistent: No such file or directory"
+    expected += "\n"
+    for command in ("run", "check"):
+        assert main([command, "-f", path]) == 2
+        assert capsys.readouterr().err == expected
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("REAPER_HARVEST__LOG_SPILL_DIRECTORY", str(tmp_path / "file"))
+    assert main(["check", "-f", path]) == 2
+    assert capsys.readouterr().err.endswith(f"cannot make a file in {tmp_path}/file: Not a directory\n")
+
+
+@pytest.mark.unit
 def test_run_with_postgres_unreachable_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     dsn = f"host=127.0.0.1 port=1 user=u password={PG_SECRET} dbname=d"
     path = config(tmp_path, f"harvest:\n  dataSource: {dsn}\nhttp:\n  port: 0\n")

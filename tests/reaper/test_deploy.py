@@ -20,6 +20,38 @@ pytestmark = pytest.mark.unit
 K8S = ROOT / "deploy" / "k8s"
 COMPOSE = ROOT / "deploy" / "compose"
 
+# A container of the log source needs, besides logTransactionMemory, the reaper's own memory (the
+# reaper and its producer process, measured: docs/reaper.md "Memory and spill files") and slack.
+OWN_MEMORY = 150 << 20
+SLACK = 1.25
+
+
+def memory_quantity(text: str) -> int:
+    """Bytes of a Kubernetes quantity (``512Mi``, ``2Gi``) or a compose size (``512m``)."""
+    number, unit = re.fullmatch(r"(\d+)([A-Za-z]*)", str(text)).groups()  # type: ignore[union-attr]
+    scale = {"": 1, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    return int(number) * scale[unit]
+
+
+def fits(limit: int, budget: int) -> bool:
+    """Whether a memory limit holds a log source's budget, the reaper's own memory and the slack."""
+    return limit >= (budget + OWN_MEMORY) * SLACK
+
+
+def sets_budget(text: str) -> bool:
+    """Whether a reaper.yaml sets logTransactionMemory (either spelling)."""
+    return re.search(r"^\s*(logTransactionMemory|log_transaction_memory):", text, re.MULTILINE) is not None
+
+
+def with_log_source(text: str) -> str:
+    """A manifest's reaper.yaml running the log source: as it is, or with its one commented-out
+    ``source: log`` line switched on (the variant the manifest offers)."""
+    if re.search(r"^\s*source: log\b", text, re.MULTILINE):
+        return text
+    switched, count = re.subn(r"^(\s*)# (source: log)$", r"\1\2", text, flags=re.MULTILINE)
+    assert count == 1, "neither runs the log source nor offers it in one line"
+    return switched
+
 
 def documents(path: Path) -> dict[str, dict[str, Any]]:
     return {f"{d['kind']}/{d['metadata']['name']}": d for d in yaml.safe_load_all(path.read_text()) if d}
@@ -135,6 +167,20 @@ def test_kubernetes_manifests(tmp_path: Path, manifest: str, name: str, replicas
     annotations = deployment["spec"]["template"]["metadata"]["annotations"]
     assert annotations["prometheus.io/port"] == str(settings.http.port)
 
+    # The log source, as the manifest runs it or offers it: its spill directory is a writable emptyDir
+    # on the node's disk (the root filesystem is read-only), and the memory limit holds its budget.
+    log = validate(with_log_source(config_map["data"]["reaper.yaml"]), tmp_path, files, env).harvest
+    assert log.source == "log"
+    assert log.log_spill_directory is not None, "the default, /tmp, is on the read-only root filesystem"
+    spill = next(m for m in container["volumeMounts"] if m["mountPath"] == log.log_spill_directory)
+    assert not spill.get("readOnly")
+    assert volumes[spill["name"]]["emptyDir"].get("medium") != "Memory"  # a tmpfs would count as memory
+    assert memory_quantity(volumes[spill["name"]]["emptyDir"]["sizeLimit"]) >= 1 << 30
+    limit = memory_quantity(container["resources"]["limits"]["memory"])
+    assert memory_quantity(container["resources"]["requests"]["memory"]) <= limit
+    assert fits(limit, int(log.log_transaction_memory)), (limit, log.log_transaction_memory)
+    assert sets_budget(config_map["data"]["reaper.yaml"]), "set explicitly: the default, 1GiB, fits no limit here"
+
     # The graceful stop fits in the grace period, and the container runs unprivileged.
     assert settings.shutdown.timeout.total_seconds() < pod["terminationGracePeriodSeconds"]
     assert pod["securityContext"]["runAsNonRoot"] is True
@@ -239,3 +285,14 @@ def test_compose_file(tmp_path: Path) -> None:
     listeners = services["kafka"]["environment"]["KAFKA_ADVERTISED_LISTENERS"]
     assert re.search(r"//kafka:9092\b", listeners)
     assert services["postgres"]["environment"]["POSTGRES_PASSWORD_FILE"] == "/run/secrets/pg_password"
+
+    # The log source: PostgreSQL of a version the suite tests, with wal_level=logical; the reapers'
+    # memory limit holds their budget; spill files go to the image's /tmp, writable here.
+    postgres = services["postgres"]
+    assert re.fullmatch(r"postgres:(15|18)(\.\d+)*(-\w+)?", postgres["image"])
+    assert "wal_level=logical" in postgres["command"]
+    harvest = settings.harvest
+    assert harvest.source == "log"
+    assert sets_budget(text), "set explicitly: the default, 1GiB, fits no limit here"
+    assert fits(memory_quantity(services["reaper"]["mem_limit"]), int(harvest.log_transaction_memory))
+    assert harvest.log_spill_directory is None and not services["reaper"].get("read_only")

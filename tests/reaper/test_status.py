@@ -1,5 +1,6 @@
 """``reaper status`` through the real CLI, on the real services: with nobody leading (exit 1), with a
-leading reaper and a standby, after a handover, and its one-line mistakes (exit 2)."""
+leading reaper and a standby, after a handover, its one-line mistakes (exit 2), and a group lookup
+that a paused broker lets time out (one line, exit 1)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import json
 import os
 import signal
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from types import SimpleNamespace
@@ -22,7 +23,15 @@ from harvester.postgres.identifiers import TableName
 from harvester.postgres.migrations import dead_letter_table
 from tests.reaper.test_e2e import insert, wait_for
 from tests.reaper.test_http_port import Process, goharvest_yaml
-from tests.support import Services, create_goharvest_outbox, delete_topics, run_reaper, unique
+from tests.support import (
+    PrivateKafka,
+    Services,
+    create_goharvest_outbox,
+    delete_topics,
+    free_ports,
+    run_reaper,
+    unique,
+)
 
 
 def status(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -75,11 +84,12 @@ def test_status_with_nobody_then_a_leader_then_after_a_handover(
     assert doc["delivery"] == "at_least_once"
     assert (doc["backlog_records"], doc["in_flight_records"], doc["dead_letters"]) == (3, None, 1)
     assert doc["oldest_record_age_seconds"] >= 3600
+    assert doc["lag_seconds"] == doc["oldest_record_age_seconds"]  # a row leaves only once acknowledged
     text = status(config)
     assert text.returncode == 1 and text.stderr == ""
     assert f"leader: none (no member holds partition 0 of {group}.neli)" in text.stdout
     assert "backlog: 3 record(s), oldest 36" in text.stdout  # 3600-3699 s
-    assert "in flight: not reported (no leader's heartbeat carries it)" in text.stdout
+    assert "lag: 36" in text.stdout and "in flight: not reported (no leader's heartbeat carries it)" in text.stdout
     assert "dead letters: 1 waiting" in text.stdout
 
     reapers: list[Process] = []
@@ -105,7 +115,8 @@ def test_status_with_nobody_then_a_leader_then_after_a_handover(
         assert doc["heartbeat_timeout_seconds"] == 5.0
         # In flight as the leader's heartbeat reports it: nothing, once the backlog is drained.
         wait_for("in flight reported", lambda: status_json(config)[1]["in_flight_records"] == 0, 30)
-        assert (doc["dead_letters"], doc["oldest_record_age_seconds"]) == (1, None)
+        assert (doc["dead_letters"], doc["oldest_record_age_seconds"], doc["lag_seconds"]) == (1, None, 0.0)
+        wait_for("its meter's lag in a heartbeat", lambda: status_json(config)[1]["heartbeat"]["lag_seconds"] == 0, 30)
         text = status(config)
         assert text.returncode == 0, text.stderr
         assert f"leader: {leader.name}; leader id {term['leader_id']}, epoch {term['epoch']}, since " in text.stdout
@@ -205,7 +216,7 @@ def test_a_leader_without_recent_heartbeats_is_flagged(age: float, warned: bool)
     text = report.to_text()
     assert f"last heartbeat: {age:.1f} s ago, from a, leader id l1" in text
     assert ("warning: no heartbeat for more than harvest.limits.heartbeatTimeout (5 s): a may have" in text) is warned
-    beat = {"member": "a", "leader_id": "l1", "age_seconds": age, "in_flight": None}
+    beat = {"member": "a", "leader_id": "l1", "age_seconds": age, "in_flight": None, "lag_seconds": None}
     assert json.loads(report.to_json())["heartbeat"] == beat
 
 
@@ -219,5 +230,38 @@ def test_a_group_lookup_that_aborts_is_a_one_line_failure(monkeypatch: pytest.Mo
     settings = SimpleNamespace(harvest=SimpleNamespace(group_id="g"))
     with pytest.raises(
         FailError, match=r"^Kafka: the lookup of group g ended without an answer: it was killed by signal 6"
-    ):
+    ) as failed:
         module._group(settings, 5.0)  # type: ignore[arg-type]
+    assert failed.value.code == 1  # a runtime failure: try again
+
+
+@pytest.fixture
+def broker_to_pause() -> Iterator[PrivateKafka]:
+    """A broker of this test's own, which it pauses (never the shared one)."""
+    broker = PrivateKafka("status-paused", free_ports(2))
+    broker.start()
+    try:
+        yield broker
+    finally:
+        os.kill(broker.pid, signal.SIGCONT)
+        broker.stop()
+
+
+@pytest.mark.integration
+def test_a_group_lookup_that_times_out_is_a_one_line_failure(
+    services: Services, broker_to_pause: PrivateKafka, tmp_path: Path
+) -> None:
+    # A broker that accepts connections and answers nothing (paused, as one stuck in a restart or a
+    # long pause): the lookup times out; status says so in one line and exits 1, not 2 (the broker is
+    # there) and not with a traceback.
+    group = unique("g")
+    config = tmp_path / "reaper.yaml"
+    yaml = goharvest_yaml(services, TableName(None, "outbox"), group)
+    config.write_text(yaml.replace(services.bootstrap, broker_to_pause.bootstrap))
+    os.kill(broker_to_pause.pid, signal.SIGSTOP)
+    done = status(config, "--timeout", "2")
+    assert (done.returncode, done.stdout) == (1, ""), done.stderr
+    assert done.stderr == (
+        f"reaper: error: Kafka: the lookup of group {group} at {broker_to_pause.bootstrap} timed out after 2 s"
+        " (a broker restarting or overloaded?): try again, or raise --timeout\n"
+    )

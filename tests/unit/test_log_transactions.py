@@ -7,6 +7,7 @@ once a stored position covers it."""
 from __future__ import annotations
 
 import struct
+import time
 from uuid import UUID, uuid4
 
 import pytest
@@ -21,8 +22,8 @@ pytestmark = pytest.mark.unit
 OID = 42
 
 
-def begin(final_lsn: int, xid: int = 7) -> bytes:
-    return b"B" + struct.pack("!QqI", final_lsn, 0, xid)
+def begin(final_lsn: int, xid: int = 7, commit_time: int = 0) -> bytes:
+    return b"B" + struct.pack("!QqI", final_lsn, commit_time, xid)
 
 
 def commit(commit_lsn: int, end_lsn: int) -> bytes:
@@ -65,6 +66,23 @@ def test_records_go_out_before_the_commit_and_settle_after_it() -> None:
     assert txns.handed_out(txn, 2, 3)
     txns.completed([3], 0)
     assert reached([txn], 120) and txns.settled(0) == 120
+
+
+def test_the_oldest_age_is_the_commit_time_of_the_oldest_transaction_not_all_done() -> None:
+    txns, leader = outbox(), uuid4()
+    txns.start_pass(leader)
+    now = int((time.time() - 946_684_800) * 1e6)  # microseconds since 2000-01-01, as pgoutput sends it
+    assert txns.oldest_age() is None
+    txns.receive([begin(100, commit_time=now - 60_000_000), relation(), insert(1), commit(100, 110)])
+    txns.receive([begin(200, commit_time=now - 5_000_000), insert(2)])  # its Commit still to come
+    hand_out(txns, leader, [1, 2])
+    assert 60 <= (txns.oldest_age() or 0) < 120
+    txns.completed([1], 0)
+    assert 5 <= (txns.oldest_age() or 0) < 60  # the first settled; the second is not done
+    txns.completed([2], 0)
+    assert 5 <= (txns.oldest_age() or 0) < 60  # done, but its Commit has not come yet
+    txns.receive([commit(200, 210)])
+    assert txns.oldest_age() is None
 
 
 def test_a_restarted_stream_skips_what_came_before() -> None:
