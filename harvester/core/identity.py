@@ -15,7 +15,7 @@ DEFAULT_PREFIX = "outbox-"
 
 KEY_RUN = 8
 """How many records of a key a log-source leader may have sent and not purged at once, in flight or
-acknowledged (:mod:`harvester.core.release_on_ack`): a crash repeats at most this many, in order.
+acknowledged (:func:`harvester.core.gate.release_at_ack`): a crash repeats at most this many, in order.
 :class:`harvester.client.dedup.DedupReader` remembers as many ids per key and term by default."""
 
 

@@ -88,7 +88,7 @@ class Purger(Protocol):
     @property
     def release_on_ack(self) -> bool:
         """Whether a key's barrier may drop when Kafka acknowledges its record, before its purge
-        commits (:mod:`harvester.core.release_on_ack` says what a crash repeats then)."""
+        commits (:func:`harvester.core.gate.release_at_ack` says what a crash repeats then)."""
         ...
 
     def purge(self, ids: Sequence[int]) -> None:
