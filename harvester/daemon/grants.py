@@ -10,6 +10,7 @@ against the code (``harvester/postgres/statements.py``, ``fencing.py``, ``migrat
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 from harvester.config import HarvesterConfig
 from harvester.postgres.identifiers import TableName
@@ -25,14 +26,49 @@ def role_error(role: str) -> str | None:
     return f"role {role!r}: 1-63 lower-case letters, digits or underscores, not starting with a digit"
 
 
+@dataclass(frozen=True)
+class Need:
+    """Privileges the runtime role needs on one table, and what for."""
+
+    table: TableName
+    privileges: tuple[str, ...]
+    why: str
+
+
+def needs(harvest: HarvesterConfig) -> list[Need]:
+    """What ``harvest``'s source and delivery mode need on its tables (``reaper check`` checks them)."""
+    table = harvest.table
+    found = [
+        Need(
+            TableName(table.schema, "harvester_migrations"),
+            ("SELECT",),
+            "the migrations' ledger: at start, whether the fence and dead letters are in place",
+        ),
+        Need(
+            fence_table(table),
+            ("SELECT", "INSERT", "UPDATE"),
+            "the fence: each term bumps its epoch (INSERT ... ON CONFLICT DO UPDATE), every change reads it;"
+            " exactly-once keeps its checkpoint position there, the log source how far records are done",
+        ),
+        Need(
+            dead_letter_table(table),
+            ("SELECT", "INSERT"),
+            "dead letters: a record given up moves there in the statement that deletes it",
+        ),
+    ]
+    if harvest.log_messages:
+        return found
+    rights: tuple[str, ...]
+    if harvest.source == "log":
+        what, rights = "read the rows the slot names, delete them once delivered", ("SELECT", "DELETE")
+    else:
+        what, rights = "mark (read), purge (delete), count failed attempts (update)", ("SELECT", "UPDATE", "DELETE")
+    return [*found, Need(table, rights, f"the outbox: {what}")]
+
+
 def grants(harvest: HarvesterConfig, role: str) -> str:
     """The SQL script for ``role`` and ``harvest``'s outbox, source and delivery mode."""
     table = harvest.table
-    schema = table.schema or "public"
-    ledger = TableName(table.schema, "harvester_migrations").quoted
-    fence = fence_table(table).quoted
-    dead = dead_letter_table(table).quoted
-    log = harvest.source == "log"
     mode = f"source {harvest.source}, delivery {harvest.delivery}" + (", table-less" if harvest.log_messages else "")
     lines = [
         f"-- reaper grants for outbox {table.qualified} ({mode}), runtime role {role}.",
@@ -41,24 +77,11 @@ def grants(harvest: HarvesterConfig, role: str) -> str:
         "DO $$ BEGIN",
         f"  IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = '{role}') THEN CREATE ROLE {role} LOGIN; END IF;",
         "END $$;",
-        f'GRANT USAGE ON SCHEMA "{schema}" TO {role};',
-        "-- the migrations' ledger: at start, whether the fence and dead letters are in place",
-        f"GRANT SELECT ON {ledger} TO {role};",
-        "-- the fence: each term bumps its epoch (INSERT ... ON CONFLICT DO UPDATE), every change reads it;",
-        "-- exactly-once keeps its checkpoint position there, the log source how far records are done",
-        f"GRANT SELECT, INSERT, UPDATE ON {fence} TO {role};",
-        "-- dead letters: a record given up moves there in the statement that deletes it",
-        f"GRANT SELECT, INSERT ON {dead} TO {role};",
+        f'GRANT USAGE ON SCHEMA "{table.schema or "public"}" TO {role};',
     ]
-    if not harvest.log_messages:
-        what = (
-            "read the rows the slot names, delete them when delivered (or past the retention window)"
-            if log
-            else "mark (read), purge (delete) and count failed attempts (update)"
-        )
-        rights = "SELECT, DELETE" if log else "SELECT, UPDATE, DELETE"
-        lines += [f"-- the outbox: {what}", f"GRANT {rights} ON {table.quoted} TO {role};"]
-    if log:
+    for need in needs(harvest):
+        lines += [f"-- {need.why}", f"GRANT {', '.join(need.privileges)} ON {need.table.quoted} TO {role};"]
+    if harvest.source == "log":
         lines += [
             "-- the log source streams the slot the owner created (a superuser grants this attribute)",
             f"ALTER ROLE {role} REPLICATION;",

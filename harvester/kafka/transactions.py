@@ -65,6 +65,12 @@ class KafkaTransactionalPublisher:
             self._producer.init_transactions(30)
         except KafkaException as exc:
             error: KafkaError = exc.args[0]
+            if error.code() == KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED:
+                tid = self._config["transactional.id"]
+                raise ProducerFencedError(
+                    f"Kafka ACL missing: may not WRITE transactional id {tid}: allow WRITE on transactional id "
+                    f"{tid} (docs/security.md)"
+                ) from exc
             if error.fatal():
                 raise ProducerFencedError(error.str()) from exc
             raise TransactionAbortedError(f"init_transactions: {error.str()}", {}) from exc

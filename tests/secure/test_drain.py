@@ -27,6 +27,7 @@ def acls(group: str, topic: str, exactly_once: bool) -> list[s.Acl]:
         rules += [
             s.Acl(ResourceType.TOPIC, f"{group}.checkpoints", AclOperation.READ),
             s.Acl(ResourceType.TOPIC, f"{group}.checkpoints", AclOperation.WRITE),
+            s.Acl(ResourceType.GROUP, f"{group}.checkpoints.recovery", AclOperation.READ),
             s.Acl(ResourceType.TRANSACTIONAL_ID, f"{group}.harvester", AclOperation.WRITE),
         ]
     return rules
@@ -77,6 +78,6 @@ def test_drains_least_privileged_with_a_handover(secure: None, tmp_path: Path, h
     values = sorted(int(text(m.value())[1:]) for m in got)
     assert values == sorted([*range(1, 31), *range(1, 31)])
     for log in logs:
-        text = log.read_text()
-        assert s.PASSWORD not in text
-        assert '"level": "error"' not in text and '"level": "critical"' not in text, text[-3000:]
+        output = log.read_text()
+        assert s.PASSWORD not in output
+        assert '"level": "error"' not in output and '"level": "critical"' not in output, output[-3000:]
