@@ -5,6 +5,7 @@ no password in any output."""
 from __future__ import annotations
 
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -100,3 +101,30 @@ def restricted_role(box: s.Outbox, tmp: Path) -> str:
         outbox = sql.Identifier(box.schema, "outbox")
         conn.execute(sql.SQL("REVOKE DELETE ON {} FROM {}").format(outbox, sql.Identifier(role)))
     return role
+
+
+def test_a_refused_transactional_id_is_named(secure: None, tmp_path: Path) -> None:
+    """Asking whether the principal may use the transactional id would fence the leader, so check
+    cannot; run says which ACL is missing when its term starts, and keeps the records."""
+    harvest = {"delivery": "exactly_once"}
+    made = s.outbox(tmp_path, harvest)
+    group = f"outbox-harvester.{made.table}"
+    topic = f"out_{made.schema}"
+    s.create_topics([topic, f"{group}.neli", f"{group}.checkpoints"])
+    user = s.principal([a for a in acls(group, topic, exactly_once=True) if a.name != f"{group}.harvester"])
+    kafka = s.kafka_config(user, s.PASSWORD)
+    config = s.write(tmp_path / "reaper.yaml", made.table, s.pg_dsn(made.runtime, s.PASSWORD), kafka, harvest)
+    s.stash(made.table, 3, topic)
+    log = tmp_path / "run.log"
+    proc = s.reaper_process(config, log)
+    wanted = f"Kafka ACL missing: may not WRITE transactional id {group}.harvester"
+    try:
+        deadline = time.monotonic() + 60
+        while wanted not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.3)
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    assert s.backlog(made.table) == 3
+    assert s.PASSWORD not in log.read_text()
