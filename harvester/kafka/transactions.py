@@ -107,7 +107,7 @@ class KafkaTransactionalPublisher:
     def _produce(self, producer: Producer, record: MarkedRecord) -> None:
         def report(err: KafkaError | None, _msg: Message) -> None:
             if err is not None:
-                self._failures[record.id] = DeliveryError(err)
+                self._failures[record.id] = DeliveryError(err, record.topic)
 
         try:
             producer.produce(
@@ -118,7 +118,7 @@ class KafkaTransactionalPublisher:
                 on_delivery=report,
             )
         except KafkaException as exc:
-            self._failures[record.id] = DeliveryError(exc.args[0])
+            self._failures[record.id] = DeliveryError(exc.args[0], record.topic)
             raise
 
     def _on_checkpoint(self, err: KafkaError | None, msg: Message) -> None:

@@ -128,3 +128,27 @@ def test_a_refused_transactional_id_is_named(secure: None, tmp_path: Path) -> No
         proc.wait(60)
     assert s.backlog(made.table) == 3
     assert s.PASSWORD not in log.read_text()
+
+
+def test_a_refused_output_topic_is_named_in_the_dead_letters(box: s.Outbox, tmp_path: Path) -> None:
+    """The output topics are named by the rows, so check cannot look them up beforehand: a record
+    refused for its topic is a dead letter (nothing lost: 'reaper dlq replay' sends it once the ACL is
+    there) whose error names the ACL."""
+    group = f"outbox-harvester.{box.table}"
+    topic = f"out_{box.schema}"
+    user = s.principal([a for a in acls(group, topic, exactly_once=False) if a.name != topic])
+    kafka = s.kafka_config(user, s.PASSWORD)
+    config = s.write(tmp_path / "reaper.yaml", box.table, s.pg_dsn(box.runtime, s.PASSWORD), kafka, {})
+    s.stash(box.table, 2, topic)
+    proc = s.reaper_process(config, tmp_path / "run.log")
+    query = sql.SQL("SELECT error FROM {}").format(sql.Identifier(box.schema, "outbox_dead_letter"))
+    try:
+        deadline = time.monotonic() + 60
+        with psycopg.connect(s.pg_dsn(), autocommit=True) as conn:
+            while len(errors := [str(r[0]) for r in conn.execute(query)]) < 2:
+                assert proc.poll() is None and time.monotonic() < deadline
+                time.sleep(0.3)
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    assert all(f"Kafka ACL missing: allow WRITE on topic {topic}" in e for e in errors), errors
