@@ -4,6 +4,7 @@ principal with a SCRAM password and exactly the ACLs the test names, and the rea
 
 from __future__ import annotations
 
+import os
 import subprocess
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ from tests.support import REAPER, ROOT, SERVICES, reaper_environment, unique
 
 PG_PORT = 5442
 KAFKA_PORT = 9192
-STATE = ROOT / ".local" / "secure"
+STATE = Path(os.environ.get("HARVESTER_LOCAL_DIR") or ROOT / ".local") / "secure"  # as services.sh places it
 CA = STATE / "tls" / "ca.crt"
 PASSWORD = "rt-secret-pw"  # the runtime role's and principal's; the tests look for it in every log line
 
@@ -177,6 +178,27 @@ def reaper(*args: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
         env=reaper_environment(),
         cwd=ROOT,
     )
+
+
+def reapers(*commands: list[str], timeout: float = 90) -> list[subprocess.CompletedProcess[str]]:
+    """Several ``reaper`` commands at once, each to completion (their interpreters start in parallel)."""
+    procs = [
+        subprocess.Popen(
+            [*REAPER, *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            env=reaper_environment(),
+            cwd=ROOT,
+        )
+        for args in commands
+    ]
+    done = []
+    for args, proc in zip(commands, procs, strict=True):
+        out, err = proc.communicate(timeout=timeout)
+        done.append(subprocess.CompletedProcess(args, proc.returncode, out, err))
+    return done
 
 
 def reaper_process(config: Path, log: Path) -> subprocess.Popen[bytes]:

@@ -78,8 +78,7 @@ def test_one_line_naming_the_fix(box: s.Outbox, other_ca: Path, tmp_path: Path, 
     elif case == "no_grant":  # a role of its own, given the grants less DELETE on the outbox
         role = restricted_role(box, tmp_path)
     config = s.write(tmp_path / "reaper.yaml", box.table, s.pg_dsn(role, password, **dsn), kafka, {})
-    checked = s.reaper("check", "-f", str(config))
-    ran = s.reaper("run", "-f", str(config))
+    checked, ran = s.reapers(["check", "-f", str(config)], ["run", "-f", str(config)])
     expected_check, expected_run = CASES[case]
     problems = [line for line in checked.stdout.splitlines() if line.startswith("problem: ")]
     check_says = problems or checked.stderr.splitlines()
