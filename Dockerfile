@@ -3,6 +3,8 @@
 #   docker run --rm -v $PWD/reaper.yaml:/etc/reaper/reaper.yaml:ro -p 9090:9090 "$REGISTRY/outbox-harvester/reaper:0.1.0"
 # Configuration: /etc/reaper/reaper.yaml (mount it), REAPER_* environment overrides, secrets as
 # ${env:NAME} or ${file:/path}; see docs/reaper.md. Metrics and probes on port 9090.
+# TLS: HOME is /nonexistent, so libpq finds no ~/.postgresql/root.crt or ~/.pgpass: mount the CA bundle
+# (e.g. at /etc/reaper-tls/ca.crt) and name it in sslrootcert= and ssl.ca.location; see docs/security.md.
 
 # The base image: a tag, and the digest it must resolve to. Pin the digest for a reproducible build
 # (docs/reaper.md shows how to find it):

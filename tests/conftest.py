@@ -33,6 +33,7 @@ _GROUPS = (  # path prefix -> group, longest first
     ("tests/chaos/test_chaos.py", "chaos"),
     ("tests/faults/", "faults"),
     ("tests/reaper/", "reaper"),
+    ("tests/secure/", "secure"),  # deploy/local/services.sh start-secure's services, started once
     ("tests/compat/", "compat"),
     ("tests/deadletter/test_poison.py", "private_kafka"),  # these use the private_kafka broker
     ("tests/engine/test_failures.py", "private_kafka"),

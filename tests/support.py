@@ -277,6 +277,8 @@ def free_ports(count: int) -> int:
 
 _FALLBACK_PORTS = (24000, 32767)  # below Linux's default ephemeral range (32768-60999)
 _HANDED_OUT: set[int] = set()
+# The suite's fixed ports and the shared services' (services.sh start and start-secure).
+_TAKEN = frozenset((15432, 29092, 29093, 19092, 19093, 5432, 9092, 9093, 5442, 9192, 9193))
 
 
 def _ephemeral_low() -> int:
@@ -287,7 +289,7 @@ def _ephemeral_low() -> int:
 
 
 def _free(port: int) -> bool:
-    if port in (15432, 29092, 29093, 19092, 19093, 5432, 9092, 9093):  # the suite's and the shared services'
+    if port in _TAKEN:
         return False
     with socket.socket() as s:
         try:

@@ -25,9 +25,21 @@
 #   MAVEN_REPOSITORY          a mirror of Maven Central (same layout) to resolve the jars from
 #   HARVESTER_LOCAL_DIR       where data, logs and pid files go (default <repo>/.local); a second
 #                             directory plus other ports gives a second, private broker
+#   SECURE_PGPORT             start-secure's PostgreSQL port (default 5442)
+#   SECURE_KAFKA_PORT         start-secure's Kafka SASL_SSL port (default 9192; controller +1)
 #
 # Commands: start | stop | status | start-kafka | stop-kafka | restart-kafka |
-#           start-postgres | stop-postgres | restart-postgres
+#           start-postgres | stop-postgres | restart-postgres |
+#           start-secure | stop-secure | status-secure
+#
+# start-secure runs a second PostgreSQL and a second Kafka beside the plain ones, under
+# $HARVESTER_LOCAL_DIR/secure, with security on as production runs it (docs/security.md): a throwaway CA
+# and a server certificate for the name "localhost" (secure/tls/ca.crt is what clients trust);
+# PostgreSQL with ssl=on and only `hostssl ... scram-sha-256` over TCP (the superuser `harvester`,
+# password local-dev-secret; `postgres` over the Unix socket only); Kafka whose only client listener is
+# SASL_SSL (SCRAM-SHA-512) on localhost, with KRaft's StandardAuthorizer and
+# allow.everyone.if.no.acl.found=false (super user `admin`, password local-admin-secret). Kafka takes
+# 10-20 s more to start than the plain broker did, PostgreSQL about as long as before.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -55,6 +67,14 @@ KAFKA_PID=$KAFKA_DIR/kafka.pid
 PG_USER=harvester
 PG_PASSWORD=local-dev-secret
 PG_DB=harvester
+
+SECURE=${SECURE:-0}  # set by start-secure (below)
+TLS=$STATE/tls
+TLS_STORE_PASSWORD=local-store-secret
+KAFKA_ADMIN=admin
+KAFKA_ADMIN_PASSWORD=local-admin-secret
+KAFKA_HOST=127.0.0.1
+[ "$SECURE" = 1 ] && KAFKA_HOST=localhost  # the name in the certificate
 
 say() { printf '%s\n' "$*"; }
 die() { printf 'services.sh: %s\n' "$*" >&2; exit 1; }
@@ -167,8 +187,11 @@ wal_level = logical
 max_replication_slots = 20
 max_wal_senders = 20
 CONF
-    # Loopback only, trust: this cluster exists for local development and tests.
-    printf 'local all all trust\nhost all all 127.0.0.1/32 trust\nhost replication all 127.0.0.1/32 trust\n' >"$PG_DATA/pg_hba.conf"
+    if [ "$SECURE" = 1 ]; then pg_secure_config
+    else
+      # Loopback only, trust: this cluster exists for local development and tests.
+      printf 'local all all trust\nhost all all 127.0.0.1/32 trust\nhost replication all 127.0.0.1/32 trust\n' >"$PG_DATA/pg_hba.conf"
+    fi
   fi
   local made_by major
   made_by=$(cat "$PG_DATA/PG_VERSION")
@@ -178,7 +201,7 @@ CONF
   as_pg "$bin/pg_ctl" -D "$PG_DATA" -l "$PG_LOG" -o "-p $PGPORT" -w -t 60 start >/dev/null ||
     { tail -n 20 "$PG_LOG" >&2; die "PostgreSQL did not start (log: $PG_LOG)"; }
   printf '%s\n' "$bin" >"$PG_DIR/bindir"
-  local psql=(as_pg "$bin/psql" -h 127.0.0.1 -p "$PGPORT" -U postgres -d postgres -qtAX -v ON_ERROR_STOP=1)
+  local psql=(as_pg "$bin/psql" -h "$PG_DIR" -p "$PGPORT" -U postgres -d postgres -qtAX -v ON_ERROR_STOP=1)
   "${psql[@]}" -c "DO \$\$BEGIN IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname='$PG_USER') THEN CREATE ROLE $PG_USER LOGIN SUPERUSER PASSWORD '$PG_PASSWORD'; END IF; END\$\$" >/dev/null
   if [ -z "$("${psql[@]}" -c "SELECT 1 FROM pg_database WHERE datname='$PG_DB'")" ]; then
     "${psql[@]}" -c "CREATE DATABASE $PG_DB OWNER $PG_USER" >/dev/null
@@ -187,11 +210,28 @@ CONF
   say "postgres: started on 127.0.0.1:$PGPORT"
 }
 
+# TLS with the throwaway CA's certificate, and passwords (SCRAM) over TLS only; the Unix socket, which
+# only this machine's users reach, stays trusted for administration.
+pg_secure_config() {
+  tls_make
+  local key=$PG_DIR/server.key
+  cp "$TLS/server.crt" "$PG_DIR/server.crt"; cp "$TLS/server.key" "$key"; chmod 600 "$key"
+  if [ "$(id -u)" = 0 ]; then chown postgres "$key" "$PG_DIR/server.crt"; fi
+  cat >>"$PG_DATA/postgresql.conf" <<CONF
+ssl = on
+ssl_cert_file = '$PG_DIR/server.crt'
+ssl_key_file = '$key'
+ssl_min_protocol_version = 'TLSv1.2'
+password_encryption = 'scram-sha-256'
+CONF
+  printf 'local all all trust\nhostssl all all 127.0.0.1/32 scram-sha-256\nhostssl replication all 127.0.0.1/32 scram-sha-256\n' >"$PG_DATA/pg_hba.conf"
+}
+
 # The log source (and bench/peers' Debezium) read the outbox through logical decoding. A cluster
 # created before this setting existed gets it once, with one restart.
 pg_ensure_logical() {
   local bin; bin=$(dirname "$(pg_ctl_bin)")  # the running server's own binaries
-  local psql=(as_pg "$bin/psql" -h 127.0.0.1 -p "$PGPORT" -U postgres -d postgres -qtAX -v ON_ERROR_STOP=1)
+  local psql=(as_pg "$bin/psql" -h "$PG_DIR" -p "$PGPORT" -U postgres -d postgres -qtAX -v ON_ERROR_STOP=1)
   [ "$("${psql[@]}" -c "SHOW wal_level")" = logical ] && return 0
   say "postgres: setting wal_level = logical (one restart) ..."
   "${psql[@]}" -c "ALTER SYSTEM SET wal_level = logical" >/dev/null
@@ -234,17 +274,46 @@ kafka_resolve() {
 
 kafka_running() { [ -f "$KAFKA_PID" ] && kill -0 "$(cat "$KAFKA_PID")" 2>/dev/null; }
 
+kafka_listeners() {
+  if [ "$SECURE" = 1 ]; then
+    # Clients and the broker itself come through SASL_SSL. The controller listener (loopback, used by
+    # this node alone) stays plain, so its anonymous principal must be a super user.
+    cat <<PROPS
+listeners=SASL_SSL://127.0.0.1:$KAFKA_PORT,CONTROLLER://127.0.0.1:$KAFKA_CONTROLLER_PORT
+advertised.listeners=SASL_SSL://localhost:$KAFKA_PORT
+listener.security.protocol.map=SASL_SSL:SASL_SSL,CONTROLLER:PLAINTEXT
+inter.broker.listener.name=SASL_SSL
+sasl.enabled.mechanisms=SCRAM-SHA-512
+sasl.mechanism.inter.broker.protocol=SCRAM-SHA-512
+listener.name.sasl_ssl.scram-sha-512.sasl.jaas.config=org.apache.kafka.common.security.scram.ScramLoginModule required username="$KAFKA_ADMIN" password="$KAFKA_ADMIN_PASSWORD";
+ssl.keystore.type=PKCS12
+ssl.keystore.location=$TLS/server.p12
+ssl.keystore.password=$TLS_STORE_PASSWORD
+ssl.truststore.type=PEM
+ssl.truststore.location=$TLS/ca.crt
+ssl.endpoint.identification.algorithm=https
+authorizer.class.name=org.apache.kafka.metadata.authorizer.StandardAuthorizer
+allow.everyone.if.no.acl.found=false
+super.users=User:$KAFKA_ADMIN;User:ANONYMOUS
+PROPS
+  else
+    cat <<PROPS
+listeners=PLAINTEXT://127.0.0.1:$KAFKA_PORT,CONTROLLER://127.0.0.1:$KAFKA_CONTROLLER_PORT
+advertised.listeners=PLAINTEXT://127.0.0.1:$KAFKA_PORT
+listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT
+inter.broker.listener.name=PLAINTEXT
+PROPS
+  fi
+}
+
 kafka_config() {
   mkdir -p "$KAFKA_DIR"
   cat >"$KAFKA_DIR/server.properties" <<PROPS
 process.roles=broker,controller
 node.id=1
 controller.quorum.voters=1@127.0.0.1:$KAFKA_CONTROLLER_PORT
-listeners=PLAINTEXT://127.0.0.1:$KAFKA_PORT,CONTROLLER://127.0.0.1:$KAFKA_CONTROLLER_PORT
-advertised.listeners=PLAINTEXT://127.0.0.1:$KAFKA_PORT
 controller.listener.names=CONTROLLER
-listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT
-inter.broker.listener.name=PLAINTEXT
+$(kafka_listeners)
 log.dirs=$KAFKA_DIR/data
 num.partitions=1
 auto.create.topics.enable=$KAFKA_AUTO_CREATE_TOPICS
@@ -279,7 +348,18 @@ LOG
 kafka_java() { java -Xms256m -Xmx"$KAFKA_HEAP" -XX:+UseG1GC -Dlog4j2.configurationFile="$KAFKA_DIR/log4j2.properties" -cp "$KAFKA_LIBS/*" "$@"; }
 
 kafka_ready() {
-  kafka_java org.apache.kafka.tools.TopicCommand --bootstrap-server "127.0.0.1:$KAFKA_PORT" --list >/dev/null 2>&1
+  local admin=()
+  if [ "$SECURE" = 1 ]; then
+    cat >"$KAFKA_DIR/admin.properties" <<PROPS
+security.protocol=SASL_SSL
+sasl.mechanism=SCRAM-SHA-512
+sasl.jaas.config=org.apache.kafka.common.security.scram.ScramLoginModule required username="$KAFKA_ADMIN" password="$KAFKA_ADMIN_PASSWORD";
+ssl.truststore.type=PEM
+ssl.truststore.location=$TLS/ca.crt
+PROPS
+    admin=(--command-config "$KAFKA_DIR/admin.properties")
+  fi
+  kafka_java org.apache.kafka.tools.TopicCommand --bootstrap-server "$KAFKA_HOST:$KAFKA_PORT" "${admin[@]}" --list >/dev/null 2>&1
 }
 
 kafka_start() {
@@ -291,7 +371,9 @@ kafka_start() {
   kafka_config
   if [ ! -f "$KAFKA_DIR/data/meta.properties" ]; then
     local cluster_id; cluster_id=$(kafka_java kafka.tools.StorageTool random-uuid 2>/dev/null | tail -n 1)
-    kafka_java kafka.tools.StorageTool format -t "$cluster_id" -c "$KAFKA_DIR/server.properties" >"$KAFKA_DIR/format.log" 2>&1 ||
+    local scram=()  # the super user's SCRAM credential, in the metadata from the start
+    [ "$SECURE" = 1 ] && scram=(--add-scram "SCRAM-SHA-512=[name=$KAFKA_ADMIN,password=$KAFKA_ADMIN_PASSWORD]")
+    kafka_java kafka.tools.StorageTool format -t "$cluster_id" -c "$KAFKA_DIR/server.properties" "${scram[@]}" >"$KAFKA_DIR/format.log" 2>&1 ||
       { tail -n 20 "$KAFKA_DIR/format.log" >&2; die "formatting Kafka storage failed"; }
   fi
   nohup java -Xms256m -Xmx"$KAFKA_HEAP" -XX:+UseG1GC -Dlog4j2.configurationFile="$KAFKA_DIR/log4j2.properties" \
@@ -307,7 +389,7 @@ kafka_start() {
     fi
     sleep 0.5
   done
-  say "kafka: started on 127.0.0.1:$KAFKA_PORT (KRaft, Kafka $KAFKA_VERSION, auto.create.topics.enable=$KAFKA_AUTO_CREATE_TOPICS)"
+  say "kafka: started on $KAFKA_HOST:$KAFKA_PORT (KRaft, Kafka $KAFKA_VERSION, auto.create.topics.enable=$KAFKA_AUTO_CREATE_TOPICS)"
 }
 
 kafka_stop() {
@@ -326,13 +408,46 @@ kafka_stop() {
 
 kafka_status() {
   if kafka_running; then
-    say "kafka: running on 127.0.0.1:$KAFKA_PORT  bootstrap.servers=127.0.0.1:$KAFKA_PORT  log=$KAFKA_LOG"
+    say "kafka: running on $KAFKA_HOST:$KAFKA_PORT  bootstrap.servers=$KAFKA_HOST:$KAFKA_PORT  log=$KAFKA_LOG"
   else
     say "kafka: stopped"; return 1
   fi
 }
 
+# ---------------------------------------------------------------- TLS (start-secure)
+
+# A throwaway CA and one server certificate for "localhost" (both services), made once; the tests make
+# their own wrong CA to show what a client that trusts another one is told.
+tls_make() {
+  [ -f "$TLS/server.p12" ] && return 0
+  command -v openssl >/dev/null || die "openssl is needed for start-secure's certificates"
+  mkdir -p "$TLS"
+  local made; made=$(mktemp -d "$TLS.XXXXXX")
+  (
+    cd "$made"
+    openssl req -x509 -newkey rsa:2048 -nodes -days 3650 -subj "/CN=outbox-harvester local CA" \
+      -keyout ca.key -out ca.crt
+    openssl req -newkey rsa:2048 -nodes -subj "/CN=localhost" -keyout server.key -out server.csr
+    printf 'subjectAltName=DNS:localhost\nbasicConstraints=CA:FALSE\nextendedKeyUsage=serverAuth\n' >server.ext
+    openssl x509 -req -in server.csr -CA ca.crt -CAkey ca.key -CAcreateserial -days 3650 \
+      -extfile server.ext -out server.crt
+    openssl pkcs12 -export -in server.crt -inkey server.key -certfile ca.crt -name localhost \
+      -passout "pass:$TLS_STORE_PASSWORD" -out server.p12
+  ) >"$made.log" 2>&1 || { cat "$made.log" >&2; rm -rf "$made" "$made.log"; die "could not make the TLS certificates"; }
+  rm -f "$made.log"; chmod 755 "$made"; chmod 644 "$made"/*.crt
+  mv "$made"/* "$TLS"/; rmdir "$made"
+}
+
+secure() {  # run this script's $1 with start-secure's directory and ports
+  HARVESTER_LOCAL_DIR=$STATE/secure PGPORT=${SECURE_PGPORT:-5442} KAFKA_PORT=${SECURE_KAFKA_PORT:-9192} \
+    KAFKA_CONTROLLER_PORT=$((${SECURE_KAFKA_PORT:-9192} + 1)) SECURE=1 KAFKA_HEAP=${KAFKA_HEAP:-512m} \
+    bash "${BASH_SOURCE[0]}" "$1"
+}
+
 case "${1:-}" in
+  start-secure) secure start ;;
+  stop-secure) secure stop ;;
+  status-secure) secure status ;;
   start) pg_start; kafka_start ;;
   stop) kafka_stop; pg_stop ;;
   status) rc=0; pg_status || rc=1; kafka_status || rc=1; exit $rc ;;
@@ -344,5 +459,5 @@ case "${1:-}" in
   restart-postgres) pg_stop; pg_start ;;
   resolve-kafka) kafka_resolve ;;  # the jars only (deploy/local/cluster.sh runs them)
   pg-bindir) pg_install >&2; pg_bindir ;;  # where the server binaries are (deploy/local/pgpair.sh)
-  *) die "usage: $0 start|stop|status|start-kafka|stop-kafka|restart-kafka|start-postgres|stop-postgres|restart-postgres" ;;
+  *) die "usage: $0 start|stop|status|start-secure|stop-secure|status-secure|start-kafka|stop-kafka|restart-kafka|start-postgres|stop-postgres|restart-postgres" ;;
 esac

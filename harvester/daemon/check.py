@@ -11,8 +11,10 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from harvester.daemon import access
 from harvester.daemon.errors import FailError, one_line
 from harvester.daemon.settings import ReaperSettings, defaulted_connections
+from harvester.postgres.connections import with_hint
 
 
 def connect_pg(settings: ReaperSettings, timeout: float) -> Any:
@@ -25,9 +27,10 @@ def connect_pg(settings: ReaperSettings, timeout: float) -> Any:
 
 
 def pg_reason(exc: BaseException) -> str:
-    # libpq's message repeats the host and may quote parts of the DSN; keep its first line, redacted.
+    # libpq's message repeats the host and may quote parts of the DSN; keep its first line, redacted,
+    # and name the connection setting that fixes a TLS or password refusal.
     text = str(exc).strip().splitlines()
-    return one_line(text[0] if text else type(exc).__name__)
+    return with_hint(one_line(text[0] if text else type(exc).__name__))
 
 
 # The leader election's names in its messages, as a reaper user knows them: the limits it is given, and
@@ -123,7 +126,7 @@ def _check_postgres(settings: ReaperSettings, timeout: float) -> list[str]:
                 f"table-less outbox {table} (messages with prefix {settings.harvest.prefix}):"
                 f" no table needed; migrations applied: {', '.join(applied) or 'none'}"
             )
-            return _check_log_source(conn, settings)
+            return _check_log_source(conn, settings) + access.pg_problems(conn, settings)
         try:
             columns = catalog.read(conn, table)
         except catalog.OutboxMissingError:
@@ -144,7 +147,7 @@ def _check_postgres(settings: ReaperSettings, timeout: float) -> list[str]:
             fits = "narrower than the outbox" if derived.narrower else "holds the outbox's columns"
             print(f"{derived.label} {derived.table}: present, {fits}")
             problems += [str(column) for column in derived.narrower]
-        return problems + _check_log_source(conn, settings)
+        return problems + _check_log_source(conn, settings) + access.pg_problems(conn, settings)
 
 
 def _check_log_source(conn: Any, settings: ReaperSettings) -> list[str]:
@@ -167,23 +170,27 @@ def _check_kafka(settings: ReaperSettings, timeout: float) -> list[str]:
     servers = harvest.base_kafka_config.get("bootstrap.servers", "?")
     metadata = reach_kafka(settings, timeout)
     print(f"kafka: reachable; {len(metadata.brokers)} broker(s) via {servers}, cluster {metadata.cluster_id}")
+    problems = access.kafka_problems(settings, timeout)
     topic = metadata.topics.get(harvest.topic)
     shards = harvest.shards
+    if topic is None and any(harvest.topic in p for p in problems):
+        print(f"leader topic {harvest.topic}: not visible to this principal; group {harvest.group_id}")
+        return problems
     if topic is None:
         # Not a problem: run's leader election creates its topic (one partition per shard) when absent.
         print(
             f"leader topic {harvest.topic}: absent; reaper run creates it ({shards} partition"
             f"{'s' if shards > 1 else ''}); group {harvest.group_id}"
         )
-        return []
+        return problems
     if topic.error is not None:
         print(f"leader topic {harvest.topic}: present, not usable")
-        return [f"leader topic {harvest.topic} (harvest.leaderTopic): {topic.error.str()}"]
+        return [f"leader topic {harvest.topic} (harvest.leaderTopic): {topic.error.str()}", *problems]
     have = len(topic.partitions)
     print(f"leader topic {harvest.topic}: present, {have} partition(s); group {harvest.group_id}")
     if have < shards or (shards > 1 and have != shards):  # as run's election refuses it
         return [f"leader topic {harvest.topic} (harvest.leaderTopic): {have} partition(s), harvest.shards {shards}"]
-    return []
+    return problems
 
 
 def reach_kafka(settings: ReaperSettings, timeout: float, *, say_waiting: bool = False) -> Any:
@@ -211,8 +218,12 @@ def reach_kafka(settings: ReaperSettings, timeout: float, *, say_waiting: bool =
         except KafkaException as exc:
             admin.poll(0)  # serves the error callback
             reason = connection_cause(errors) or kafka_reason(exc)
+            if "certificate verify failed" in reason:
+                reason = tls_diagnosis(settings.harvest.base_kafka_config) or reason
             where = _kafka_settings(reason)
-            if left <= _KAFKA_ATTEMPT:
+            # A refused certificate or password stays refused: waiting out the start's bound helps nobody.
+            refused = any(e.code() == KafkaError._AUTHENTICATION for e in errors) or "certif" in reason
+            if left <= _KAFKA_ATTEMPT or refused:
                 raise FailError(f"Kafka unreachable at {servers} ({where}): {reason}") from None
         if say_waiting:
             say_waiting = False
@@ -240,8 +251,33 @@ def connection_cause(errors: list[Any]) -> str | None:
     return _RDKAFKA_NOISE.sub("", causes[0]) if causes else None
 
 
+def tls_diagnosis(config: dict[str, Any]) -> str | None:
+    """Why the first bootstrap server's certificate was refused, as Python's TLS says it (librdkafka
+    says only that it could not be verified): a CA that did not sign it, or a host name not in it."""
+    import socket
+    import ssl
+
+    server = str(config.get("bootstrap.servers", "")).split(",")[0].strip()
+    host, _, port = server.rpartition(":")
+    try:
+        context = ssl.create_default_context(cafile=config.get("ssl.ca.location"))
+        raw = socket.create_connection((host, int(port)), timeout=5)
+        with raw, context.wrap_socket(raw, server_hostname=host):
+            return None
+    except ssl.SSLCertVerificationError as exc:
+        if "mismatch" in str(exc.verify_message):  # Hostname mismatch, IP address mismatch
+            return f"the broker's certificate does not name {host!r} (certificate verify failed: {exc.verify_message})"
+        return f"the broker's certificate is not signed by a CA in ssl.ca.location ({exc.verify_message})"
+    except (OSError, ValueError):
+        return None
+
+
 def _kafka_settings(reason: str) -> str:
     """The settings a Kafka connection failure points to."""
+    if "does not name" in reason:
+        return "harvest.baseKafkaConfig: bootstrap.servers, a name in the broker's certificate"
+    if "not signed by" in reason or "certificate verify failed" in reason:
+        return "harvest.baseKafkaConfig: ssl.ca.location, the CA that signed the broker's certificate"
     if "SASL" in reason:
         return "harvest.baseKafkaConfig: security.protocol, sasl.mechanism, sasl.username, sasl.password"
     if "SSL" in reason:

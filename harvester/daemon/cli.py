@@ -24,7 +24,7 @@ from harvester.daemon.settings import ReaperSettings, SettingsError, secret_valu
 if TYPE_CHECKING:
     import psycopg
 
-COMMANDS = ("run", "migrate", "check", "status", "dlq")
+COMMANDS = ("run", "migrate", "check", "status", "dlq", "grants")
 
 DESCRIPTION = """\
 reaper drains a transactional outbox table in PostgreSQL into Kafka.
@@ -39,6 +39,7 @@ Typical first use:
   reaper migrate -f reaper.yaml    # create the outbox table (and the optional trigger) if absent
   reaper run     -f reaper.yaml    # harvest until SIGTERM/SIGINT
   reaper status  -f reaper.yaml    # who leads, the group's members, backlog, in flight, dead letters
+  reaper grants  -f reaper.yaml    # the SQL giving the runtime role only what it needs (docs/security.md)
 
 A goharvest reaper.yaml works unchanged, and so does goharvest's command line: reaper -f reaper.yaml
 """
@@ -135,6 +136,17 @@ def _parser() -> argparse.ArgumentParser:
     state.add_argument(
         "--timeout", type=float, default=5.0, metavar="SECONDS", help="bound on each connection attempt (default 5)"
     )
+    grant = sub.add_parser(
+        "grants",
+        parents=[common],
+        help="print the SQL that gives the runtime role what reaper run needs, and nothing more",
+        description="Print, without connecting, the SQL that creates the runtime role (when absent) and "
+        "grants it what reaper run needs on the configured outbox for its source and delivery mode: apply it "
+        "as the schema's owner after 'reaper migrate' (docs/security.md).",
+    )
+    grant.add_argument(
+        "--role", metavar="NAME", help="the runtime role (default: the user of harvest.dataSource, else 'reaper')"
+    )
     dlq.add_parser(sub, common)
     return parser
 
@@ -171,6 +183,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             from harvester.daemon.status import status
 
             return status(settings, args.timeout, as_json=args.json)
+        if args.command == "grants":
+            return _grants(settings, args.role)
         if args.command == "dlq":
             section = dlq.section(settings, args.outbox)
             with connect_pg(section, 10) as conn:
@@ -191,6 +205,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     except FailError as exc:
         print(f"reaper: error: {one_line(str(exc))}", file=sys.stderr)
         return exc.code
+
+
+def _grants(settings: ReaperSettings, role: str | None) -> int:
+    from psycopg.conninfo import conninfo_to_dict
+
+    from harvester.daemon.grants import grants, role_error
+
+    if role is None:
+        role = str(conninfo_to_dict(settings.harvest.data_source).get("user") or "reaper")
+    problem = role_error(role)
+    if problem is not None:
+        raise FailError(f"--role: {problem}")
+    print("\n".join(grants(section.harvest, role) for section in settings.sections), end="")
+    return 0
 
 
 def _workers(value: str) -> int:

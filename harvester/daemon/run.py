@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from harvester.daemon import access
 from harvester.daemon.check import (
     connect_pg,
     in_section,
@@ -155,6 +156,7 @@ def _wait_for_kafka(section: ReaperSettings, index: int | None) -> str | None:
     try:
         with in_section(index):
             reach_kafka(section, KAFKA_START_TIMEOUT, say_waiting=True)
+            access.at_start(section, _ACCESS_TIMEOUT)
     except FailError as exc:
         if index is None:
             raise
@@ -228,6 +230,9 @@ def listen(settings: ReaperSettings, registry: CollectorRegistry, liveness: Prob
 KAFKA_START_TIMEOUT = 30.0
 """How long ``run`` waits for Kafka at start (librdkafka reconnects with back-off meanwhile): long
 enough for a sidecar started together with its broker, then exit 2 naming the cause."""
+
+_ACCESS_TIMEOUT = 10.0
+"""Bound on each look-up of the ACLs and privileges at start."""
 
 _STOP_TAIL = 2.0
 """Seconds of ``shutdown.timeout`` kept from the harvester's stop for closing the HTTP endpoint and

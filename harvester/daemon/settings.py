@@ -192,15 +192,15 @@ def secret_values(settings: ReaperSettings) -> list[str]:
 
 
 def dsn_secrets(dsn: str) -> list[str]:
-    """The password in a libpq connection string (key=value or URL form), if any."""
+    """The password and the client key's passphrase (``sslpassword``) in a libpq connection string
+    (key=value or URL form), if any."""
     from psycopg.conninfo import conninfo_to_dict
 
     try:
         params = conninfo_to_dict(dsn)
     except Exception:  # an unparsable DSN is reported elsewhere; pattern redaction still applies
         return []
-    password = params.get("password")
-    return [str(password)] if password else []
+    return [str(params[key]) for key in ("password", "sslpassword") if params.get(key)]
 
 
 def spellings(model: type[BaseModel], name: str) -> list[str]:

@@ -236,7 +236,7 @@ class ProcessPublisher:
             for seq, code, reason in failed:
                 record = pending.pop(seq, None)
                 if record is not None:
-                    report((record, DeliveryError(KafkaError(code, reason))))
+                    report((record, DeliveryError(KafkaError(code, reason), record.topic)))
             if self._logger is not None:
                 for level, text in logs:
                     self._logger.log(level, "%s", text)

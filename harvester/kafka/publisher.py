@@ -37,11 +37,15 @@ PERMANENT_CODES = frozenset(getattr(KafkaError, n) for n in _PERMANENT_NAMES if 
 
 
 class DeliveryError(PublishError):
-    """Kafka did not accept a record; its error code decides whether that is permanent."""
+    """Kafka did not accept a record; its error code decides whether that is permanent. A refusal of
+    the record's topic names the ACL that fixes it (docs/security.md)."""
 
-    def __init__(self, error: KafkaError) -> None:
+    def __init__(self, error: KafkaError, topic: str | None = None) -> None:
         label = error.name().lower().lstrip("_")
-        super().__init__(error.str(), reason=label, permanent=error.code() in PERMANENT_CODES)
+        text = str(error.str())
+        if topic is not None and error.code() == KafkaError.TOPIC_AUTHORIZATION_FAILED:
+            text += f": Kafka ACL missing: allow WRITE on topic {topic} (docs/security.md)"
+        super().__init__(text, reason=label, permanent=error.code() in PERMANENT_CODES)
         self.code: int = error.code()
 
 
@@ -110,12 +114,12 @@ class KafkaPublisher:
         callback = self._on_delivery
 
         def report(err: KafkaError | None, _msg: Message) -> None:
-            callback((record, None if err is None else DeliveryError(err)))
+            callback((record, None if err is None else DeliveryError(err, record.topic)))
 
         # The key is encoded to UTF-8 by the client.
         error = enqueue(self._producer, record.topic, record.key, record.value, record.kafka_headers(), report)
         if error is not None:
-            callback((record, DeliveryError(error)))
+            callback((record, DeliveryError(error, record.topic)))
 
     def begin_term(self) -> None:
         """Nothing to do: the producer keeps no state per term."""

@@ -65,6 +65,12 @@ class KafkaTransactionalPublisher:
             self._producer.init_transactions(30)
         except KafkaException as exc:
             error: KafkaError = exc.args[0]
+            if error.code() == KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED:
+                tid = self._config["transactional.id"]
+                raise ProducerFencedError(
+                    f"Kafka ACL missing: may not WRITE transactional id {tid}: allow WRITE on transactional id "
+                    f"{tid} (docs/security.md)"
+                ) from exc
             if error.fatal():
                 raise ProducerFencedError(error.str()) from exc
             raise TransactionAbortedError(f"init_transactions: {error.str()}", {}) from exc
@@ -101,7 +107,7 @@ class KafkaTransactionalPublisher:
     def _produce(self, producer: Producer, record: MarkedRecord) -> None:
         def report(err: KafkaError | None, _msg: Message) -> None:
             if err is not None:
-                self._failures[record.id] = DeliveryError(err)
+                self._failures[record.id] = DeliveryError(err, record.topic)
 
         try:
             producer.produce(
@@ -112,7 +118,7 @@ class KafkaTransactionalPublisher:
                 on_delivery=report,
             )
         except KafkaException as exc:
-            self._failures[record.id] = DeliveryError(exc.args[0])
+            self._failures[record.id] = DeliveryError(exc.args[0], record.topic)
             raise
 
     def _on_checkpoint(self, err: KafkaError | None, msg: Message) -> None:

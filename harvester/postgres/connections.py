@@ -60,7 +60,7 @@ class PooledConnections:
             # repeat it for other addresses or add hints. libpq may quote a malformed DSN's text;
             # the reaper redacts secrets from everything it prints.
             lines = str(exc).strip().splitlines()
-            reason = " ".join(lines[0].split()) if lines else type(exc).__name__
+            reason = with_hint(" ".join(lines[0].split()) if lines else type(exc).__name__)
             raise StoreUnreachableError(f"cannot connect to PostgreSQL: {reason}", since=started) from exc
         with self._lock:
             self._connections.append(conn)
@@ -123,6 +123,21 @@ class PooledConnections:
             conn.close()
 
 
+def with_hint(reason: str) -> str:
+    """libpq's refusal of a connection, with the connection setting that fixes a TLS or password one."""
+    hint = next((h for cause, h in _HINTS if cause in reason), None)
+    return f"{reason} ({hint})" if hint else reason
+
+
+_HINTS = (
+    ("certificate verify failed", "sslrootcert: the CA that signed the server's certificate"),
+    ("does not match host name", "host: a name in the server's certificate (hostaddr may give its address)"),
+    ("password authentication failed", "the password: in the data source, PGPASSWORD or PGPASSFILE"),
+    ("no pg_hba.conf entry", "sslmode: the server takes only TLS connections (hostssl), or this role is not allowed"),
+    ("root certificate file", "sslrootcert: a CA file readable here (HOME=/nonexistent in the image: set it)"),
+)
+
+
 def error_text(exc: psycopg.Error) -> str:
     """SQLSTATE and the server's message (``22001 value too long for type character varying(10000)``),
     or the client's first line when the server said nothing (a lost connection). Values and DSNs are
@@ -130,4 +145,6 @@ def error_text(exc: psycopg.Error) -> str:
     primary = exc.diag.message_primary if exc.sqlstate else None
     lines = str(exc).strip().splitlines()
     text = primary or (" ".join(lines[0].split()) if lines else "")
+    if exc.sqlstate == "42501":  # insufficient_privilege
+        text += ": a grant the role lacks ('reaper check' names it, 'reaper grants' prints them all)"
     return " ".join(filter(None, [exc.sqlstate or type(exc).__name__, text]))

@@ -127,6 +127,9 @@ def render(
     )
 
 
+_SCHEMA_EXISTS = "SELECT 1 FROM pg_namespace WHERE nspname = %s"
+
+
 def _ledger(table: TableName) -> sql.Composable:
     if table.schema:
         return sql.Identifier(table.schema, "harvester_migrations")
@@ -153,7 +156,9 @@ def _apply(
     applied_now: list[str] = []
     with conn.transaction():
         conn.execute("SELECT pg_advisory_xact_lock(%s)", (LOCK_KEY,))
-        if table.schema:
+        # CREATE SCHEMA IF NOT EXISTS needs CREATE on the database even when the schema exists, which
+        # an owner given only its schema lacks (docs/security.md): look first.
+        if table.schema and not conn.execute(_SCHEMA_EXISTS, (table.schema,)).fetchone():
             conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(table.schema)))
         conn.execute(
             sql.SQL(

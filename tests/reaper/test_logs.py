@@ -61,8 +61,10 @@ def test_secrets_are_redacted_everywhere(out: io.StringIO) -> None:
     except RuntimeError:
         log.exception("failed")
     logging.getLogger("lib").error("lib saw %s", SECRETS[0])
+    log.info("dsn", dsn="host=h sslpassword=dsn-key-pw sslmode=verify-full")
     text = out.getvalue()
-    for secret in [*SECRETS, json.dumps(SECRETS[1])[1:-1], "never-configured", "url-pw", "quoted-pw", "bare-pw"]:
+    unknown = ["never-configured", "url-pw", "quoted-pw", "bare-pw", "dsn-key-pw"]
+    for secret in [*SECRETS, json.dumps(SECRETS[1])[1:-1], *unknown]:
         assert secret not in text
     got = lines(out)
     assert got[0]["event"] == "connecting with ***"
@@ -70,6 +72,45 @@ def test_secrets_are_redacted_everywhere(out: io.StringIO) -> None:
     assert got[1]["config"] == {"sasl.password": "***", "bootstrap.servers": "b:9092"}
     assert got[2]["url"] == "postgresql://u:***@h/d"
     assert "RuntimeError: login failed for password ***" in str(got[4]["exception"])
+
+
+def test_tls_and_sasl_secrets_are_redacted_from_librdkafka_debug_output() -> None:
+    """The secrets of a SASL_SSL configuration (sasl.password, ssl.key.password, the DSN's sslpassword)
+    are known to the redactor, and librdkafka's debug output of every context shows none of them."""
+    from confluent_kafka import Producer
+
+    from harvester.daemon.settings import ReaperSettings, secret_values
+
+    sasl, key, dsn_key = "sasl-S3cret", "key-S3cret", "dsn-key-S3cret"
+    settings = ReaperSettings.model_validate(
+        {
+            "harvest": {
+                "dataSource": f"host=db user=rt sslmode=verify-full sslpassword={dsn_key}",
+                "baseKafkaConfig": {"bootstrap.servers": "127.0.0.1:1", "sasl.password": sasl, "ssl.key.password": key},
+            }
+        }
+    )
+    assert {sasl, key, dsn_key} <= set(secret_values(settings))
+    stream = io.StringIO()
+    logs.configure("debug", "json", secrets=secret_values(settings), stream=stream)
+    config = {
+        "bootstrap.servers": "127.0.0.1:1",
+        "security.protocol": "SASL_SSL",
+        "sasl.mechanism": "SCRAM-SHA-512",
+        "sasl.username": "rt",
+        "sasl.password": sasl,
+        "ssl.key.password": key,
+        "debug": "all",
+        "logger": logs.librdkafka_logger(),
+    }
+    producer = Producer(config)
+    producer.poll(0.5)
+    producer.flush(0)
+    text = stream.getvalue()
+    assert "sasl.password" in text  # the configuration was dumped, its secrets redacted
+    for secret in (sasl, key, dsn_key):
+        assert secret not in text
+    logs.reset()
 
 
 def test_console_output_on_a_terminal() -> None:
