@@ -121,7 +121,7 @@ class PositionedLogStore(LogStore):
 
     def _done(self, ids: Sequence[int], *, purged: bool = True) -> None:
         with self._state:
-            target = self._txns.completed(ids, self._slot.advanced, follow=purged)
+            target = self._completed(ids, follow=purged)
             partial = self._partial()
             self._drop_kept(ids)
             now = (max(target, self._position[0]), partial)

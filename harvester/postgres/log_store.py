@@ -508,7 +508,7 @@ class LogStore(PostgresStore):
         if batch:
             self._batches.append((position, batch))
         advanced = self._slot.advanced
-        target = self._txns.completed(ids, advanced)
+        target = self._completed(ids)
         reach, safe = max(target, advanced), 0
         while self._batches and reached(self._batches[0][1], reach):
             safe = self._batches.popleft()[0]
@@ -550,9 +550,16 @@ class LogStore(PostgresStore):
         """After a fenced statement about ``ids`` succeeded: they are done (``purged``: delivered, as
         opposed to dead-lettered, whose key no run waits for)."""
         with self._state:
-            target = self._txns.completed(ids, self._slot.advanced, follow=purged)
+            target = self._completed(ids, follow=purged)
         if target:
             self._confirm(target)
+
+    def _completed(self, ids: Sequence[int], *, follow: bool = True) -> int:
+        """:meth:`Transactions.completed` (caller holds ``_state``); a recovery that began since
+        the statement about ``ids`` was sent no longer waits for them (log_recovery.py)."""
+        if self._harvest is not None:
+            self._harvest.settled(ids)
+        return self._txns.completed(ids, self._slot.advanced, follow=follow)
 
     def _advance_to(self, lsn: int) -> None:
         """Confirm ``lsn`` after checking, in a fenced statement, that the epoch is still ours."""
