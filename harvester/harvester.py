@@ -28,6 +28,7 @@ from harvester.core.retries import Stall
 from harvester.electors import ShardedElector, neli_elector
 from harvester.meter import Meter
 from harvester.pipelines import Pipeline, build_engine
+from harvester.postgres.log_recovery import SlotRecoveries
 from harvester.postgres.log_retention import RetainingLogStore
 from harvester.postgres.log_store import LogStore
 from harvester.postgres.logical import LogSetup
@@ -102,6 +103,8 @@ class Harvester:
             else LogStore(config.data_source, setup, **options)
         )
         self._pipelines = [Pipeline(store, per_shard[0])]  # the other shards' are built by start()
+        if isinstance(store, LogStore):  # one shard: its registry is the harvester's
+            self._registry.register(SlotRecoveries(store))
         self._elector = (
             elector if elector is not None else neli_elector(config, self._heartbeat_report, self.database_reachable)
         )
@@ -171,7 +174,8 @@ class Harvester:
             engine.on_leader_event(event)
 
     def _fatal(self, error: Exception) -> None:
-        """A pipeline cannot go on (the group disagrees on the number of shards): stop everything;
+        """A pipeline cannot go on (the group disagrees on the number of shards, a table-less
+        outbox's slot was lost): stop everything;
         :attr:`failure` says why."""
         if self._failure is None:
             self._failure = str(error)

@@ -30,7 +30,15 @@ from harvester.core.dispatch import Context, DispatcherFactory, LeaderState, wor
 from harvester.core.events import Event, LeaderAcquired, LeaderFenced, LeaderRefreshed, LeaderRevoked
 from harvester.core.limits import Limits
 from harvester.core.metrics import HarvesterMetrics
-from harvester.core.protocols import BatchScope, FailedRecords, FencedError, MarkSource, ShardCountError, StoreError
+from harvester.core.protocols import (
+    BatchScope,
+    FailedRecords,
+    FatalStoreError,
+    FencedError,
+    MarkSource,
+    ShardCountError,
+    StoreError,
+)
 from harvester.core.retries import PROBE, Stall, StoreRetries
 from harvester.core.settle import RetryBackoff, Settler
 from leader.events import LeaderEvent
@@ -299,6 +307,10 @@ class Engine:
                 self._end_mark()
                 self._fenced(exc)
                 continue
+            except FatalStoreError as exc:
+                self._end_mark()
+                self._fatal(exc)
+                continue
             except StoreError as exc:
                 self._end_mark(remark=True)
                 state.stopping.wait(self._retries.failed("mark", exc))
@@ -329,13 +341,8 @@ class Engine:
             with self._state.cond:
                 self._state.epoch = epoch
             self._dispatcher.begin_term()
-        except ShardCountError as exc:
-            # Reapers of the group disagree on the number of shards: no term can be safe. Stop leading
-            # and let the owner of the engine end the process with the reason.
-            log.error("shard_count_mismatch", error=str(exc))
-            self._lose_leadership()
-            self._state.stopping.set()
-            self._on_fatal(exc)
+        except FatalStoreError as exc:
+            self._fatal(exc)
             return
         except FencedError as exc:
             self._fenced(exc)
@@ -347,6 +354,16 @@ class Engine:
         self._fenced_term = term
         self._metrics.epoch.set(epoch)
         log.info("fence_acquired", epoch=epoch, leader_id=str(leader_id))
+
+    def _fatal(self, error: FatalStoreError) -> None:
+        """No term can be safe (reapers of the group disagree on the number of shards; a table-less
+        outbox's slot was lost): stop leading and let the owner of the engine end the process with
+        the reason."""
+        kind = "shard_count_mismatch" if isinstance(error, ShardCountError) else "store_fatal"
+        log.error(kind, error=str(error))
+        self._lose_leadership()
+        self._state.stopping.set()
+        self._on_fatal(error)
 
     def _idle_wait(self, seconds: float) -> None:
         """Back off on an empty outbox; a NOTIFY from the outbox trigger ends the wait early."""

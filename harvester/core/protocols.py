@@ -38,7 +38,12 @@ class FencedError(StoreError):
     """A newer leader bumped the fence epoch: this process must stop leader work, not retry."""
 
 
-class ShardCountError(StoreError):
+class FatalStoreError(StoreError):
+    """The store cannot go on in this process, whatever a retry does: the engine stops leading and
+    the harvester stops with this error's one line, which says what to do."""
+
+
+class ShardCountError(FatalStoreError):
     """The configured number of shards is not the one the outbox's fence records: a configuration
     mistake (or a change of it under way), never retried."""
 

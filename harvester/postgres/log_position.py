@@ -81,7 +81,9 @@ class PositionedLogStore(LogStore):
     def purge(self, ids: Sequence[int]) -> None:
         """Nothing deleted now: the records are done, and the position with them (the done prefix
         of the first transaction not all done included); the slot moves past every transaction all
-        done."""
+        done. (While a lost slot is recovered, deleted as mark-purge does: log_recovery.py.)"""
+        if self._table_purge(ids):
+            return
         with self._state:
             if not self._following:  # at least once: durable() asks which purges are stored
                 self._txns.follow_durable()
@@ -93,13 +95,20 @@ class PositionedLogStore(LogStore):
         term skips them)."""
         with self._state:
             lsn, partial = self._position
-            return self._txns.durable(ids, lsn, partial)
+            out = self._txns.durable(ids, lsn, partial)
+            if self._released:  # deleted by a lost slot's recovery (log_store.py)
+                out += self._released
+                self._released.clear()
+            return out
 
     def purge_checkpointed(self, ids: Sequence[int], position: int) -> None:
         """Exactly-once: store the checkpoint position and how far the transactions are done in one
         fenced statement (the position only past checkpoints whose transactions are all done),
         then confirm the slot there. Ids this term did not hand out (recovered from committed
-        checkpoints) count as done when the slot sends them; the position stays."""
+        checkpoints) count as done when the slot sends them; the position stays. (While a lost slot
+        is recovered, deleted as mark-purge does: log_recovery.py.)"""
+        if self._table_purge(ids, position):
+            return
         with self._state:
             target, reach, safe = self._checkpointed(ids, position)
             self._drop_kept(ids)
@@ -113,7 +122,7 @@ class PositionedLogStore(LogStore):
 
     def _done(self, ids: Sequence[int], *, purged: bool = True) -> None:
         with self._state:
-            target = self._txns.completed(ids, self._slot.advanced, follow=purged)
+            target = self._completed(ids, follow=purged)
             partial = self._partial()
             self._drop_kept(ids)
             now = (max(target, self._position[0]), partial)

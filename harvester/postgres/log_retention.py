@@ -102,6 +102,17 @@ class RetainingLogStore(PositionedLogStore):
                 self._delete_older(cut)
         return out
 
+    def _before_harvest(self) -> None:
+        """A lost slot's recovery harvests what the table holds: the rows older than the delivered
+        cut (the pending one first made delivered if the stored position reached it) are delivered,
+        so they go first, and only the rest is published again (log_recovery.py)."""
+        with self._state:
+            partial = self._partial()
+        self._store(0, 0, partial)
+        cut = self._delivered_cut()
+        if cut:
+            self._delete_older(cut)
+
     def _delivered_cut(self) -> int:
         rows = self._run(self._delivered, self._fence)
         return int(rows[0][0]) if rows else 0

@@ -24,13 +24,15 @@ from typing import Any, cast
 from uuid import UUID
 
 import psycopg
+import structlog
 from psycopg import sql
 
 from harvester.core.identity import Stamp
-from harvester.core.protocols import StoreError
+from harvester.core.protocols import FencedError, StoreError
 from harvester.core.records import Failure, MarkedRecord
 from harvester.postgres import logical, pgoutput
 from harvester.postgres.log_records import Columns, outbox_record
+from harvester.postgres.log_recovery import Harvest, RecoveryStatements, SlotLostError, unrecoverable
 from harvester.postgres.log_slot import SlotStream
 from harvester.postgres.log_transactions import Taken, Transaction, Transactions, messages, reached
 from harvester.postgres.log_visibility import INVISIBLE_RECHECK, visible
@@ -59,6 +61,16 @@ _SENDER_TIMEOUT = "30s"
 # is in the client's encoding): fixed, whatever the server's default is.
 _SESSION = "-c client_encoding=UTF8"
 
+log = structlog.get_logger("harvester.log_source")
+# What starting a stream answers when the slot is gone (undefined_object) or invalidated
+# (object_not_in_prerequisite_state: "can no longer get changes from replication slot").
+_SLOT_GONE = {"42704": "does not exist", "55000": "was invalidated by the server"}
+# A lost slot's harvest waits for what the old stream handed out to settle while it does, or until
+# none has for this long: a record handed out and then dropped (a failed statement's mark, a remark
+# that dropped what waited behind its keys) never settles. Harvesting one still in flight repeats at
+# most its key's run, as a crash would.
+_DRAIN_QUIET_SECONDS = 2.0
+
 
 class LogStore(PostgresStore):
     """:class:`PostgresStore` whose records come from a logical replication slot."""
@@ -66,6 +78,8 @@ class LogStore(PostgresStore):
     # A key's barrier drops at the acknowledgement: a new term streams from the slot in commit order
     # and skips the rows already deleted, so a crash repeats a run of a key's latest records, in order.
     release_on_ack = True
+    # A lost slot is recovered from the table's rows (log_recovery.py); a table-less outbox has none.
+    _recoverable = True
 
     def __init__(
         self,
@@ -104,6 +118,12 @@ class LogStore(PostgresStore):
         self._handed_since_idle = False
         self._next_read = 0.0  # ... and the next read while records wait in the buffer
         self._takeover: sql.Composed | None = None
+        self._recovery = RecoveryStatements.build(setup.table)
+        self._harvest: Harvest | None = None  # a lost slot's recovery under way in this term
+        self.slot_recoveries = 0  # lost slots recovered by this store (harvester_log_slot_recoveries)
+        # Records done whose rows a recovery deleted, for durable() to report (a stored position
+        # would have covered them): guarded by _state.
+        self._released: set[int] = set()
 
     def prepare(self) -> Any:
         """As :meth:`PostgresStore.prepare`, and check that the slot and publication can be read."""
@@ -116,6 +136,12 @@ class LogStore(PostgresStore):
                 raise self._failed(conn, exc, started) from exc
             except psycopg.Error as exc:
                 raise StoreError(f"checking the log source failed: {exc.sqlstate or type(exc).__name__}") from exc
+            absent = f"replication slot {self._setup.slot} does not exist"
+            if any(p.startswith(absent) for p in problems):
+                if self._recoverable:  # a lost slot: the leader recovers it (log_recovery.py)
+                    problems = [p for p in problems if not p.startswith(absent)]
+                elif self._run(self._ever_read, (self._table.qualified,)):
+                    raise unrecoverable(absent)
             if problems:
                 raise StoreError(f"log source: {problems[0]}")
             self._txns = self._outbox_messages()
@@ -128,6 +154,11 @@ class LogStore(PostgresStore):
                 self._slot.conninfo = psycopg.conninfo.make_conninfo(self._slot.conninfo, options=options)
             self._takeover = logical.takeover(fence_table(self._table), version)
         return columns
+
+    @property
+    def _ever_read(self) -> sql.Composed:
+        """Whether a leader of the outbox ever stored a position read from its slot."""
+        return sql.SQL("SELECT FROM {} WHERE outbox_table = %s AND log_lsn > 0").format(fence_table(self._table).ident)
 
     def _outbox_messages(self) -> Transactions:
         """The bookkeeping of the outbox's messages in the stream: Inserts naming its table."""
@@ -150,10 +181,19 @@ class LogStore(PostgresStore):
         # before it can hold records it delivered.
         row = self._run("SELECT pg_current_wal_lsn()::text", ())
         self._term_lsn = pgoutput.lsn_value(str(row[0][0]))
-        self._slot.take_over()
+        lost: SlotLostError | None = None
+        try:
+            self._slot.take_over()
+        except SlotLostError as exc:
+            lost = exc
         with self._state:
             self._txns.new_term()
             self._batches.clear()
+            self._harvest = None
+        if lost is not None:
+            self._recover(str(lost))
+        elif self._fenced_mark(self._recovery.read):
+            self._recover(f"replication slot {self._setup.slot} was being recovered by an earlier leader")
         return epoch
 
     def _take_over(self) -> int:
@@ -162,15 +202,121 @@ class LogStore(PostgresStore):
         found = self._run(self._takeover, (*self._fence, self._epoch, self._setup.slot))
         if not found:
             self._check_epoch()
-            raise StoreError(f"replication slot {self._setup.slot} does not exist")
+            raise SlotLostError(f"replication slot {self._setup.slot} does not exist")
+        if found[0][2]:
+            raise SlotLostError(f"replication slot {self._setup.slot} was invalidated by the server (wal_status lost)")
         return pgoutput.lsn_value(str(found[0][0]))
+
+    # ------------------------------------------------------------------ a lost slot (log_recovery.py)
+
+    def _fenced_mark(self, statement: sql.Composed) -> int:
+        """Run one of the recovery mark's statements under the fence; the mark."""
+        rows = self._run(statement, (*self._fence, self._epoch))
+        if not rows:
+            self._check_epoch()
+            raise FencedError(f"fenced: epoch {self._epoch} superseded")
+        return int(rows[0][0])
+
+    def _recover(self, lost: str) -> None:
+        """Begin (or resume) the recovery of a lost slot: marked under way in the fence row, its
+        harvest then runs in the next marks. A table-less outbox stops instead."""
+        if not self._recoverable:
+            raise unrecoverable(lost)
+        self._slot.close()
+        self._fenced_mark(self._recovery.begin)
+        with self._state:
+            held = self._txns.held_ids()
+        if held:  # delivered, waiting for the stored position to cover them: their rows go now
+            PostgresStore.purge(self, held)
+        with self._state:
+            draining = self._txns.in_flight()
+            self._txns.new_term()  # what the lost slot sent is in the table, or done
+            self._harvest = Harvest(lost, draining=draining)
+            self._released.update(held)
+        log.info("log_slot_lost", slot=self._setup.slot, error=lost)
+
+    def _harvesting(self) -> Harvest | None:
+        with self._state:
+            return self._harvest
+
+    def _harvest_mark(self, harvest: Harvest, leader_id: UUID, limit: int) -> list[MarkedRecord] | None:
+        """The next rows of the recovery's harvest, as mark-purge marks them; None once it is over
+        (nothing left up to its head, nothing it handed out pending): the stream goes on then."""
+        with self._state:
+            draining = bool(harvest.draining)
+        if draining and time.monotonic() - harvest.progress < _DRAIN_QUIET_SECONDS:
+            return []
+        if harvest.head < 0:
+            conn = self._conn()
+            try:
+                created = logical.recreate(conn, self._setup)
+            except psycopg.OperationalError as exc:
+                raise self._failed(conn, exc, time.monotonic()) from exc
+            except psycopg.Error as exc:
+                raise StoreError(f"creating the replication slot failed: {exc.sqlstate or type(exc).__name__}") from exc
+            if created:  # a new slot: the head is read again after it (the first may have been lost too)
+                self._fenced_mark(self._recovery.restart)
+            self._before_harvest()
+            harvest.head = self._fenced_mark(self._recovery.head)
+        batch = PostgresStore.mark(self, leader_id, limit) if harvest.head > 0 else []
+        beyond = [r.id for r in batch if r.id > harvest.head]  # committed after the slot's start
+        if beyond:
+            self._handed.settled(beyond)
+        out = [r for r in batch if r.id <= harvest.head]
+        with self._state:
+            harvest.pending.update(r.id for r in out)
+            busy = bool(harvest.pending)
+        if out or busy:
+            return out
+        self._fenced_mark(self._recovery.end)
+        # The stream skips the rows the harvest deleted (_gone): of transactions that committed before now.
+        row = self._run("SELECT pg_current_wal_lsn()::text", ())
+        self._term_lsn = pgoutput.lsn_value(str(row[0][0]))
+        with self._state:
+            self._harvest = None
+        self.slot_recoveries += 1
+        log.warning(
+            "log_slot_recovered",
+            slot=self._setup.slot,
+            error=harvest.why,
+            head_id=harvest.head,
+            delivered=harvest.delivered,
+            dead_lettered=harvest.dead_lettered,
+            seconds=round(time.monotonic() - harvest.started, 3),
+        )
+        return None
+
+    def _before_harvest(self) -> None:
+        """Before the harvest's head is read: nothing here (a retention window deletes its delivered rows)."""
+
+    def _table_purge(self, ids: Sequence[int], position: int | None = None) -> bool:
+        """While a recovery is under way, delete ``ids`` as mark-purge does (with the checkpoint
+        ``position``, exactly once), whichever store handed them out: the lost slot's records in
+        flight too, and the rows of committed checkpoints a new term recovers, so the harvest
+        publishes none of them again. False when no recovery is under way."""
+        harvest = self._harvesting()
+        if harvest is None:
+            return False
+        if position is None:
+            PostgresStore.purge(self, ids)
+        else:
+            PostgresStore.purge_checkpointed(self, ids, position)
+        with self._state:
+            harvest.settled(ids, delivered=True)
+        return True
 
     def _stream_started(self) -> None:
         with self._state:
             self._txns.stream_started()
 
     def mark(self, leader_id: UUID, limit: int) -> list[MarkedRecord]:
-        """Up to ``limit`` records in commit order, not yet handed out under ``leader_id``."""
+        """Up to ``limit`` records in commit order, not yet handed out under ``leader_id``; while a
+        lost slot is recovered, the table's rows (log_recovery.py)."""
+        harvest = self._harvesting()
+        if harvest is not None:
+            rows = self._harvest_mark(harvest, leader_id, limit)
+            if rows is not None:
+                return rows
         with self._state:
             settled = self._txns.settled(self._slot.advanced)
         if settled:  # confirming failed after the last completion: again, before reading
@@ -179,7 +325,11 @@ class LogStore(PostgresStore):
             self._txns.start_pass(leader_id)
             waiting = self._txns.waiting
         if not waiting:
-            self._read(limit)
+            try:
+                self._read(limit)
+            except SlotLostError as exc:
+                self._recover(str(exc))
+                return []
         elif waiting < _READ_AHEAD or time.monotonic() > self._next_read:
             # Ahead while records go out; and the server's keepalives answered.
             self._next_read = time.monotonic() + _READ_SECONDS
@@ -314,7 +464,9 @@ class LogStore(PostgresStore):
             self._next_read = time.monotonic() + _READ_SECONDS
             try:
                 messages, drained = self._slot.read(_READ_MESSAGES)
-            except StreamError:
+            except StreamError as exc:
+                if exc.sqlstate in _SLOT_GONE:  # dropped or invalidated since the take-over looked
+                    raise SlotLostError(f"replication slot {self._setup.slot} {_SLOT_GONE[exc.sqlstate]}") from exc
                 # Broken (the server's wal_sender_timeout while nobody read, a restart): once more
                 # from the slot's position, skipping what was received; then the engine's retry.
                 if restarted:
@@ -350,6 +502,8 @@ class LogStore(PostgresStore):
 
         A purge of ids this term did not hand out (the recovery of committed checkpoints) deletes
         their rows and remembers them as done; it leaves the position where it is."""
+        if self._table_purge(ids, position):
+            return
         with self._state:
             target, _, safe = self._checkpointed(ids, position)
         super().purge_checkpointed(ids, safe)
@@ -364,7 +518,7 @@ class LogStore(PostgresStore):
         if batch:
             self._batches.append((position, batch))
         advanced = self._slot.advanced
-        target = self._txns.completed(ids, advanced)
+        target = self._completed(ids)
         reach, safe = max(target, advanced), 0
         while self._batches and reached(self._batches[0][1], reach):
             safe = self._batches.popleft()[0]
@@ -373,27 +527,49 @@ class LogStore(PostgresStore):
     def purge(self, ids: Sequence[int]) -> None:
         """Delete delivered records (one fenced statement), then confirm every transaction whose
         records are all done."""
+        if self._table_purge(ids):
+            return
         super().purge(ids)
         self._done(ids)
 
     def dead_letter(self, failures: Sequence[Failure], leader_id: UUID) -> None:
         """Move the rows into the dead-letter table; they count as done for the slot."""
         super().dead_letter(failures, leader_id)
-        self._done([f.id for f in failures], purged=False)
+        ids = [f.id for f in failures]
+        harvest = self._harvesting()
+        if harvest is not None:
+            with self._state:
+                harvest.settled(ids, dead_lettered=True)
+            return
+        self._done(ids, purged=False)
 
     def reset(self, ids: Sequence[int]) -> None:
-        """Nothing in the table: the records stay in memory and the next pass hands them out again."""
+        """Nothing in the table: the records stay in memory and the next pass hands them out again
+        (a recovery's harvest marks them again, as mark-purge does)."""
+        harvest = self._harvesting()
+        if harvest is not None:
+            PostgresStore.reset(self, ids)
+            with self._state:
+                harvest.settled(ids)
 
     def fail(self, failures: Sequence[Failure]) -> None:
         """Nothing in the table (attempts are counted in memory, see :attr:`tracks_attempts`)."""
+        self.reset([f.id for f in failures])
 
     def _done(self, ids: Sequence[int], *, purged: bool = True) -> None:
         """After a fenced statement about ``ids`` succeeded: they are done (``purged``: delivered, as
         opposed to dead-lettered, whose key no run waits for)."""
         with self._state:
-            target = self._txns.completed(ids, self._slot.advanced, follow=purged)
+            target = self._completed(ids, follow=purged)
         if target:
             self._confirm(target)
+
+    def _completed(self, ids: Sequence[int], *, follow: bool = True) -> int:
+        """:meth:`Transactions.completed` (caller holds ``_state``); a recovery that began since
+        the statement about ``ids`` was sent no longer waits for them (log_recovery.py)."""
+        if self._harvest is not None:
+            self._harvest.settled(ids)
+        return self._txns.completed(ids, self._slot.advanced, follow=follow)
 
     def _advance_to(self, lsn: int) -> None:
         """Confirm ``lsn`` after checking, in a fenced statement, that the epoch is still ours."""

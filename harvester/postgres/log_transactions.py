@@ -217,6 +217,10 @@ class Transactions:
         self._of_id[rid] = (txn, index)
         return True
 
+    def in_flight(self) -> set[int]:
+        """The ids of the records handed out and not done yet."""
+        return set(self._of_id)
+
     def unsettled_xids(self) -> list[int]:
         """The xids of the received transactions not all done, one half received included."""
         return [txn.xid for txn in self.kept if not txn.settled]
@@ -363,6 +367,10 @@ class Transactions:
                     txn.prefix += 1
                 return (txn.commit_lsn, txn.prefix) if txn.prefix else (0, 0)
         return (0, 0)
+
+    def held_ids(self) -> list[int]:
+        """The followed records done and not yet known to be stored done (see :meth:`durable`)."""
+        return list(self._held or ())
 
     def durable(self, ids: Iterable[int], stored: int, partial: tuple[int, int]) -> list[int]:
         """Those of ``ids`` not followed (handed out by an earlier term, or not followed at all), and

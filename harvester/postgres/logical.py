@@ -133,13 +133,27 @@ def takeover(fence: TableName, server_version: int) -> sql.Composed:
     """Under the current epoch only (parameters: the fence row's outbox and shard, the epoch, the
     slot): where the slot stands, and its other reader (a paused old leader's walsender) terminated;
     PostgreSQL 14+ waits until it is gone, so no confirmation it had not yet processed can move the
-    slot afterwards."""
+    slot afterwards. The third column says whether the server invalidated the slot (``wal_status``
+    is ``lost`` for every cause on 14+: WAL past ``max_slot_wal_keep_size``, a conflict on a standby)."""
     wait = ", 5000" if server_version >= 140000 else ""
     return sql.SQL(
         "WITH fence AS (SELECT 1 FROM {f} WHERE outbox_table = %s AND shard = %s AND epoch = %s)"
-        " SELECT s.confirmed_flush_lsn::text, pg_terminate_backend(s.active_pid" + wait + ")"
-        " FROM fence, pg_replication_slots s WHERE s.slot_name = %s"
+        " SELECT s.confirmed_flush_lsn::text, pg_terminate_backend(s.active_pid" + wait + "),"
+        " coalesce(s.wal_status = 'lost', false) FROM fence, pg_replication_slots s WHERE s.slot_name = %s"
     ).format(f=fence.ident)
+
+
+def recreate(conn: psycopg.Connection[Any], setup: LogSetup) -> bool:
+    """Drop ``setup``'s slot if the server invalidated it, then create it if absent (autocommit
+    connection): the recovery of a lost slot (log_recovery.py). Whether it created the slot."""
+    row = conn.execute(
+        "SELECT active_pid FROM pg_replication_slots WHERE slot_name = %s AND wal_status = 'lost'", (setup.slot,)
+    ).fetchone()
+    if row is not None:
+        if row[0] is not None:
+            conn.execute("SELECT pg_terminate_backend(%s, 5000)", (row[0],))
+        conn.execute("SELECT pg_drop_replication_slot(%s)", (setup.slot,))
+    return any(made.startswith("replication slot") for made in create(conn, setup))
 
 
 def slot_state(conn: psycopg.Connection[Any], slot: str) -> tuple[int, int, bool] | None:

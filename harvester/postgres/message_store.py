@@ -50,6 +50,8 @@ class MessageStore(PositionedLogStore):
     """:class:`PositionedLogStore` of a table-less outbox, whose records are the slot's logical messages with
     the outbox's prefix (``setup.prefix``)."""
 
+    _recoverable = False  # its records exist only in the log: a lost slot stops the leader
+
     def __init__(self, dsn: str, setup: LogSetup, **options: Any) -> None:
         assert setup.prefix is not None
         super().__init__(dsn, setup, **options)

@@ -35,6 +35,7 @@ FEATURES: dict[Feature, tuple[str, ...]] = {
         "0009_fence_shards",
         "0010_fence_log_position",
         "0011_fence_log_partial",
+        "0012_fence_log_recovery",
     ),
     "dead_letter": ("0006_dead_letter", "0008_dead_letter_key_index"),
     "spark_sink": ("0005_spark_sink",),
