@@ -87,7 +87,7 @@ CONF
 
 # Clone node $1 from the primary $2 and configure it as its standby (application_name = node name,
 # which synchronous_standby_names lists), streaming through its physical slot pgpair_$1 on $2 (made
-# afresh: a copy of a slot never leaves its server, so none is stale but one this node left there).
+# afresh: one left by an earlier clone of this node would start from where that one stopped).
 # -R writes the -d string's dbname into primary_conninfo, which the slot synchronization needs.
 clone() {
   local n=$1 from=$2
@@ -114,8 +114,11 @@ start_all() {
     psql_at "$first" "CREATE ROLE $PG_USER LOGIN SUPERUSER PASSWORD '$PG_PASSWORD'" >/dev/null
     psql_at "$first" "CREATE DATABASE $PG_DB OWNER $PG_USER" >/dev/null
   fi
+  # The standby is cloned afresh at every start: its primary_conninfo names the primary's port,
+  # which may not be this start's (PGPAIR_PORT comes from free ports).
   local second; second=$(other "$first")
-  [ -f "$(data "$second")/PG_VERSION" ] || clone "$second" "$first"
+  stop_node "$second" fast
+  clone "$second" "$first"
   start_node "$second"
   # Only now: with no standby attached, a synchronous primary would wait forever for the role
   # and database above. pg_basebackup copies postgresql.auto.conf, so every later primary waits too.
