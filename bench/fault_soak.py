@@ -2,13 +2,16 @@
 standby, three harvesters each behind its own TCP proxies, steady inserts, and a fault every
 20-40 s drawn from every kind below, in each delivery mode.
 
-    python bench/fault_soak.py --minutes 30 [--delivery both] [--rate 100] [--seed S] [--faults K,K]
+    python bench/fault_soak.py --minutes 30 [--delivery both] [--source log] [--rate 100] [--seed S] [--faults K,K]
 
 Fault kinds (each once first, in random order, then at random): the leader SIGKILLed; the broker
 leading an outbox partition SIGKILLed (restarted 5-10 s later); the transaction coordinator's broker
 killed (exactly-once only); the leader group's coordinator killed; the PostgreSQL primary crashed
 and its standby promoted; the leader cut from Kafka, cut from PostgreSQL, or stalled on Kafka (each
 for 8-15 s). ``--faults`` draws from the kinds it names only (to replay one kind over and over).
+``--source log`` harvests with the log source (the PostgreSQL pair runs 18, the slot a failover
+slot its standby synchronizes; a promotion waits until the standby's copy of the slot is ready, as
+a failover manager checks its standby first).
 
 Reports per mode: records, lost, per-key order violations, duplicates read ``read_committed``,
 p50 and p99 commit-to-append latency of records committed and appended outside fault windows (a
@@ -40,6 +43,7 @@ from psycopg import sql
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from harvester import HarvesterConfig
 from tests.chaos.harness import delivery_modes, read_all
 from tests.faults.cluster import KafkaCluster, ProxyGroup
 from tests.faults.pgpair import PgPair
@@ -140,9 +144,14 @@ class Soak:
 
     def inject(self, kind: str, hold: float) -> str:
         if kind == "pg_failover":
+            ready = ""
+            if self.sc.settings.source == "log":
+                waited = time.monotonic()
+                self.pair.wait_synchronized(HarvesterConfig(outbox_table=self.sc.tables.outbox.qualified).slot)
+                ready = f" (the standby's slot ready after {time.monotonic() - waited:.1f}s)"
             self.pair.crash()
             self.pair.promote()
-            return "primary crashed, standby promoted"
+            return "primary crashed, standby promoted" + ready
         if kind.startswith("kill_") and kind != "kill_leader":
             sc = self.sc
             if kind == "kill_partition_leader":
@@ -227,7 +236,8 @@ def report(delivery: str, minutes: float, soak: Soak, outcome: Outcome, sc: Scen
     findings = outcome.findings
     violations = outcome.violations() + [f"harvester crashed: {c}" for c in soak.crashes]
     lines = [
-        f"fault soak: delivery {delivery}, {minutes:g} min, {sc.settings.records_per_second:.0f} records/s, "
+        f"fault soak: delivery {delivery}, source {sc.settings.source}, {minutes:g} min, "
+        f"{sc.settings.records_per_second:.0f} records/s, "
         f"3 brokers (RF 3, min.insync.replicas 2), synchronous standby, 3 harvesters",
         "",
         f"{'fault':<26}{'injected':>9}{'longest gap (s)':>17}{'mean gap (s)':>14}",
@@ -255,7 +265,9 @@ def report(delivery: str, minutes: float, soak: Soak, outcome: Outcome, sc: Scen
     return "\n".join(lines), not violations
 
 
-def soak_once(delivery: str, minutes: float, rate: float, seed: int, kinds: tuple[str, ...] = KINDS) -> bool:
+def soak_once(
+    delivery: str, minutes: float, rate: float, seed: int, kinds: tuple[str, ...] = KINDS, source: str = "mark_purge"
+) -> bool:
     cluster = KafkaCluster("fault-soak", free_ports(CLUSTER_PORTS), proxied=3)
     pair = PgPair("fault-soak", free_ports(PGPAIR_PORTS))
     try:
@@ -263,7 +275,8 @@ def soak_once(delivery: str, minutes: float, rate: float, seed: int, kinds: tupl
         pair.start()
         with ExitStack() as stack:
             slots = list(_slots(stack, cluster, pair))
-            s = settings(delivery, seed=seed, records_per_second=rate, keys=1000, writers=4, partitions=3)
+            shape = {"records_per_second": rate, "keys": 1000, "writers": 4, "partitions": 3}
+            s = settings(delivery, source=source, seed=seed, **shape)
             sc = stack.enter_context(
                 Scenario(s, pair.dsn, cluster.bootstrap, topic_config={"message.timestamp.type": "LogAppendTime"})
             )
@@ -298,6 +311,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--minutes", type=float, default=30.0, help="length of the fault window per mode")
     parser.add_argument("--delivery", choices=[*delivery_modes(), "both"], default="both")
+    parser.add_argument("--source", choices=("mark_purge", "log"), default="mark_purge", help="the harvesters' source")
     parser.add_argument("--rate", type=float, default=100.0, help="records per second over all writers")
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--faults", default=",".join(KINDS), help="the fault kinds to draw from, comma-separated")
@@ -309,7 +323,7 @@ def main() -> None:
     seed = ns.seed if ns.seed is not None else random.SystemRandom().randrange(1 << 31)
     print(f"fault soak: seed {seed} (replay: --seed {seed})", flush=True)
     modes = delivery_modes() if ns.delivery == "both" else (ns.delivery,)
-    results = [soak_once(mode, ns.minutes, ns.rate, seed, kinds) for mode in modes]
+    results = [soak_once(mode, ns.minutes, ns.rate, seed, kinds, ns.source) for mode in modes]
     sys.exit(0 if all(results) else 1)
 
 

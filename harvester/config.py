@@ -110,6 +110,11 @@ class HarvesterConfig(BaseModel):
         description="With source log: a table-less outbox; the stashers write logical decoding messages "
         "(pg_logical_emit_message) instead of rows, and the log source reads those (PostgreSQL 14+).",
     )
+    log_accept_loss_on_failover: bool = Field(
+        default=False,
+        description="With a table-less outbox: run even where a PostgreSQL failover would lose the records not "
+        "yet delivered (no failover slot that a standby synchronizes; docs/log-source.md#failover).",
+    )
     log_retention: Duration = Field(
         default=timedelta(0),
         description="With source log and a table: keep delivered rows this long, then delete them in bulk "
@@ -163,6 +168,8 @@ class HarvesterConfig(BaseModel):
             raise ValueError("source 'log' reads one replication slot: it does not support shards > 1")
         if self.log_messages and self.source != "log":
             raise ValueError("logMessages (a table-less outbox) needs source 'log'")
+        if self.log_accept_loss_on_failover and not self.log_messages:
+            raise ValueError("logAcceptLossOnFailover is about a table-less outbox: it needs logMessages")
         if self.log_retention and (self.source != "log" or self.log_messages):
             raise ValueError("logRetention needs source 'log' over a table (a table-less outbox deletes nothing)")
         if self.log_prefix is not None and not self.log_prefix:

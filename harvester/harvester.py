@@ -85,7 +85,9 @@ class Harvester:
             "statement_timeout": config.limits.statement_timeout.total_seconds(),
             "shards": shards,
         }
-        setup = LogSetup(config.table, config.slot, config.publication, config.prefix)
+        setup = LogSetup(
+            config.table, config.slot, config.publication, config.prefix, config.log_accept_loss_on_failover
+        )
         if config.source == "log":
             options["transaction_memory"] = int(config.log_transaction_memory)
             # Checked now: a directory that takes no file would fail the leader in a large transaction.

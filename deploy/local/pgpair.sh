@@ -12,6 +12,13 @@
 # primary wait, which is what a synchronous standby promises. `failover` does both. `primary`
 # prints the primary's port.
 #
+# For the log source (docs/log-source.md#failover): wal_level = logical, and the standby streams
+# through a physical slot of the primary (pgpair_<node>) with hot_standby_feedback and a dbname in
+# its primary_conninfo. On PostgreSQL 17+ the standby also synchronizes the primary's failover slots
+# (sync_replication_slots = on), and the primary's logical walsenders send nothing the standby has
+# not received (synchronized_standby_slots names the standby's physical slot): after a promotion,
+# the log source's slot is there, no further than the new primary's log.
+#
 # Clients connect with a multi-host DSN:
 #   host=127.0.0.1,127.0.0.1 port=$PGPAIR_PORT,$((PGPAIR_PORT+1)) target_session_attrs=read-write ...
 #
@@ -40,6 +47,7 @@ other() { if [ "$1" = a ]; then echo b; else echo a; fi; }
 data() { echo "$STATE/$1/data"; }
 running() { [ -f "$(data "$1")/postmaster.pid" ] && as_pg "$BIN/pg_ctl" -D "$(data "$1")" status >/dev/null 2>&1; }
 psql_at() { as_pg "$BIN/psql" -h 127.0.0.1 -p "$(port_of "$1")" -U postgres -d postgres -qtAX -v ON_ERROR_STOP=1 -c "$2"; }
+version() { "$BIN/pg_config" --version | sed -E 's/^PostgreSQL ([0-9]+).*/\1/'; }
 is_primary() { running "$1" && [ "$(psql_at "$1" 'SELECT pg_is_in_recovery()')" = f ]; }
 
 start_node() {
@@ -64,23 +72,30 @@ unix_socket_directories = '$STATE'
 max_connections = 200
 shared_buffers = 128MB
 fsync = on
-wal_level = replica
-max_wal_senders = 5
+wal_level = logical
+max_wal_senders = 10
+max_replication_slots = 10
 wal_keep_size = 256MB
 hot_standby = on
+hot_standby_feedback = on
 synchronous_commit = on
 CONF
+  if [ "$(version)" -ge 17 ]; then echo "sync_replication_slots = on" >>"$dir/postgresql.conf"; fi
   # Loopback only, trust (replication too): this pair exists for local tests.
   printf 'local all all trust\nhost all all 127.0.0.1/32 trust\nhost replication all 127.0.0.1/32 trust\n' >"$dir/pg_hba.conf"
 }
 
 # Clone node $1 from the primary $2 and configure it as its standby (application_name = node name,
-# which synchronous_standby_names lists).
+# which synchronous_standby_names lists), streaming through its physical slot pgpair_$1 on $2 (made
+# afresh: one left by an earlier clone of this node would start from where that one stopped).
+# -R writes the -d string's dbname into primary_conninfo, which the slot synchronization needs.
 clone() {
   local n=$1 from=$2
   rm -rf "$(data "$n")"
-  as_pg "$BIN/pg_basebackup" -D "$(data "$n")" -R -X stream -c fast \
-    -d "host=127.0.0.1 port=$(port_of "$from") user=postgres application_name=$n" >"$STATE/$n/basebackup.log" 2>&1 ||
+  psql_at "$from" "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = 'pgpair_$n'" >/dev/null
+  psql_at "$from" "SELECT pg_create_physical_replication_slot('pgpair_$n', true)" >/dev/null
+  as_pg "$BIN/pg_basebackup" -D "$(data "$n")" -R -X stream -c fast -S "pgpair_$n" \
+    -d "host=127.0.0.1 port=$(port_of "$from") user=postgres dbname=postgres application_name=$n" >"$STATE/$n/basebackup.log" 2>&1 ||
     { tail -n 20 "$STATE/$n/basebackup.log" >&2; die "pg_basebackup of node $n failed"; }
 }
 
@@ -99,19 +114,25 @@ start_all() {
     psql_at "$first" "CREATE ROLE $PG_USER LOGIN SUPERUSER PASSWORD '$PG_PASSWORD'" >/dev/null
     psql_at "$first" "CREATE DATABASE $PG_DB OWNER $PG_USER" >/dev/null
   fi
+  # The standby is cloned afresh at every start: its primary_conninfo names the primary's port,
+  # which may not be this start's (PGPAIR_PORT comes from free ports).
   local second; second=$(other "$first")
-  [ -f "$(data "$second")/PG_VERSION" ] || clone "$second" "$first"
+  stop_node "$second" fast
+  clone "$second" "$first"
   start_node "$second"
   # Only now: with no standby attached, a synchronous primary would wait forever for the role
   # and database above. pg_basebackup copies postgresql.auto.conf, so every later primary waits too.
-  synchronous "$first"
+  synchronous "$first" "$second"
   say "pgpair: primary on 127.0.0.1:$(port_of "$first"), synchronous standby on 127.0.0.1:$(port_of "$second")"
 }
 
 # Commits on primary $1 wait for a standby's flush from now on (the copy it was cloned from may
-# predate the setting).
+# predate the setting); on 17+ its logical walsenders wait for standby $2's physical slot too.
 synchronous() {
   psql_at "$1" "ALTER SYSTEM SET synchronous_standby_names = 'FIRST 1 (a, b)'" >/dev/null
+  if [ "$(version)" -ge 17 ]; then
+    psql_at "$1" "ALTER SYSTEM SET synchronized_standby_slots = 'pgpair_$2'" >/dev/null
+  fi
   psql_at "$1" "SELECT pg_reload_conf()" >/dev/null
 }
 
@@ -132,8 +153,8 @@ promote() {
   old=$(other "$new")
   running "$old" && die "both nodes run: crash the primary first"
   as_pg "$BIN/pg_ctl" -D "$(data "$new")" -w -t 60 promote >/dev/null || die "promoting node $new failed"
-  synchronous "$new"
   clone "$old" "$new"
+  synchronous "$new" "$old"
   start_node "$old"
   say "pgpair: node $old crashed, node $new promoted (127.0.0.1:$(port_of "$new")), node $old is its standby"
 }

@@ -9,12 +9,15 @@ import re
 import tempfile
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from harvester.daemon import access
 from harvester.daemon.errors import FailError, one_line
 from harvester.daemon.settings import ReaperSettings, defaulted_connections
 from harvester.postgres.connections import with_hint
+
+if TYPE_CHECKING:
+    from harvester.postgres.logical import LogSetup
 
 
 def connect_pg(settings: ReaperSettings, timeout: float) -> Any:
@@ -156,13 +159,34 @@ def _check_log_source(conn: Any, settings: ReaperSettings) -> list[str]:
     harvest = settings.harvest
     if harvest.source != "log":
         return []
-    problems = logical.missing(
-        conn, logical.LogSetup(harvest.table, harvest.slot, harvest.publication, harvest.prefix)
+    setup = logical.LogSetup(
+        harvest.table, harvest.slot, harvest.publication, harvest.prefix, harvest.log_accept_loss_on_failover
     )
+    problems = logical.missing(conn, setup)
     state = "ready" if not problems else "not ready"
     spills = harvest.log_spill_directory or tempfile.gettempdir()  # usable: validate_spill_directory said so
     print(f"log source: slot {harvest.slot}, publication {harvest.publication}: {state}; spill files in {spills}")
-    return [f"log source: {p}" for p in problems]
+    if problems:  # what a failover does to the slot is for when it can be read
+        return [f"log source: {p}" for p in problems]
+    return _check_failover(conn, setup)
+
+
+def _check_failover(conn: Any, setup: LogSetup) -> list[str]:
+    """What a failover does to the slot: a line, and as problems a slot that could be a failover slot
+    and is not (PostgreSQL 17+), and a table-less outbox whose records a failover would lose."""
+    from harvester.postgres import logical
+
+    state = logical.failover(conn, setup.slot)
+    print(f"log source: failover: {state.describe()}")
+    problems: list[str] = []
+    if state.version >= logical.FAILOVER_SLOTS and not state.failover:
+        problems.append(f"log source: {state.problem()}")
+    risk = logical.failover_risk(conn, setup)
+    if risk is not None:
+        problems.append(f"log source: {risk}")
+    elif setup.prefix is not None and not state.protected:
+        print("log source: a failover loses the records not yet delivered (harvest.logAcceptLossOnFailover)")
+    return problems
 
 
 def _check_kafka(settings: ReaperSettings, timeout: float) -> list[str]:

@@ -7,7 +7,10 @@ The log source needs PostgreSQL 14+ (pgoutput's ``binary`` option; a table-less 
 ``messages`` option too) and published columns of types it reads (:mod:`.log_records`). A
 table-less outbox (``LogSetup.prefix``) publishes no table; pgoutput still wants an existing
 publication to name, so it gets an empty one (which also keeps every table's changes out of the
-stream)."""
+stream).
+
+On PostgreSQL 17+ the slot is a failover slot: a standby that synchronizes slots keeps a copy, so
+that after its promotion the log source goes on from it (:func:`failover`, docs/log-source.md#failover)."""
 
 from __future__ import annotations
 
@@ -29,6 +32,8 @@ class LogSetup:
     slot: str
     publication: str
     prefix: str | None = None  # the table-less outbox's message prefix (None: the table's inserts)
+    # A table-less outbox runs though a failover would lose its records (logAcceptLossOnFailover).
+    accept_loss: bool = False
 
 
 def missing(conn: psycopg.Connection[Any], setup: LogSetup) -> list[str]:
@@ -123,10 +128,100 @@ def create(conn: psycopg.Connection[Any], setup: LogSetup) -> list[str]:
     exists = conn.execute("SELECT FROM pg_replication_slots WHERE slot_name = %s", (setup.slot,)).fetchone()
     if exists is None:
         # The slot starts at the current end of the log: rows already in the table before it are not
-        # in the slot (docs/log-source.md: switching an outbox to the log source).
-        conn.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (setup.slot,))
-        created.append(f"replication slot {setup.slot}")
+        # in the slot (docs/log-source.md: switching an outbox to the log source). PostgreSQL 17+: a
+        # failover slot, which standbys with sync_replication_slots copy.
+        failover = conn.info.server_version >= FAILOVER_SLOTS
+        conn.execute(
+            "SELECT pg_create_logical_replication_slot(%s, 'pgoutput'" + (", failover => true)" if failover else ")"),
+            (setup.slot,),
+        )
+        created.append(f"replication slot {setup.slot}" + (" (failover)" if failover else ""))
     return created
+
+
+FAILOVER_SLOTS = 170000
+"""The first server version whose standbys synchronize logical slots."""
+
+
+@dataclass(frozen=True, slots=True)
+class Failover:
+    """What the primary shows of its slot's fate in a failover. A standby's own settings cannot be
+    read from it; a physical slot listed in ``synchronized_standby_slots`` that holds a
+    ``catalog_xmin`` is the trace of a standby that keeps logical slots and sends feedback, as one
+    synchronizing slots does (``sync_replication_slots``, ``hot_standby_feedback``)."""
+
+    slot: str
+    version: int
+    failover: bool  # the slot exists and is a failover slot
+    standby_slots: tuple[str, ...]  # synchronized_standby_slots
+    syncing: tuple[str, ...]  # those of them whose standby keeps logical slots
+
+    @property
+    def protected(self) -> bool:
+        """A standby keeps a copy of the slot, and the reader is never ahead of that standby."""
+        return self.failover and bool(self.syncing)
+
+    def problem(self) -> str | None:
+        """Why a failover loses the slot (with the fix), or None when a standby synchronizes it."""
+        if self.version < FAILOVER_SLOTS:
+            return f"replication slot {self.slot} has no copy on a standby before PostgreSQL 17: a failover loses it"
+        if not self.failover:
+            return (
+                f"replication slot {self.slot} is not a failover slot: ALTER_REPLICATION_SLOT {self.slot}"
+                " (FAILOVER true) over a replication connection (psql 'dbname=<db> replication=database')"
+            )
+        if not self.standby_slots:
+            return (
+                "synchronized_standby_slots is empty: no standby is known to synchronize slots"
+                " (ALTER SYSTEM SET synchronized_standby_slots = '<the standby's physical slot>')"
+            )
+        if not self.syncing:
+            return (
+                f"no standby on {', '.join(self.standby_slots)} (synchronized_standby_slots) synchronizes slots:"
+                " it needs primary_slot_name, hot_standby_feedback = on, sync_replication_slots = on and a dbname"
+                " in primary_conninfo"
+            )
+        return None
+
+    def describe(self) -> str:
+        """One line for ``reaper check``."""
+        problem = self.problem()
+        if problem is not None:
+            return f"not protected: {problem}"
+        return (
+            f"failover slot, synchronized by the standby on {', '.join(self.syncing)} (synchronized_standby_slots;"
+            " whether its copy is ready, the standby's pg_replication_slots says: synced, not temporary)"
+        )
+
+
+def failover(conn: psycopg.Connection[Any], slot: str) -> Failover:
+    """What the primary shows of ``slot``'s protection against a failover."""
+    version = conn.info.server_version
+    if version < FAILOVER_SLOTS:
+        return Failover(slot, version, False, (), ())
+    row = conn.execute("SELECT failover FROM pg_replication_slots WHERE slot_name = %s", (slot,)).fetchone()
+    listed = conn.execute("SELECT current_setting('synchronized_standby_slots')").fetchone()
+    standby = tuple(s.strip().strip('"') for s in str(listed[0] if listed else "").split(",") if s.strip())
+    rows = conn.execute(
+        "SELECT slot_name FROM pg_replication_slots WHERE slot_type = 'physical' AND slot_name = ANY(%s)"
+        " AND catalog_xmin IS NOT NULL AND invalidation_reason IS NULL",
+        (list(standby),),
+    ).fetchall()
+    return Failover(slot, version, bool(row and row[0]), standby, tuple(str(r[0]) for r in rows))
+
+
+def failover_risk(conn: psycopg.Connection[Any], setup: LogSetup) -> str | None:
+    """A table-less outbox's refusal to run where a failover would lose records (its records exist
+    only in the log, from the slot's position on), or None."""
+    if setup.prefix is None or setup.accept_loss:
+        return None
+    problem = failover(conn, setup.slot).problem()
+    if problem is None:
+        return None
+    return (
+        f"a failover would lose the table-less outbox's records not yet delivered ({problem});"
+        " set harvest.logAcceptLossOnFailover: true to run anyway"
+    )
 
 
 def takeover(fence: TableName, server_version: int) -> sql.Composed:

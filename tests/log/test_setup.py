@@ -131,7 +131,9 @@ def test_migrate_and_check_a_table_less_outbox(
     services: Services, logical_dsn: str, fresh_table: TableName, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """No outbox table: 'reaper migrate' creates the fence and dead-letter tables, an empty
-    publication and the slot; 'reaper check' and 'reaper status' need no table."""
+    publication and the slot; 'reaper check' and 'reaper status' need no table. On this single server
+    a failover would lose records: 'reaper check' and 'reaper run' refuse, in one line naming the risk
+    and the setting, until logAcceptLossOnFailover says so."""
     path = write_config(tmp_path, logical_dsn, services, fresh_table, "  logMessages: true\n")
     config = HarvesterConfig(outbox_table=fresh_table.qualified)
     assert main(["check", "-f", path]) == 1
@@ -141,8 +143,20 @@ def test_migrate_and_check_a_table_less_outbox(
     out = capsys.readouterr().out
     assert f"table-less outbox {fresh_table}: applied 0003_fence" in out
     assert f"log source: created publication {config.publication} (empty" in out
+    risk = "a failover would lose the table-less outbox's records not yet delivered"
+    setting = "set harvest.logAcceptLossOnFailover: true to run anyway"
+    assert main(["check", "-f", path]) == 1
+    [line] = [line for line in capsys.readouterr().out.splitlines() if line.startswith("problem:")]
+    assert risk in line and setting in line, line
+    assert main(["run", "-f", path]) == 2
+    err = capsys.readouterr().err
+    assert risk in err and setting in err and err.count("\n") == 1, err
+    accepted = "  logMessages: true\n  logAcceptLossOnFailover: true\n"
+    path = write_config(tmp_path, logical_dsn, services, fresh_table, accepted)
     assert main(["check", "-f", path]) == 0, capsys.readouterr().out
-    assert f"log source: slot {config.slot}, publication {config.publication}: ready" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"log source: slot {config.slot}, publication {config.publication}: ready" in out
+    assert "log source: a failover loses the records not yet delivered (harvest.logAcceptLossOnFailover)" in out
     with psycopg.connect(logical_dsn, autocommit=True) as conn:
         row = conn.execute("SELECT to_regclass(%s)", (fresh_table.quoted,)).fetchone()
     assert row == (None,)  # no table

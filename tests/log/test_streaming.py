@@ -23,7 +23,7 @@ from harvester.postgres.log_store import LogStore
 from harvester.postgres.logical import LogSetup
 from harvester.postgres.message_store import MessageStore
 from tests.engine.workload import check, insert, wait_drained, wait_until
-from tests.log.conftest import slot_position, stash
+from tests.log.conftest import SINGLE_SERVER, slot_position, stash
 from tests.log.test_log_source import COMMITTED, DELIVERY, at_or_after, lsn, mark_all, slot_reader
 from tests.support import HarvesterFactory, Services, read_messages, streamed_transactions, streaming
 
@@ -258,10 +258,9 @@ def test_a_stream_broken_while_a_transaction_streams_loses_and_repeats_nothing(
 
 
 def test_a_table_less_outbox_s_streamed_messages_go_out_whole(logical_dsn: str, message_outbox: TableName) -> None:
-    config = HarvesterConfig(outbox_table=message_outbox.qualified, source="log", log_messages=True)
-    store = MessageStore(
-        streaming(logical_dsn), LogSetup(message_outbox, config.slot, config.publication, config.prefix)
-    )
+    config = HarvesterConfig(outbox_table=message_outbox.qualified, source="log", log_messages=True, **SINGLE_SERVER)
+    setup = LogSetup(message_outbox, config.slot, config.publication, config.prefix, config.log_accept_loss_on_failover)
+    store = MessageStore(streaming(logical_dsn), setup)
     try:
         store.prepare()
         leader = uuid4()

@@ -30,7 +30,7 @@ from harvester.postgres.logical import LogSetup
 from harvester.postgres.message_store import MessageStore
 from harvester.postgres.migrations import dead_letter_table
 from tests.engine.workload import check, wait_until
-from tests.log.conftest import slot_position, stash, stored_done
+from tests.log.conftest import SINGLE_SERVER, slot_position, stash, stored_done
 from tests.log.test_log_source import COMMITTED, DELIVERY, mark_all, slot_reader
 from tests.proc.processes import HarvesterProcess, harvester_spec
 from tests.support import HarvesterFactory, Services, harvesters, read_messages, unique
@@ -39,8 +39,8 @@ pytestmark = pytest.mark.integration
 
 
 def setup_of(table: TableName) -> LogSetup:
-    config = HarvesterConfig(outbox_table=table.qualified, source="log", log_messages=True)
-    return LogSetup(table, config.slot, config.publication, config.prefix)
+    config = HarvesterConfig(outbox_table=table.qualified, source="log", log_messages=True, **SINGLE_SERVER)
+    return LogSetup(table, config.slot, config.publication, config.prefix, config.log_accept_loss_on_failover)
 
 
 @pytest.fixture
@@ -53,6 +53,7 @@ def make_message_harvester(
             outbox_table=message_outbox.qualified,
             source="log",
             log_messages=True,
+            **SINGLE_SERVER,
             delivery=delivery,
             base_kafka_config={"bootstrap.servers": services.bootstrap},
             limits=Limits(**{"io_error_backoff": "100ms", **limits}),
@@ -240,7 +241,7 @@ def test_failover_resumes_after_what_was_stored_done_with_nothing_lost(
         limits = {"mark_query_records": 10, "max_in_flight_records": 50}
         return harvester_spec(
             logical_dsn, services.bootstrap, message_outbox, group, name,
-            source="log", log_messages=True, delivery=delivery, limits=limits,
+            source="log", log_messages=True, **SINGLE_SERVER, delivery=delivery, limits=limits,
         )  # fmt: skip
 
     a = HarvesterProcess(spec("killed-a"))
