@@ -31,12 +31,13 @@ import structlog.testing
 from confluent_kafka import Consumer, KafkaError, Message, TopicPartition
 from psycopg import errors, sql
 
-from harvester import HarvesterConfig, OutboxRecord, Stasher
+from harvester import HarvesterConfig, MessageStasher, OutboxRecord, Stasher
 from harvester.client.dedup import DedupReader
 from harvester.core.identity import Identity
 from harvester.postgres import logical
 from harvester.postgres.identifiers import TableName
-from harvester.postgres.migrations import migrate
+from harvester.postgres.migrations import ensure, fence_table, migrate
+from tests.chaos import audit
 from tests.engine.workload import check, wait_drained
 from tests.proc.processes import HarvesterProcess, harvester_spec
 from tests.support import (
@@ -64,6 +65,12 @@ FAULT_WEIGHTS = {
     "terminate_connections": 3,
 }
 LEADERSHIP = ("LeaderAcquired", "LeaderRevoked", "LeaderFenced")
+# LEAD, at the merge with `failover`: the setting with which a table-less outbox accepts to lose the
+# records a failover would lose (the private PostgreSQL 15 has no failover slots); its name is not
+# fixed yet. Passed only while HarvesterConfig does not know it yet: drop the condition at the merge.
+ACCEPT_LOSS_ON_FAILOVER: dict[str, Any] = (
+    {"logAcceptLossOnFailover": True} if "log_accept_loss_on_failover" in HarvesterConfig.model_fields else {}
+)
 
 
 def delivery_modes() -> tuple[str, ...]:
@@ -79,6 +86,8 @@ class ChaosSettings:
     fault_seconds: float = 90.0
     delivery: str = "at_least_once"
     source: str = "mark_purge"  # HarvesterConfig.source
+    log_messages: bool = False  # HarvesterConfig.log_messages: a table-less outbox (source log)
+    log_retention: float = 0.0  # HarvesterConfig.log_retention in seconds (source log, a table)
     keys: int = 3000
     hot_keys: int = 4
     writers: int = 4
@@ -93,6 +102,7 @@ class ChaosSettings:
     topics: int = 2
     partitions: int = 3
     harvesters: int = 3
+    faults: tuple[str, ...] = FAULT_KINDS  # the kinds drawn (each at least once)
     shards: int = 1  # with more, every process may lead some shards; faults hit one that leads any
     min_gap: float = 2.0  # seconds between the end of one fault and the start of the next
     max_gap: float = 8.0
@@ -102,6 +112,13 @@ class ChaosSettings:
     pg_port: int = 15432
     kafka_port: int = 29092
 
+    @property
+    def variant(self) -> str:
+        """The log source's variant, as the summary names it ("" for the others)."""
+        if self.log_messages:
+            return " (table-less)"
+        return f" (retention {self.log_retention:g}s)" if self.log_retention else ""
+
 
 # ---------------------------------------------------------------------------------------- services
 
@@ -109,8 +126,12 @@ class ChaosSettings:
 @contextmanager
 def private_services(settings: ChaosSettings) -> Iterator[tuple[PrivatePostgres, PrivateKafka]]:
     """Start a PostgreSQL cluster and a Kafka broker of the chaos run's own; stop them afterwards."""
-    pg = PrivatePostgres("chaos", settings.pg_port)
-    kafka = PrivateKafka("chaos", settings.kafka_port)
+    # Data under .local/private-chaos, or a directory per port on other ports, so that runs on
+    # different ports can run at once.
+    default = (settings.pg_port, settings.kafka_port) == (ChaosSettings.pg_port, ChaosSettings.kafka_port)
+    name = "chaos" if default else f"chaos-{settings.pg_port}"
+    pg = PrivatePostgres(name, settings.pg_port)
+    kafka = PrivateKafka(name, settings.kafka_port)
     pg.start()
     try:
         kafka.start()
@@ -124,41 +145,40 @@ def private_services(settings: ChaosSettings) -> Iterator[tuple[PrivatePostgres,
 
 @dataclass(frozen=True)
 class Tables:
-    """The run's outbox and its two side tables, all in one fresh schema."""
+    """The run's outbox (a table, or the name of a table-less outbox), its ledger and the fence
+    audit (:mod:`tests.chaos.audit`), all in one fresh schema."""
 
     outbox: TableName
     ledger: TableName  # (key, seq, at) of every committed record: the expected contents of the topics
-    audit: TableName  # who purged which outbox row, and when: evidence for a loss report
+    audit: TableName  # terms and every change of the outbox, fence and dead-letter rows: who, when
+    positioned: bool = False  # whether the log source stores how far it is done (see positioned())
 
     @classmethod
-    def create(cls, dsn: str, source: str = "mark_purge") -> Tables:
+    def create(cls, dsn: str, settings: ChaosSettings | None = None) -> Tables:
         """Create the schema, migrate the outbox (with the log source's publication and slot when
-        ``source`` is log) and add the ledger and the purge audit."""
+        the source is log; fence and dead-letter tables only for a table-less outbox) and add the
+        ledger and the audit."""
+        settings = settings or ChaosSettings(seed=0)
         schema = unique("chaos")
-        tables = cls(TableName(schema, "outbox"), TableName(schema, "ledger"), TableName(schema, "audit"))
+        outbox = TableName(schema, "outbox")
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(schema)))
-            migrate(conn, tables.outbox)
-            if source == "log":
-                config = HarvesterConfig(outbox_table=tables.outbox.qualified)
-                logical.create(conn, logical.LogSetup(tables.outbox, config.slot, config.publication))
+            if settings.log_messages:
+                ensure(conn, outbox, "fence")
+                ensure(conn, outbox, "dead_letter", value_type="BYTEA")
+            else:
+                migrate(conn, outbox)
+            if settings.source == "log":
+                logical.create(conn, log_setup(outbox, settings))
+            ledger = TableName(schema, "ledger")
             conn.execute(
                 sql.SQL(
-                    "CREATE TABLE {l} (key TEXT NOT NULL, seq INT NOT NULL, "
-                    "at TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp(), PRIMARY KEY (key, seq));"
-                    "CREATE TABLE {a} (id BIGINT, value TEXT, app TEXT, at TIMESTAMPTZ DEFAULT clock_timestamp());"
-                    "CREATE FUNCTION {f}() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
-                    "INSERT INTO {a} (id, value, app) VALUES (OLD.id, OLD.kafka_value, "
-                    "current_setting('application_name')); RETURN NULL; END $$;"
-                    "CREATE TRIGGER audit AFTER DELETE ON {t} FOR EACH ROW EXECUTE FUNCTION {f}();"
-                ).format(
-                    l=tables.ledger.ident,
-                    a=tables.audit.ident,
-                    f=TableName(schema, "audit_fn").ident,
-                    t=tables.outbox.ident,
-                )
+                    "CREATE TABLE {} (key TEXT NOT NULL, seq INT NOT NULL, "
+                    "at TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp(), PRIMARY KEY (key, seq))"
+                ).format(ledger.ident)
             )
-        return tables
+        trail = audit.install(dsn, outbox, shards=settings.shards, outbox=not settings.log_messages)
+        return cls(outbox, ledger, trail, positioned(settings))
 
     @property
     def schema(self) -> str:
@@ -185,21 +205,50 @@ class Tables:
             return {str(k): int(n) for k, n in rows}
 
     def undelivered(self, dsn: str) -> set[str]:
-        """Values still in the outbox (not purged yet: late, not lost)."""
+        """Values still in the outbox (not purged yet: late, not lost); none where rows stay after
+        delivery (a retention window) or there are none (a table-less outbox)."""
+        if self.positioned:
+            return set()
         with psycopg.connect(dsn) as conn:
             return {str(v) for (v,) in conn.execute(sql.SQL("SELECT kafka_value FROM {}").format(self.outbox.ident))}
 
-    def purges(self, dsn: str, values: Sequence[str]) -> dict[str, list[str]]:
-        """For each value, who deleted its outbox row(s) and when."""
-        with psycopg.connect(dsn) as conn:
-            rows = conn.execute(
-                sql.SQL("SELECT value, id, app, at FROM {} WHERE value = ANY(%s) ORDER BY at").format(self.audit.ident),
-                (list(values),),
-            ).fetchall()
-        out: dict[str, list[str]] = {v: [] for v in values}
-        for value, rid, app, at in rows:
-            out[str(value)].append(f"id {rid} purged by {app!r} at {at:%H:%M:%S.%f}")
-        return out
+    def drain(self, dsn: str, timeout: float, end: int) -> int:
+        """Wait up to ``timeout`` until the outbox is drained: empty, or where the log source
+        stores how far it is done, that position at ``end`` (the log's end once the writers
+        stopped). What is left: records, or bytes of log."""
+        if not self.positioned:
+            return wait_drained(dsn, self.outbox, timeout)
+        deadline = time.monotonic() + timeout
+        query = sql.SQL("SELECT coalesce(max(log_lsn), 0) FROM {} WHERE outbox_table = %s").format(
+            fence_table(self.outbox).ident
+        )
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            while True:
+                row = conn.execute(query, (self.outbox.qualified,)).fetchone()
+                left = max(0, end - int(row[0] if row else 0))
+                if left == 0 or time.monotonic() > deadline:
+                    return left
+                time.sleep(0.1)
+
+
+def log_setup(outbox: TableName, settings: ChaosSettings) -> logical.LogSetup:
+    """The log source's slot, publication and (table-less) message prefix for the run's outbox."""
+    config = HarvesterConfig(outbox_table=outbox.qualified, source="log", log_messages=settings.log_messages)
+    return logical.LogSetup(outbox, config.slot, config.publication, config.prefix)
+
+
+def positioned(settings: ChaosSettings) -> bool:
+    """Whether the log source stores how far it is done in the fence row instead of deleting rows
+    as it goes: a table-less outbox, or a table with a retention window."""
+    return settings.log_messages or settings.log_retention > 0
+
+
+def wal_end(dsn: str) -> int:
+    """The end of the log now."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::bigint").fetchone()
+    assert row is not None
+    return int(row[0])
 
 
 # ---------------------------------------------------------------------------------------- writers
@@ -264,7 +313,7 @@ class Writers:
     def _run(self, writer: int, normal: list[str], hot: list[str]) -> None:
         s = self._settings
         rng = random.Random(f"{s.seed}/writer/{writer}")
-        stasher = Stasher(self._tables.outbox)
+        stasher = MessageStasher(self._tables.outbox) if s.log_messages else Stasher(self._tables.outbox)
         seqs = dict.fromkeys(normal + hot, 0)
         rate = s.records_per_second / s.writers
         conn: psycopg.Connection[Any] | None = None
@@ -293,7 +342,10 @@ class Writers:
                 conn.close()
 
     def _commit(
-        self, conn: psycopg.Connection[Any] | None, stasher: Stasher, batch: list[tuple[str, int]]
+        self,
+        conn: psycopg.Connection[Any] | None,
+        stasher: Stasher | MessageStasher,
+        batch: list[tuple[str, int]],
     ) -> psycopg.Connection[Any]:
         """Commit ``batch`` exactly once, whatever happens to the connection; return the connection."""
         ledger = sql.SQL("INSERT INTO {} (key, seq) SELECT * FROM unnest(%s::text[], %s::int[])").format(
@@ -359,6 +411,9 @@ class HarvesterGroup:
             delivery=s.delivery,
             shards=s.shards,
             source=s.source,
+            **({"log_messages": True} if s.log_messages else {}),
+            **({"log_retention": f"{int(s.log_retention * 1000)}ms"} if s.log_retention else {}),
+            **(ACCEPT_LOSS_ON_FAILOVER if s.log_messages else {}),
             # The large transactions' records past about 100 (of large_txn) are spilled, under every fault.
             **({"log_transaction_memory": 64 * 1024} if s.source == "log" else {}),
             limits={
@@ -502,12 +557,12 @@ class FaultInjector:
     def run(self, started: float) -> None:
         """Inject faults; return when done. ``started`` is the writers' start (monotonic)."""
         s, rng = self._settings, self._rng
-        pending = set(FAULT_KINDS)  # kinds not injected yet: drawn first, so each runs at least once
+        pending = set(s.faults)  # kinds not injected yet: drawn first, so each runs at least once
         # A kind that keeps being skipped (no leader found) must not prolong the run forever.
         give_up = started + 2 * s.fault_seconds + 120
         while (time.monotonic() - started < s.fault_seconds or pending) and time.monotonic() < give_up:
             time.sleep(rng.uniform(s.min_gap, s.max_gap))
-            kinds = sorted(pending) if pending else list(FAULT_WEIGHTS)
+            kinds = sorted(pending) if pending else list(s.faults)
             kind = rng.choices(kinds, [FAULT_WEIGHTS[k] for k in kinds])[0]
             pause = rng.uniform(s.heartbeat_timeout + 0.5, s.session_timeout + 3.0)  # drawn for every kind: replayable
             at = time.monotonic()
@@ -755,13 +810,19 @@ class ChaosReport:
     log_tails: dict[str, list[str]] = field(default_factory=dict)  # when the outbox did not drain
     logs: Path | None = None  # where a failed run's harvester logs were saved
     purges_of_lost: dict[str, list[str]] = field(default_factory=dict)
+    past_fence: list[str] = field(default_factory=list)  # changes the fence let through (tests.chaos.audit)
 
     def violations(self) -> list[str]:
         """Every broken guarantee (and every harness failure that makes the run meaningless)."""
         out = broken_guarantees(self.findings, self.settings.delivery)
+        if self.past_fence:
+            out.append(f"{len(self.past_fence)} changes past a fence, the first: {self.past_fence[0]}")
         if self.left_in_outbox:
-            out.append(f"outbox not drained within {self.settings.drain_timeout:.0f}s: {self.left_in_outbox} left")
-        missing = [k for k in FAULT_KINDS if not any(x.kind == k for x in self.faults)]
+            what = "bytes of log not stored done" if positioned(self.settings) else "records"
+            out.append(
+                f"outbox not drained within {self.settings.drain_timeout:.0f}s: {self.left_in_outbox} {what} left"
+            )
+        missing = [k for k in self.settings.faults if not any(x.kind == k for x in self.faults)]
         if missing:
             out.append(f"fault kinds never injected: {missing}")
         out += [f"harvester crashed: {c}" for c in self.crashes]
@@ -774,14 +835,15 @@ class ChaosReport:
         s, f = self.settings, self.findings
         by_kind = Counter(x.kind for x in self.faults)
         lines = [
-            f"chaos run: seed {s.seed}, delivery {s.delivery}, {s.fault_seconds:.0f}s of faults, "
+            f"chaos run: seed {s.seed}, source {s.source}{s.variant}, delivery {s.delivery}, "
+            f"{s.fault_seconds:.0f}s of faults, "
             f"{s.harvesters} harvesters{f' over {s.shards} shards' if s.shards > 1 else ''}, {s.writers} writers, "
             f"{s.keys}+{s.hot_keys} keys, "
             f"~{s.records_per_second:.0f} records/s",
             "",
             f"{'fault':<24}{'injected':>10}{'skipped':>10}",
         ]
-        lines += [f"{k:<24}{by_kind[k]:>10}{self.skipped[k]:>10}" for k in FAULT_KINDS]
+        lines += [f"{k:<24}{by_kind[k]:>10}{self.skipped[k]:>10}" for k in s.faults]
         rows: list[tuple[str, object]] = [
             ("faults total", len(self.faults)),
             ("leader acquisitions", self.leader_acquisitions),
@@ -790,6 +852,7 @@ class ChaosReport:
             ("records read (read_committed)", f.records_read),
             ("records lost", len(f.lost)),
             ("records left in outbox", self.left_in_outbox),
+            ("changes past a fence", len(self.past_fence)),
             ("keys out of order", len(f.out_of_order)),
             ("duplicates (read_committed)", f.duplicates),
             ("dropped by DedupReader", f.dedup_dropped),
@@ -813,6 +876,7 @@ class ChaosReport:
             *(f"  {x}" for x in self.faults),
             "harvester events:",
             *(f"  {x}" for x in self.timeline),
+            *(f"past a fence: {x}" for x in self.past_fence[:20]),
         ]
         for value in f.lost[:20]:
             parts.append(f"lost {value}: {'; '.join(self.purges_of_lost.get(value, [])) or 'no purge recorded'}")
@@ -832,13 +896,16 @@ def run_chaos(settings: ChaosSettings, log: Log = print) -> ChaosReport:
     """Run one chaos scenario end to end and report; raises only when the harness itself cannot
     proceed (services that do not start, no first leader, a topic that cannot be read back)."""
     with private_services(settings) as (pg, kafka):
-        tables = Tables.create(pg.dsn, settings.source)
+        tables = Tables.create(pg.dsn, settings)
         topics = [unique("chaos") for _ in range(settings.topics)]
         create_topics(kafka.bootstrap, topics, settings.partitions)
         dsn = streaming(pg.dsn) if settings.large_every else pg.dsn
         group = HarvesterGroup(settings, dsn, tables.outbox, kafka.bootstrap)
         writers = Writers(settings, pg.dsn, tables, topics)
+        slot = audit.SlotWatch(pg.dsn, log_setup(tables.outbox, settings).slot) if settings.source == "log" else None
         try:
+            if slot is not None:
+                slot.start()
             group.start()
             if group.wait_leader(60.0) is None:
                 raise RuntimeError("no harvester became leader within 60 s")
@@ -850,7 +917,7 @@ def run_chaos(settings: ChaosSettings, log: Log = print) -> ChaosReport:
             writers.stop()
             stopped = time.monotonic()
             log(f"chaos: writers stopped after {stopped - started:.1f}s, {writers.records} records; draining")
-            left = wait_drained(pg.dsn, tables.outbox, settings.drain_timeout)
+            left = tables.drain(pg.dsn, settings.drain_timeout, wal_end(pg.dsn))
             drain_seconds = time.monotonic() - stopped
             if settings.large_every:
                 streamed = streamed_transactions(pg.dsn)
@@ -865,6 +932,9 @@ def run_chaos(settings: ChaosSettings, log: Log = print) -> ChaosReport:
         finally:
             writers.stop()
             group.stop()
+            if slot is not None:
+                slot.stop()
+        history = audit.history(pg.dsn, tables.audit) + ([] if slot is None else slot.confirmations())
         report = ChaosReport(
             settings=settings,
             faults=injector.faults,
@@ -882,9 +952,10 @@ def run_chaos(settings: ChaosSettings, log: Log = print) -> ChaosReport:
             findings=findings,
             timeline=group.timeline(started_wall),
             log_tails=tails,
+            past_fence=audit.past_fence(history),
         )
         if findings.lost:
-            report.purges_of_lost = tables.purges(pg.dsn, findings.lost[:20])
+            report.purges_of_lost = audit.changes_of(pg.dsn, tables.audit, findings.lost[:20])
         if report.violations():
             # A failed run's schema and topics stay in the private cluster as evidence, with the logs.
             report.logs = ROOT / ".local" / "private-chaos" / "runs" / tables.schema

@@ -196,9 +196,9 @@ class Scenario:
         """Seconds from ``wall`` (time.time()) to the first purge after it, by any process."""
         with psycopg.connect(self.dsn) as conn:
             row = conn.execute(
-                sql.SQL("SELECT extract(epoch FROM min(at)) FROM {} WHERE at > to_timestamp(%s)").format(
-                    self.tables.audit.ident
-                ),
+                sql.SQL(
+                    "SELECT extract(epoch FROM min(at)) FROM {} WHERE kind = 'DELETE' AND at > to_timestamp(%s)"
+                ).format(self.tables.audit.ident),
                 (wall,),
             ).fetchone()
         return None if row is None or row[0] is None else float(row[0]) - wall
