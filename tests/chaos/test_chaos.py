@@ -15,11 +15,14 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from tests.chaos.harness import FAULT_KINDS, ChaosSettings, delivery_modes, run_chaos
+from tests.chaos.services import private_services
+from tests.support import PrivateKafka, PrivatePostgres
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -43,6 +46,21 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
+PORTS = ChaosSettings(
+    seed=0,
+    pg_port=int(os.environ.get("CHAOS_PG_PORT", "15432")),
+    kafka_port=int(os.environ.get("CHAOS_KAFKA_PORT", "29092")),
+)
+
+
+@pytest.fixture(scope="module")
+def chaos_services() -> Iterator[tuple[PrivatePostgres, PrivateKafka]]:
+    """One private PostgreSQL and Kafka for all the runs (each has its own schema and topics): a
+    broker's start alone takes 10-20 s."""
+    with private_services(PORTS) as started:
+        yield started
+
+
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(
     ("delivery", "shards", "variant"),
@@ -52,7 +70,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
         for shards, variant in ((1, "mark_purge"), (4, "mark_purge"), (1, "log"), (1, "retention"), (1, "table-less"))
     ],
 )
-def test_chaos(delivery: str, shards: int, variant: str) -> None:
+def test_chaos(chaos_services: tuple[PrivatePostgres, PrivateKafka], delivery: str, shards: int, variant: str) -> None:
     seed = int(os.environ.get("CHAOS_SEED") or random.SystemRandom().randrange(1 << 31))
     print(f"chaos seed {seed} (replay: CHAOS_SEED={seed})", flush=True)
     settings = ChaosSettings(
@@ -60,10 +78,10 @@ def test_chaos(delivery: str, shards: int, variant: str) -> None:
         delivery=delivery,
         shards=shards,
         fault_seconds=float(os.environ.get("CHAOS_SECONDS", "60")),
-        pg_port=int(os.environ.get("CHAOS_PG_PORT", "15432")),
-        kafka_port=int(os.environ.get("CHAOS_KAFKA_PORT", "29092")),
+        pg_port=PORTS.pg_port,
+        kafka_port=PORTS.kafka_port,
     )
     settings = dataclasses.replace(settings, **VARIANTS[variant])
-    report = run_chaos(settings, log=lambda line: print(line, flush=True))
+    report = run_chaos(settings, log=lambda line: print(line, flush=True), services=chaos_services)
     print(report.table())
     assert report.violations() == [], report.failure_text()
