@@ -12,40 +12,76 @@ one). ``bench/soak.py`` runs the same scenario for longer.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
-from tests.chaos.harness import ChaosSettings, delivery_modes, run_chaos
+from tests.chaos.harness import FAULT_KINDS, ChaosSettings, delivery_modes, run_chaos
+from tests.chaos.services import private_services
+from tests.support import PrivateKafka, PrivatePostgres
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 # One run per delivery mode the config offers (HarvesterConfig.delivery), the checks differ by mode,
-# unsharded and with 4 shards; and the log source (unsharded: it reads one slot).
+# unsharded and with 4 shards; the log source (unsharded: it reads one slot); and its two variants
+# that store how far they are done instead of deleting rows as they go, a retention window and a
+# table-less outbox, each with a smaller schedule (no broker restart, faults 1-4 s apart: it takes
+# 20 s to minutes on a loaded machine, and those runs exercise the same producer as the others).
+SMALL: dict[str, Any] = {
+    "faults": tuple(k for k in FAULT_KINDS if k != "restart_kafka"),
+    "min_gap": 1.0,
+    "max_gap": 4.0,
+    "fault_seconds": float(os.environ.get("CHAOS_SECONDS", "20")),
+}
+VARIANTS: dict[str, dict[str, Any]] = {
+    "mark_purge": {},
+    "log": {"source": "log", "large_every": 10.0},  # the log source gets transactions it streams too
+    "retention": {"source": "log", "log_retention": 2.0, **SMALL},
+    "table-less": {"source": "log", "log_messages": True, **SMALL},
+}
+
+
+PORTS = ChaosSettings(
+    seed=0,
+    pg_port=int(os.environ.get("CHAOS_PG_PORT", "15432")),
+    kafka_port=int(os.environ.get("CHAOS_KAFKA_PORT", "29092")),
+)
+
+
+@pytest.fixture(scope="module")
+def chaos_services() -> Iterator[tuple[PrivatePostgres, PrivateKafka]]:
+    """One private PostgreSQL and Kafka for all the runs (each has its own schema and topics): a
+    broker's start alone takes 10-20 s."""
+    with private_services(PORTS) as started:
+        yield started
+
+
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(
-    ("delivery", "shards", "source"),
+    ("delivery", "shards", "variant"),
     [
-        (mode, shards, source)
+        (mode, shards, variant)
         for mode in delivery_modes()
-        for shards, source in ((1, "mark_purge"), (4, "mark_purge"), (1, "log"))
+        for shards, variant in ((1, "mark_purge"), (4, "mark_purge"), (1, "log"), (1, "retention"), (1, "table-less"))
     ],
 )
-def test_chaos(delivery: str, shards: int, source: str) -> None:
+def test_chaos(chaos_services: tuple[PrivatePostgres, PrivateKafka], delivery: str, shards: int, variant: str) -> None:
     seed = int(os.environ.get("CHAOS_SEED") or random.SystemRandom().randrange(1 << 31))
     print(f"chaos seed {seed} (replay: CHAOS_SEED={seed})", flush=True)
     settings = ChaosSettings(
         seed=seed,
         delivery=delivery,
         shards=shards,
-        source=source,
-        large_every=10.0 if source == "log" else 0.0,  # the log source gets transactions it streams too
         fault_seconds=float(os.environ.get("CHAOS_SECONDS", "60")),
-        pg_port=int(os.environ.get("CHAOS_PG_PORT", "15432")),
-        kafka_port=int(os.environ.get("CHAOS_KAFKA_PORT", "29092")),
+        pg_port=PORTS.pg_port,
+        kafka_port=PORTS.kafka_port,
     )
-    report = run_chaos(settings, log=lambda line: print(line, flush=True))
+    settings = dataclasses.replace(settings, **VARIANTS[variant])
+    report = run_chaos(settings, log=lambda line: print(line, flush=True), services=chaos_services)
     print(report.table())
     assert report.violations() == [], report.failure_text()

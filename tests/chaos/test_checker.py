@@ -1,15 +1,18 @@
-"""The chaos checker itself: each kind of violation it must catch, on hand-made topic contents."""
+"""The chaos checker itself: each kind of violation it must catch, on hand-made topic contents and
+a hand-made audit history."""
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from typing import cast
 
 import pytest
 from confluent_kafka import Message
 
 from harvester.postgres.identifiers import TableName
+from tests.chaos.audit import TERM, Change, confirmations, past_fence
 from tests.chaos.harness import FAULT_KINDS, ChaosReport, ChaosSettings, Fault, analyse, first_copies
 from tests.proc.processes import START_REFUSED, HarvesterProcess, harvester_spec
 from tests.support import free_ports
@@ -99,7 +102,7 @@ def test_loss_is_reported_per_record() -> None:
 def test_records_still_in_the_outbox_are_not_lost_but_fail_as_not_drained() -> None:
     r = report("at_least_once", messages(("a:0", 1)), {"a": 3}, undelivered=frozenset({"a:1", "a:2"}))
     assert r.findings.lost == []
-    assert r.violations() == ["outbox not drained within 180s: 2 left"]
+    assert r.violations() == ["outbox not drained within 180s: 2 records left"]
 
 
 def test_reordered_first_deliveries_are_reported() -> None:
@@ -141,3 +144,59 @@ def test_a_start_the_database_refuses_is_told_from_a_crash() -> None:
     assert proc.refused_start()  # at once, as the harnesses ask: the reader may lag behind the exit
     proc.terminate()
     assert "cannot connect to PostgreSQL" in next(e["error"] for e in proc.events if e["event"] == "start_refused")
+
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def at(seconds: float) -> datetime:
+    return T0 + timedelta(seconds=seconds)
+
+
+def test_a_change_by_a_holder_whose_term_was_superseded_is_past_the_fence() -> None:
+    history = [
+        Change(at(0), TERM, "a", 0, "epoch 1"),
+        Change(at(1), "DELETE", "a", 0, "id 1"),  # a's own term
+        Change(at(2), TERM, "b", 0, "epoch 2"),
+        Change(at(3), "DELETE", "b", 0, "id 2"),  # b's term
+        Change(at(4), "DELETE", "a", 0, "id 3"),  # a zombie's purge the fence let through
+        Change(at(5), "dead letter", "a", 0, "id 4"),
+        Change(at(6), "fence row", "a", 0, "epoch 2"),  # a stored position under b's epoch
+    ]
+    found = past_fence(history)
+    assert len(found) == 3 and all("by 'a'" in v and "while 'b' held the term" in v for v in found)
+    assert "DELETE id 3" in found[0] and "dead letter id 4" in found[1] and "fence row" in found[2]
+    r = report("at_least_once", messages(("a:0", 1)), {"a": 1})
+    r.past_fence = found
+    assert "FAIL" in r.table() and r.violations() == [f"3 changes past a fence, the first: {found[0]}"]
+    assert "past a fence: DELETE id 3" in r.failure_text()
+
+
+def test_terms_are_per_shard_and_a_change_before_any_term_is_past_the_fence() -> None:
+    history = [
+        Change(at(0), "DELETE", "a", 1, "id 9"),  # no term of shard 1 yet
+        Change(at(1), TERM, "a", 0),
+        Change(at(1), TERM, "b", 1),
+        Change(at(2), "DELETE", "a", 0, "id 1"),
+        Change(at(3), "DELETE", "a", 1, "id 2"),  # a row of b's shard
+        Change(at(4), TERM, "c", 1),
+        Change(at(4), TERM, "a", 1),  # a takes shard 1 back: its changes there count again
+        Change(at(5), "UPDATE", "a", 1, "id 3"),
+    ]
+    assert past_fence(history) == [
+        "DELETE id 9 by 'a' on shard 1 at 00:00:00.000000 while 'nobody' held the term",
+        "DELETE id 2 by 'a' on shard 1 at 00:00:03.000000 while 'b' held the term",
+    ]
+
+
+def test_a_slot_confirmation_past_the_fence_is_one_seen_between_two_samples_after_it() -> None:
+    samples = [(at(0), 10, 7, "a"), (at(1), 20, 7, "a"), (at(3), 30, 7, "a"), (at(4), 40, 8, "b"), (at(5), 40, 8, "b")]
+    moves = confirmations(samples)
+    assert [(c.app, c.detail) for c in moves] == [("a", "confirmed 10->20"), ("a", "confirmed 20->30")]
+    # b's term began between the second and the third sample: a may have confirmed before it.
+    assert past_fence([Change(at(0), TERM, "a", 0), Change(at(2), TERM, "b", 0), *moves]) == []
+    # Begun before both samples of the second move: a's move came after it.
+    late = past_fence([Change(at(0), TERM, "a", 0), Change(at(0.5), TERM, "b", 0), *moves])
+    assert late == [
+        "slot confirmed 20->30 by 'a' on shard 0 at 00:00:01.000000..00:00:03.000000 while 'b' held the term"
+    ]

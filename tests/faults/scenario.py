@@ -92,7 +92,7 @@ class Scenario:
         self.settings = settings
         self.dsn = dsn
         self.bootstrap = bootstrap
-        self.tables = Tables.create(dsn, settings.source)
+        self.tables = Tables.create(dsn, settings)
         self.topics = [unique("faults") for _ in range(settings.topics)]
         admin = AdminClient({"bootstrap.servers": bootstrap})
         # Replication at the broker's default: 3 on the cluster, 1 on a single broker.
@@ -196,9 +196,9 @@ class Scenario:
         """Seconds from ``wall`` (time.time()) to the first purge after it, by any process."""
         with psycopg.connect(self.dsn) as conn:
             row = conn.execute(
-                sql.SQL("SELECT extract(epoch FROM min(at)) FROM {} WHERE at > to_timestamp(%s)").format(
-                    self.tables.audit.ident
-                ),
+                sql.SQL(
+                    "SELECT extract(epoch FROM min(at)) FROM {} WHERE kind = 'DELETE' AND at > to_timestamp(%s)"
+                ).format(self.tables.audit.ident),
                 (wall,),
             ).fetchone()
         return None if row is None or row[0] is None else float(row[0]) - wall

@@ -25,6 +25,7 @@ from harvester.core.identity import Identity
 from harvester.core.shards import shard_of
 from harvester.postgres.identifiers import TableName
 from harvester.postgres.migrations import fence_table
+from tests.chaos import audit
 from tests.engine.workload import check, wait_drained, wait_until
 from tests.proc.processes import HarvesterProcess, harvester_spec
 from tests.support import (
@@ -243,7 +244,10 @@ def test_a_paused_shard_leader_resumes_as_a_zombie_and_changes_nothing(
     topics: Callable[..., str],
     spawn: Spawn,
 ) -> None:
+    """Every change of the outbox, its fence and dead-letter rows is audited (tests/chaos/audit.py,
+    as in the chaos runs): none is made by a process after another's term of its shard began."""
     topic = topics(partitions=3)
+    trail = audit.install(services.pg_dsn, outbox, shards=SHARDS)
     limits = {"mark_query_records": 20, "max_in_flight_records": 40}
     paused, other = spawn("a", shards=SHARDS, limits=limits), spawn("b", shards=SHARDS, limits=limits)
     assert wait_until(lambda: spread([paused, other]), timeout=90)
@@ -275,6 +279,10 @@ def test_a_paused_shard_leader_resumes_as_a_zombie_and_changes_nothing(
     verdict = check(got, expected)
     assert verdict.lost == [] and verdict.out_of_order == [] and verdict.unexpected == 0
     assert not leading(paused) & leading(other)
+    history = audit.history(services.pg_dsn, trail)
+    # The paused leader purged before its pause (so the audit is not vacuous) and nothing past a fence.
+    assert any(c.kind == "DELETE" and c.app == "outbox-harvester a" for c in history)
+    assert audit.past_fence(history) == []
 
 
 def test_a_running_reaper_stops_when_the_recorded_number_of_shards_changes(
