@@ -83,6 +83,12 @@ class Fenced(PooledConnections):
         self._epoch = int(row[0])
         return self._epoch
 
+    def join(self, epoch: int) -> None:
+        """Run under ``epoch``, a term another process of the same holder started, without bumping
+        it: the Spark drain's sink dead-letters on the driver apart from the source that took the
+        term. Its changes are refused once a newer term superseded that epoch."""
+        self._epoch = epoch
+
     def _check_shards(self, conn: psycopg.Connection[Any]) -> None:
         """Raise :class:`ShardCountError` when the outbox's fence records another number of shards."""
         other = sorted(

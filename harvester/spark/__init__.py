@@ -12,15 +12,25 @@ from typing import TYPE_CHECKING
 from pyspark.sql import SparkSession
 
 from harvester.spark.plan import SinkConfigError
+from harvester.spark.publish import OutboxPublishDataSource
 from harvester.spark.source import OutboxDataSource, OutboxStreamWriter, OutboxWriter, StagedPartition
 
 if TYPE_CHECKING:  # the Connect client needs pyspark's `connect` extra, so it is never imported here
     from pyspark.sql.connect.session import SparkSession as RemoteSparkSession
 
-__all__ = ["OutboxDataSource", "OutboxStreamWriter", "OutboxWriter", "SinkConfigError", "StagedPartition", "register"]
+__all__ = [
+    "OutboxDataSource",
+    "OutboxPublishDataSource",
+    "OutboxStreamWriter",
+    "OutboxWriter",
+    "SinkConfigError",
+    "StagedPartition",
+    "register",
+]
 
 
 def register(spark: SparkSession | RemoteSparkSession) -> None:
-    """Make ``format("outbox")`` available in ``spark``, a classic or a Spark Connect session (Python
-    data sources are registered per session)."""
+    """Make ``format("outbox")`` and ``format("outbox-publish")`` available in ``spark``, a classic or
+    a Spark Connect session (Python data sources are registered per session)."""
     spark.dataSource.register(OutboxDataSource)
+    spark.dataSource.register(OutboxPublishDataSource)

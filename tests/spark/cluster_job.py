@@ -125,11 +125,29 @@ def drain(spark: SparkSession, config: Config) -> dict[str, Any]:
     return {}
 
 
+def publish(spark: SparkSession, config: Config) -> dict[str, Any]:
+    """Drain an outbox (``Trigger.AvailableNow``, from the checkpoint) through the project's own sink,
+    ``outbox-publish``, selecting no column."""
+    outbox = {"dsn": config["dsn"], "table": config["table"]}
+    # A missing topic is known as such after a second, instead of librdkafka's 30.
+    kafka = {"kafka.bootstrap.servers": config["bootstrap"], "kafka.topic.metadata.propagation.max.ms": "1000"}
+    records = spark.readStream.format("outbox").options(**outbox, shards="2", maxRecordsPerTrigger="200").load()
+    query = (
+        records.writeStream.format("outbox-publish")
+        .options(**outbox, **kafka, checkpointLocation=config["checkpoint"])
+        .trigger(availableNow=True)
+        .start()
+    )
+    query.awaitTermination()
+    return {}
+
+
 SCENARIOS: dict[str, Callable[[SparkSession, Config], dict[str, Any]]] = {
     "batch": batch,
     "stream": stream,
     "lost": lost,
     "drain": drain,
+    "publish": publish,
 }
 
 

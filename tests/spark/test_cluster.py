@@ -13,18 +13,29 @@ from typing import Any
 
 import psycopg
 import pytest
+import yaml
 from psycopg import sql
 
 from examples.spark_pipeline import KAFKA_PACKAGE
 from harvester.core.identity import Identity
 from harvester.postgres.identifiers import TableName
-from harvester.postgres.migrations import migrate
+from harvester.postgres.migrations import dead_letter_table, migrate
 from harvester.spark.store import SinkTables, clean_stale
 from tests.spark.cluster import StandaloneCluster, executor_of, kill_tree, spark_submit
 from tests.spark.test_batch import leftovers, records, wait_for_stragglers
 from tests.spark.test_stream import PER_FILE, write_inputs
 from tests.spark_drain.conftest import deduplicated, preload, remaining
-from tests.support import Services, consumed_headers, delete_topics, end_offsets, read_messages, text, unique
+from tests.support import (
+    Services,
+    consumed_headers,
+    create_topics,
+    delete_topics,
+    end_offsets,
+    read_messages,
+    run_reaper,
+    text,
+    unique,
+)
 
 # Every driver and server is a JVM of its own: minutes on a loaded two-core machine.
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
@@ -37,6 +48,7 @@ DRIVER_SECONDS = 480.0
 FILES = 3
 LOST_ROWS = 8_000  # four partitions of two Arrow batches each
 DRAIN_RECORDS = 2_000  # ten micro-batches of 200 (100 per shard); shard 0's third is held
+PUBLISH_RECORDS = 600  # three micro-batches of 200, a third of them to a topic that does not exist
 
 
 class Driver:
@@ -384,3 +396,57 @@ def test_drain_loses_an_executor_mid_batch_and_delivers_every_record_once_throug
         firsts = list(dict.fromkeys(got))
         assert firsts == sorted(firsts)  # per-key order, across the lost attempt and its retry
     assert sorted(deduplicated(services, topic, partitions=2)) == ids  # none twice through the reader
+
+
+def test_publish_sink_dead_letters_a_missing_topic_and_the_replay_delivers_it(
+    driver: SharedDriver,
+    services: Services,
+    pg: Conn,
+    outbox: TableName,
+    topics: Callable[..., str],
+    tmp_path: Path,
+) -> None:
+    good, missing = topics(partitions=2), unique("missing")  # the brokers do not create topics here
+    rows = pg.execute(
+        sql.SQL(
+            "INSERT INTO {} (create_time, kafka_topic, kafka_key, kafka_value, kafka_header_keys, kafka_header_values)"
+            " SELECT now(), CASE WHEN n %% 3 = 0 THEN %s ELSE %s END, 'k' || (n %% 30), 'v' || n, '{{}}', '{{}}'"
+            " FROM generate_series(1, %s) AS n ORDER BY n RETURNING id, kafka_topic"
+        ).format(outbox.ident),
+        (missing, good, PUBLISH_RECORDS),
+    ).fetchall()
+    refused = sorted(int(str(i)) for i, t in rows if t == missing)  # a third of the keys: k0, k3, ...
+    settings = config(
+        services, tmp_path, table=outbox.qualified, bootstrap=services.bootstrap, checkpoint=str(tmp_path / "cp")
+    )
+    reaper_file = tmp_path / "reaper.yaml"
+    harvest = {"dataSource": services.pg_dsn, "outboxTable": outbox.qualified}
+    reaper_file.write_text(yaml.safe_dump({"harvest": harvest}))
+    try:
+        driver.run("publish", settings)
+        # The rest was drained; the missing topic's records are dead letters with the broker's reason.
+        assert remaining(pg, outbox) == []
+        letters = pg.execute(
+            sql.SQL("SELECT id, reason, error, attempts FROM {} ORDER BY id").format(dead_letter_table(outbox).ident)
+        ).fetchall()
+        assert [int(str(r[0])) for r in letters] == refused
+        assert {r[3] for r in letters} == {3}  # after a reaper's 3 attempts
+        assert {r[1] for r in letters} <= {"unknown_topic", "unknown_topic_or_part"}
+        assert all("nknown topic" in str(r[2]) for r in letters)
+        # Once the topic exists, 'reaper dlq replay' puts them back and the same query publishes them.
+        create_topics(services.bootstrap, [missing], partitions=2)
+        replayed = run_reaper("dlq", "replay", "--all", "--yes", "-f", str(reaper_file))
+        assert replayed.returncode == 0, replayed.stderr
+        driver.run("publish", settings)
+        assert remaining(pg, outbox) == []
+        assert pg.execute(sql.SQL("SELECT count(*) FROM {}").format(dead_letter_table(outbox).ident)).fetchone() == (0,)
+        for topic, count in ((good, PUBLISH_RECORDS - len(refused)), (missing, len(refused))):
+            messages = read_messages(services.bootstrap, [topic], count)
+            assert end_offsets(services.bootstrap, topic, partitions=2) == count  # 0 lost, 0 duplicates
+            values: dict[str, list[int]] = defaultdict(list)
+            for msg in messages:
+                values[text(msg.key())].append(int(text(msg.value())[1:]))
+            assert all(v == sorted(v) for v in values.values())  # per-key order, the replayed ones too
+            assert len(set(deduplicated(services, topic, partitions=2))) == count  # each once through the reader
+    finally:
+        delete_topics(services.bootstrap, [missing])

@@ -60,9 +60,11 @@ def test_a_reaper_joining_takes_a_shard_from_the_drain_and_no_shard_is_harvested
         **{"kafka.bootstrap.servers": services.bootstrap},
     )
     query = (
-        # The partition a reaper would choose: a key stays in one partition across the handover.
-        stream.selectExpr("topic", "key", "value", "headers", "partition")
-        .writeStream.format("kafka")
+        # The project's sink, no column selected: it places a key as a reaper does, so the key stays
+        # in one partition across the handover.
+        stream.writeStream.format("outbox-publish")
+        .option("dsn", services.pg_dsn)
+        .option("table", outbox.qualified)
         .option("kafka.bootstrap.servers", services.bootstrap)
         .option("checkpointLocation", str(tmp_path / "cp"))
         .trigger(processingTime="300 milliseconds")

@@ -17,7 +17,7 @@ class DrainConfigError(ValueError):
     """The ``outbox`` streaming source's options are missing or inconsistent."""
 
 
-def _positive(options: Mapping[str, str], name: str, default: int) -> int:
+def positive(options: Mapping[str, str], name: str, default: int) -> int:
     """Option ``name`` (looked up in lower case, as Spark may pass it) as a positive integer."""
     text = options.get(name.lower())
     if text is None:
@@ -68,9 +68,9 @@ class DrainOptions:
         return cls(
             dsn=dsn,
             table=table,
-            shards=_positive(lowered, "shards", 1),
-            max_records=_positive(lowered, "maxRecordsPerTrigger", DEFAULT_MAX_RECORDS),
-            max_record_bytes=_positive(lowered, "maxRecordBytes", DEFAULT_MAX_RECORD_BYTES),
+            shards=positive(lowered, "shards", 1),
+            max_records=positive(lowered, "maxRecordsPerTrigger", DEFAULT_MAX_RECORDS),
+            max_record_bytes=positive(lowered, "maxRecordBytes", DEFAULT_MAX_RECORD_BYTES),
             header_prefix=lowered.get("headerprefix", DEFAULT_PREFIX),
             producer_name=lowered.get("producername") or None,
             kafka={k.removeprefix("kafka."): v for k, v in lowered.items() if k.startswith("kafka.")},

@@ -1,0 +1,46 @@
+"""The options of the ``outbox-publish`` sink, checked on the driver before anything runs."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from harvester.core.identity import DEFAULT_PREFIX
+from harvester.postgres.identifiers import IdentifierError, TableName
+from harvester.spark.drain.options import DrainConfigError, positive
+
+DEFAULT_MAX_ATTEMPTS = 3
+"""Permanent refusals of a record before it is dead-lettered: a reaper's ``maxAttempts``."""
+
+
+@dataclass(frozen=True, slots=True)
+class PublishOptions:
+    """What the sink's tasks and its commit need; plain values, pickled to every executor."""
+
+    dsn: str
+    table: TableName
+    kafka: dict[str, str]  # producer properties: the ``kafka.``-prefixed options, prefix removed
+    max_attempts: int
+    header_prefix: str
+
+    @classmethod
+    def parse(cls, options: Mapping[str, str]) -> PublishOptions:
+        """Options as Spark passes them (case-insensitive keys); raises :class:`DrainConfigError`."""
+        lowered = {k.lower(): v for k, v in options.items()}
+        dsn = lowered.get("dsn")
+        if not dsn:
+            raise DrainConfigError("option dsn is required: the outbox's libpq connection string, for dead letters")
+        try:
+            table = TableName.parse(lowered.get("table", "outbox"))
+        except IdentifierError as exc:
+            raise DrainConfigError(str(exc)) from exc
+        kafka = {k.removeprefix("kafka."): v for k, v in lowered.items() if k.startswith("kafka.")}
+        if "bootstrap.servers" not in kafka:
+            raise DrainConfigError("option kafka.bootstrap.servers is required: the brokers to publish to")
+        return cls(
+            dsn=dsn,
+            table=table,
+            kafka=kafka,
+            max_attempts=positive(lowered, "maxAttempts", DEFAULT_MAX_ATTEMPTS),
+            header_prefix=lowered.get("headerprefix", DEFAULT_PREFIX),
+        )

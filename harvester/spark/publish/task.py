@@ -1,0 +1,124 @@
+"""One task of the ``outbox-publish`` sink, on an executor: its shard's records of a micro-batch
+published with the reaper's producer, and what Kafka refused for good.
+
+The producer is the reaper's (:mod:`harvester.kafka.publisher`): idempotent, no delivery timeout,
+so it writes each partition's records in sequence and waits out an unreachable broker; librdkafka's
+default partitioner places a key as a reaper's does. A record is sent again after a permanent
+refusal (a missing or forbidden topic, a broker's policy), up to ``maxAttempts`` sends in all, as a
+reaper counts attempts, unless a later record of its key was delivered meanwhile: sending it then
+would put it after that one, so it is refused at once. What is left is returned for the driver to
+dead-letter. Anything else the producer reports (a delivery timeout the user set) fails the task:
+Spark runs it again, and nothing is lost.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from confluent_kafka import KafkaError, Message, Producer
+
+from harvester.core.records import Failure
+from harvester.kafka.enqueue import enqueue
+from harvester.kafka.publisher import DeliveryError, delivery_settings, producer_config
+
+_FLUSH_WAIT = 1.0  # seconds per flush call while records are outstanding
+
+_producers: dict[tuple[tuple[str, str], ...], Producer] = {}
+_lock = threading.Lock()
+
+
+def producer(kafka: Mapping[str, str]) -> Producer:
+    """The Python worker's producer for ``kafka`` (Spark reuses a worker for later tasks, so later
+    batches skip the connection and the topics' metadata)."""
+    key = tuple(sorted(kafka.items()))
+    with _lock:
+        found = _producers.get(key)
+        if found is None:
+            settings, _ = delivery_settings(producer_config(kafka, {}), in_order=True)
+            found = _producers[key] = Producer(settings)
+        return found
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """A drained row as the sink publishes it."""
+
+    id: int
+    topic: str
+    key: str | None
+    value: bytes | None
+    headers: list[tuple[str, bytes | None]]
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """A record Kafka refused for good, with the epoch its shard's term published it under."""
+
+    epoch: int
+    failure: Failure
+
+
+def _epoch(record: Record, header: str) -> int:
+    for name, value in record.headers:
+        if name == header and value is not None:
+            return int(value)
+    raise ValueError(f"record {record.id} has no {header} header: is the sink fed by readStream.format('outbox')?")
+
+
+class _Round:
+    """One send of the records still pending: the delivery reports, collected by ``flush``."""
+
+    def __init__(self, delivered_last: dict[str | None, int]) -> None:
+        self.errors: dict[int, DeliveryError] = {}
+        self._delivered_last = delivered_last
+
+    def report(self, record: Record) -> Callable[[KafkaError | None, Message], None]:
+        def done(err: KafkaError | None, _msg: Message) -> None:
+            if err is None:
+                self._delivered_last[record.key] = max(record.id, self._delivered_last.get(record.key, 0))
+            else:
+                self.errors[record.id] = DeliveryError(err)
+
+        return done
+
+    def send(self, client: Producer, records: list[Record]) -> list[Record]:
+        """Send ``records`` in order and wait for every report; return the refused ones."""
+        for record in records:
+            refused = enqueue(client, record.topic, record.key or "", record.value, record.headers, self.report(record))
+            if refused is not None:
+                self.errors[record.id] = DeliveryError(refused)
+        while client.flush(_FLUSH_WAIT):
+            pass
+        failed = [r for r in records if r.id in self.errors]
+        for record in failed:
+            error = self.errors[record.id]
+            if not error.permanent:
+                raise RuntimeError(f"publishing record {record.id} to {record.topic} failed: {error}")
+        return failed
+
+
+def publish(kafka: Mapping[str, str], records: Iterable[Record], max_attempts: int, epoch_header: str) -> list[Refusal]:
+    """Publish ``records`` (one shard's, in id order); return those refused after their attempts."""
+    client = producer(kafka)
+    pending = list(records)
+    delivered_last: dict[str | None, int] = {}  # key -> its highest id delivered
+    first: dict[int, datetime] = {}
+    refused: list[Refusal] = []
+    for attempt in range(1, max_attempts + 1):
+        sent = _Round(delivered_last)
+        failed = sent.send(client, pending)
+        pending = []
+        for record in failed:
+            first.setdefault(record.id, datetime.now(UTC))
+            if attempt < max_attempts and delivered_last.get(record.key, 0) < record.id:
+                pending.append(record)  # nothing of its key after it is in Kafka: send it again
+                continue
+            error = sent.errors[record.id]
+            failure = Failure(record.id, record.key or "", error.reason, str(error)[:2000], attempt, first[record.id])
+            refused.append(Refusal(_epoch(record, epoch_header), failure))
+        if not pending:
+            break
+    return refused
