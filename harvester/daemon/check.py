@@ -153,9 +153,7 @@ def _check_log_source(conn: Any, settings: ReaperSettings) -> list[str]:
     harvest = settings.harvest
     if harvest.source != "log":
         return []
-    problems = logical.missing(
-        conn, logical.LogSetup(harvest.table, harvest.slot, harvest.publication, harvest.prefix)
-    )
+    problems = logical.missing(conn, harvest.log_setup)
     state = "ready" if not problems else "not ready"
     spills = harvest.log_spill_directory or tempfile.gettempdir()  # usable: validate_spill_directory said so
     print(f"log source: slot {harvest.slot}, publication {harvest.publication}: {state}; spill files in {spills}")
