@@ -47,7 +47,7 @@ def validate_election(settings: ReaperSettings) -> None:
     names; ``run`` and ``check`` both call this, so they refuse the same files."""
     from pydantic import ValidationError
 
-    from harvester.electors import elector_config
+    from harvester.compose import elector_config
 
     try:
         elector_config(settings.harvest)
