@@ -37,11 +37,11 @@ from cpu import CpuMeter, per_thousand
 from psycopg import sql
 
 from harvester import Engine, Limits, PostgresStore, TableName, migrate
+from harvester.compose import publisher
 from harvester.core.at_least_once import at_least_once
 from harvester.core.metrics import HarvesterMetrics
 from harvester.core.protocols import DeliveryCallback, DeliveryReport, Publisher
 from harvester.kafka.publisher import KafkaPublisher, producer_config
-from harvester.pipelines import publisher
 from harvester.runtime import tune_garbage_collector
 from leader.events import LeaderAcquired
 

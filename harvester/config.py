@@ -26,6 +26,7 @@ from pydantic import (
 
 from harvester.core.limits import BOTH_SPELLINGS, Duration, Limits
 from harvester.postgres.identifiers import TableName
+from harvester.postgres.logical import LogSetup
 from harvester.postgres.message_format import default_prefix
 
 # PostgreSQL's rule for replication slot names; publications follow it too here, for symmetry.
@@ -195,6 +196,11 @@ class HarvesterConfig(BaseModel):
     def publication(self) -> str:
         """The log source's publication."""
         return self.log_publication or self.slot
+
+    @property
+    def log_setup(self) -> LogSetup:
+        """The names the log source reads through (its store, ``reaper migrate`` and ``reaper check``)."""
+        return LogSetup(self.table, self.slot, self.publication, self.prefix, self.log_accept_loss_on_failover)
 
     @field_validator("outbox_table")
     @classmethod

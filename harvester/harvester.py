@@ -1,4 +1,5 @@
-"""The embeddable harvester: store + publisher + elector + MP/R engine, wired from a config.
+"""The embeddable harvester: runs the store, publishers, elector and MP/R engines that
+:mod:`harvester.compose` builds from a config.
 
 With ``shards: N`` > 1 the harvester holds one pipeline per shard (store, publisher, engine,
 metrics), each independent of the others: the elector's events for shard ``i`` drive pipeline ``i``
@@ -13,31 +14,20 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 from uuid import UUID
 
-import psycopg
 import structlog
-from confluent_kafka.admin import AdminClient
 from prometheus_client import CollectorRegistry
 
+from harvester.compose import Pipeline, build_engine, neli_elector, reachable, source
 from harvester.config import HarvesterConfig
 from harvester.core.engine import Engine
 from harvester.core.events import Event, MeterRead
-from harvester.core.identity import IdentityHeaders
+from harvester.core.meter import Meter
 from harvester.core.metrics import HarvesterMetrics, ShardLabels
-from harvester.core.protocols import Elector
+from harvester.core.protocols import Elector, ShardedElector
 from harvester.core.retries import Stall
-from harvester.electors import ShardedElector, neli_elector
-from harvester.meter import Meter
-from harvester.pipelines import Pipeline, build_engine
-from harvester.postgres.log_recovery import SlotRecoveries
-from harvester.postgres.log_retention import RetainingLogStore
-from harvester.postgres.log_store import LogStore
-from harvester.postgres.logical import LogSetup
-from harvester.postgres.message_store import MessageStore
-from harvester.postgres.spill import spill_directory
-from harvester.postgres.store import PostgresStore
 
 if TYPE_CHECKING:
-    from leader import LeaderEvent
+    from leader.events import LeaderEvent
 
 log = structlog.get_logger("harvester")
 
@@ -76,37 +66,10 @@ class Harvester:
         self.metrics = per_shard[0]
         self._shard_metrics = per_shard
         self._on_event = on_event
-        options: dict[str, Any] = {
-            "application_name": f"outbox-harvester {config.name}"[:63],
-            "identity": IdentityHeaders(config.identity_header_prefix),
-            "producer_name": config.producer_name,
-            "hold_dead_letter_keys": config.dead_letter_policy == "hold_key",
-            "vacuum_every": config.limits.vacuum_every_records,
-            "statement_timeout": config.limits.statement_timeout.total_seconds(),
-            "shards": shards,
-        }
-        setup = LogSetup(
-            config.table, config.slot, config.publication, config.prefix, config.log_accept_loss_on_failover
-        )
-        if config.source == "log":
-            options["transaction_memory"] = int(config.log_transaction_memory)
-            # Checked now: a directory that takes no file would fail the leader in a large transaction.
-            try:
-                options["spill_directory"] = spill_directory(config.log_spill_directory)
-            except ValueError as exc:
-                raise ValueError(f"logSpillDirectory: {exc}") from None
-        store = (
-            PostgresStore(config.data_source, config.table, **options)
-            if config.source != "log"
-            else MessageStore(config.data_source, setup, **options)
-            if config.log_messages
-            else RetainingLogStore(config.data_source, setup, config.log_retention.total_seconds(), **options)
-            if config.log_retention
-            else LogStore(config.data_source, setup, **options)
-        )
-        self._pipelines = [Pipeline(store, per_shard[0])]  # the other shards' are built by start()
-        if isinstance(store, LogStore):  # one shard: its registry is the harvester's
-            self._registry.register(SlotRecoveries(store))
+        built = source(config)
+        self._pipelines = [Pipeline(built.store, per_shard[0])]  # the other shards' are built by start()
+        for collector in built.collectors:  # one shard: its registry is the harvester's
+            self._registry.register(collector)
         self._elector = (
             elector if elector is not None else neli_elector(config, self._heartbeat_report, self.database_reachable)
         )
@@ -117,7 +80,7 @@ class Harvester:
         self._stopping = threading.Event()
         self._stopped = threading.Event()
         interval = config.limits.min_metrics_interval.total_seconds()
-        self._meter = Meter(store, per_shard, lambda: self._engines, self._emit_event, interval, self._stopped)
+        self._meter = Meter(built.gauges, per_shard, lambda: self._engines, self._emit_event, interval, self._stopped)
 
     @property
     def registry(self) -> CollectorRegistry:
@@ -300,22 +263,8 @@ class Harvester:
 
     def health(self) -> dict[str, Any]:
         """Liveness of the dependencies, for readiness probes (each check bounded to ~2 s)."""
-        db_ok = kafka_ok = outbox_ok = False
-        try:
-            with psycopg.connect(self.config.data_source, connect_timeout=2) as conn:
-                row = conn.execute("SELECT to_regclass(%s) IS NOT NULL", (self.config.table.quoted,)).fetchone()
-            db_ok, outbox_ok = True, bool(row and row[0])
-        except psycopg.Error:
-            pass
-        try:
-            AdminClient(dict(self.config.base_kafka_config)).list_topics(timeout=2)
-            kafka_ok = True
-        except Exception:
-            pass
         return {
-            "database_ok": db_ok,
-            "kafka_ok": kafka_ok,
-            "outbox_ok": outbox_ok,  # the table exists (it may be dropped while the harvester runs)
+            **reachable(self.config),
             "is_leader": self.is_leader,
             "running": bool(self._engines) and not self._stopped.is_set(),
             **({"leading_shards": self.leading_shards} if self.config.shards > 1 else {}),

@@ -132,6 +132,11 @@ class HarvesterMetrics:
         )
 
 
+def total(counter: Counter) -> float:
+    """A counter's value (the sum over its labels), read through the public ``collect``."""
+    return sum(s.value for family in counter.collect() for s in family.samples if s.name.endswith("_total"))
+
+
 class ShardLabels(Collector):
     """Exports several shards' :class:`HarvesterMetrics` as one set of series labelled ``shard``."""
 

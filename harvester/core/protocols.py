@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 from uuid import UUID
 
 from harvester.core.records import Failure, MarkedRecord
@@ -208,4 +209,42 @@ class Elector(Protocol):
     @property
     def running(self) -> bool:
         """Whether the elector is competing (after ``start``, before ``close``)."""
+        ...
+
+
+@runtime_checkable
+class ShardedElector(Elector, Protocol):
+    """An elector of several shards (NELI over a topic of several partitions)."""
+
+    def status_of(self, shard: int) -> LeaderStatus:
+        """The view of shard ``shard``'s leadership."""
+        ...
+
+
+class Backlog(Protocol):
+    """What the meter samples of every store."""
+
+    def head(self) -> tuple[int, float | None]:
+        """A cheap backlog sample: (records, age in seconds of the oldest; None: no record)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class SourceSample:
+    """One sample of a source's backlog and lag, as the meter exports it."""
+
+    backlog: int
+    oldest_age: float | None  # seconds (None: no record)
+    lag: float  # seconds: the oldest record committed and not yet acknowledged by Kafka
+    slot_bytes: tuple[int, int] | None = None  # a replication slot's WAL (not consumed, retained)
+
+
+class SourceGauges(Protocol):
+    """Optional store role: a source that knows more of its backlog and lag than its :meth:`Backlog.head`
+    (the log source: what its leader received and has not done, its replication slot). The meter
+    samples a store that has it through it; any other through its head."""
+
+    def sample(self, leads: bool) -> SourceSample:
+        """The sample; ``leads``: whether this process leads (what a former leader received is stale).
+        Raises :class:`StoreError` when the database cannot be read (a standby's probe fails so)."""
         ...

@@ -53,7 +53,7 @@ def validate_election(settings: ReaperSettings) -> None:
     names; ``run`` and ``check`` both call this, so they refuse the same files."""
     from pydantic import ValidationError
 
-    from harvester.electors import elector_config
+    from harvester.compose import elector_config
 
     try:
         elector_config(settings.harvest)
@@ -159,16 +159,13 @@ def _check_log_source(conn: Any, settings: ReaperSettings) -> list[str]:
     harvest = settings.harvest
     if harvest.source != "log":
         return []
-    setup = logical.LogSetup(
-        harvest.table, harvest.slot, harvest.publication, harvest.prefix, harvest.log_accept_loss_on_failover
-    )
-    problems = logical.missing(conn, setup)
+    problems = logical.missing(conn, harvest.log_setup)
     state = "ready" if not problems else "not ready"
     spills = harvest.log_spill_directory or tempfile.gettempdir()  # usable: validate_spill_directory said so
     print(f"log source: slot {harvest.slot}, publication {harvest.publication}: {state}; spill files in {spills}")
     if problems:  # what a failover does to the slot is for when it can be read
         return [f"log source: {p}" for p in problems]
-    return _check_failover(conn, setup)
+    return _check_failover(conn, harvest.log_setup)
 
 
 def _check_failover(conn: Any, setup: LogSetup) -> list[str]:

@@ -294,7 +294,7 @@ def _log_source(conn: psycopg.Connection[Any], settings: ReaperSettings) -> list
     harvest = settings.harvest
     if harvest.source != "log":
         return []
-    setup = logical.LogSetup(harvest.table, harvest.slot, harvest.publication, harvest.prefix)
+    setup = harvest.log_setup
     blocking = [p for p in logical.missing(conn, setup) if "reaper migrate" not in p]
     if blocking:
         raise FailError(f"log source: {blocking[0]}", code=1)

@@ -13,12 +13,13 @@ whose transactions are stored done, so the rest are recovered from the checkpoin
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 from uuid import UUID
 
 from psycopg import sql
 
-from harvester.core.protocols import FencedError
+from harvester.core.protocols import FencedError, SourceSample
 from harvester.postgres import migrations
 from harvester.postgres.log_store import LogStore
 from harvester.postgres.logical import LogSetup
@@ -77,6 +78,12 @@ class PositionedLogStore(LogStore):
         is not received yet)."""
         with self._state:
             return self._txns.pending(), self._txns.oldest_age()
+
+    def sample(self, leads: bool) -> SourceSample:
+        """As :meth:`LogStore.sample`, without a backlog unless this process leads: what a former
+        leader received is stale."""
+        sample = super().sample(leads)
+        return sample if leads else replace(sample, backlog=0, oldest_age=None, lag=0.0)
 
     def purge(self, ids: Sequence[int]) -> None:
         """Nothing deleted now: the records are done, and the position with them (the done prefix

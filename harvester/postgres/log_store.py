@@ -28,7 +28,7 @@ import structlog
 from psycopg import sql
 
 from harvester.core.identity import Stamp
-from harvester.core.protocols import FencedError, StoreError
+from harvester.core.protocols import FencedError, SourceSample, StoreError
 from harvester.core.records import Failure, MarkedRecord
 from harvester.postgres import logical, pgoutput
 from harvester.postgres.log_records import Columns, outbox_record
@@ -596,19 +596,19 @@ class LogStore(PostgresStore):
             return True
         return self._slot.wait(timeout)
 
-    def received_age(self) -> float | None:
-        """Seconds since the commit of the oldest transaction received with records not done (None:
-        none): what this leader holds of the lag, from its own bookkeeping, without a query."""
+    def sample(self, leads: bool) -> SourceSample:
+        """The meter's sample (:class:`~harvester.core.protocols.SourceGauges`): the table's head; the
+        lag this leader holds of what it received (``leads``: the commit of the oldest transaction with
+        records not done, from its own bookkeeping); the slot's bytes (not consumed, retained), when
+        they can be read."""
+        backlog, age = self.head()
         with self._state:
-            return self._txns.oldest_age()
-
-    def slot_bytes(self) -> tuple[int, int] | None:
-        """(WAL bytes not consumed by the slot, WAL bytes it retains), or None without the slot."""
+            received = self._txns.oldest_age() if leads else None
         try:
             state = logical.slot_state(self._conn(), self._setup.slot)
-        except psycopg.Error as exc:
-            raise StoreError(f"reading the slot failed: {exc.sqlstate or type(exc).__name__}") from exc
-        return None if state is None else state[:2]
+        except (psycopg.Error, StoreError):
+            state = None
+        return SourceSample(backlog, age, max(age or 0.0, received or 0.0), None if state is None else state[:2])
 
     def close(self) -> None:
         """Stop streaming, forget what was received (removing its spill files) and close every

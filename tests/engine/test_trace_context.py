@@ -201,7 +201,7 @@ import asyncio, json, sys
 sys.modules["opentelemetry"] = None  # as if the otel extra were not installed
 import psycopg
 from harvester import AsyncStasher, HarvesterConfig, MessageStasher, OutboxRecord, Stasher
-from harvester.pipelines import tracing
+from harvester.compose import tracing
 with psycopg.connect({services.pg_dsn!r}) as conn:
     Stasher({outbox.qualified!r}).stash(conn, OutboxRecord.of("t", "sync", "1"))
 async def main():

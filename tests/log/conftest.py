@@ -135,7 +135,7 @@ def stored_done(dsn: str, table: TableName) -> int:
 def tableless() -> dict[str, Any]:
     """The settings (HarvesterConfig fields) of a harvester of a table-less outbox: the one place to
     add what its start will require."""
-    return {"source": "log", "log_messages": True}
+    return {"source": "log", "log_messages": True, **SINGLE_SERVER}
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from harvester.postgres.identifiers import TableName
 from harvester.postgres.logical import LogSetup
 from harvester.postgres.migrations import fence_table
 from tests.engine.workload import check, insert, wait_drained, wait_until, writing
-from tests.log.conftest import stash
+from tests.log.conftest import SINGLE_SERVER, stash
 from tests.support import HarvesterFactory, Services, harvesters, read_messages, reader
 
 pytestmark = pytest.mark.integration
@@ -151,7 +151,7 @@ def test_a_table_less_outbox_stops_when_its_slot_is_lost(
 ) -> None:
     topic = topics()
     with made(services, logical_dsn, message_outbox) as make:
-        h = make(log_messages=True)
+        h = make(log_messages=True, **SINGLE_SERVER)
         stash(logical_dsn, message_outbox, [(topic, "k", "k:0")])
         assert wait_until(lambda: h.metrics.purged._value.get() >= 1, timeout=60)
         drop_slot(logical_dsn, HarvesterConfig(outbox_table=message_outbox.qualified).slot)

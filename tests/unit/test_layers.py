@@ -40,6 +40,13 @@ RULES = [
         forbidden=("harvester", "leader", *ADAPTER_LIBRARIES),
         allowed=("harvester.core", "leader.events"),
     ),
+    Rule(
+        "composition",
+        "the harvester runs what harvester/compose.py builds: only the composition root knows the adapters",
+        importers="harvester.harvester",
+        forbidden=("harvester", "leader", *ADAPTER_LIBRARIES),
+        allowed=("harvester.compose", "harvester.config", "harvester.core", "leader.events"),
+    ),
     Rule("leader", "leader is a library of its own: it imports nothing of the harvester", "leader", ("harvester",)),
     Rule(
         "client",

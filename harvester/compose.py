@@ -1,0 +1,217 @@
+"""The composition root: the one module that knows which concrete classes a harvester is made of.
+
+From a :class:`~harvester.config.HarvesterConfig` it builds the store (by the source: the table's
+mark-purge store, or the log source over a table, with a retention window, or table-less), the
+dispatcher (by the delivery mode) over a Kafka publisher, and the elector; a
+:class:`~harvester.harvester.Harvester` runs what it builds. Everything else programs against the
+core's protocols (docs/architecture.md, "Building a harvester").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import psycopg
+from confluent_kafka.admin import AdminClient
+from prometheus_client.registry import Collector
+
+from harvester.config import HarvesterConfig
+from harvester.core.at_least_once import at_least_once
+from harvester.core.dispatch import DispatcherFactory
+from harvester.core.engine import Engine
+from harvester.core.events import Event
+from harvester.core.exactly_once import exactly_once
+from harvester.core.identity import IdentityHeaders
+from harvester.core.meter import HeadGauges
+from harvester.core.metrics import HarvesterMetrics
+from harvester.core.protocols import BatchScope, DeliveryCallback, Elector, Publisher, SourceGauges
+from harvester.kafka.process_publisher import ProcessPublisher, runs_in_child
+from harvester.kafka.publisher import KafkaPublisher, producer_config
+from harvester.kafka.topics import ensure_topic, require_partitions
+from harvester.kafka.transactions import KafkaTransactionalPublisher
+from harvester.postgres.log_recovery import SlotRecoveries
+from harvester.postgres.log_retention import RetainingLogStore
+from harvester.postgres.log_store import LogStore
+from harvester.postgres.message_store import MessageStore
+from harvester.postgres.spill import spill_directory
+from harvester.postgres.store import PostgresStore
+
+if TYPE_CHECKING:
+    from leader import ElectorConfig
+
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    """The store of the outbox (of its first shard) and what the meter samples of it."""
+
+    store: PostgresStore
+    gauges: SourceGauges
+    collectors: tuple[Collector, ...] = ()  # series of the source's own, beside the meter's gauges
+
+
+def source(config: HarvesterConfig) -> Source:
+    """The configured source's store. Raises ``ValueError`` on a spill directory that takes no file
+    (it would fail the leader in a large transaction)."""
+    options = _store_options(config)
+    dsn = config.data_source
+    match config.source:
+        case "mark_purge":
+            table = PostgresStore(dsn, config.table, **options)
+            return Source(table, HeadGauges(table))
+        case "log" if config.log_messages:
+            messages = MessageStore(dsn, config.log_setup, **options)
+            return Source(messages, messages)
+        case "log" if config.log_retention:
+            retaining = RetainingLogStore(dsn, config.log_setup, config.log_retention.total_seconds(), **options)
+            return Source(retaining, retaining, (SlotRecoveries(retaining),))
+        case "log":
+            log = LogStore(dsn, config.log_setup, **options)
+            return Source(log, log, (SlotRecoveries(log),))
+
+
+def _store_options(config: HarvesterConfig) -> dict[str, Any]:
+    """The store's keyword arguments from ``config``."""
+    options: dict[str, Any] = {
+        "application_name": f"outbox-harvester {config.name}"[:63],
+        "identity": IdentityHeaders(config.identity_header_prefix),
+        "producer_name": config.producer_name,
+        "hold_dead_letter_keys": config.dead_letter_policy == "hold_key",
+        "vacuum_every": config.limits.vacuum_every_records,
+        "statement_timeout": config.limits.statement_timeout.total_seconds(),
+        "shards": config.shards,
+    }
+    if config.source == "log":
+        options["transaction_memory"] = int(config.log_transaction_memory)
+        try:
+            options["spill_directory"] = spill_directory(config.log_spill_directory)
+        except ValueError as exc:
+            raise ValueError(f"logSpillDirectory: {exc}") from None
+    return options
+
+
+@dataclass(slots=True)
+class Pipeline:
+    """One shard's MP/R pipeline: its store, its dispatcher (the configured delivery mode over a
+    Kafka producer of its own), its engine (built when the harvester starts) and its metrics. The
+    pipelines of one harvester share nothing but the elector that drives them."""
+
+    store: PostgresStore
+    metrics: HarvesterMetrics
+    engine: Engine | None = None
+
+
+def build_engine(
+    config: HarvesterConfig,
+    pipeline: Pipeline,
+    shard: int,
+    *,
+    emit: Callable[[Event], None],
+    still_leader: Callable[[], bool],
+    labels: Mapping[str, str],
+    on_fatal: Callable[[Exception], None],
+) -> Engine:
+    """Shard ``shard``'s engine over ``pipeline``'s store and metrics, with a dispatcher of its own."""
+    return Engine(
+        pipeline.store,
+        dispatcher(config, pipeline.store, shard),
+        config.limits,
+        pipeline.metrics,
+        emit,
+        listen_notify=config.listen_notify,
+        still_leader=still_leader,
+        shard=shard if config.shards > 1 else None,
+        labels=labels,
+        on_fatal=on_fatal,
+        outbox=config.table.qualified,
+        **tracing(),
+    )
+
+
+def dispatcher(config: HarvesterConfig, store: PostgresStore, shard: int) -> DispatcherFactory:
+    """The configured delivery mode's dispatcher, over one shard's store and Kafka."""
+    kafka = producer_config(config.base_kafka_config, config.producer_kafka_config)
+    match config.delivery:
+        case "exactly_once":
+            ensure_topic(config.base_kafka_config, config.checkpoints, partitions=config.shards)
+            if config.shards > 1:
+                require_partitions(config.base_kafka_config, config.checkpoints, config.shards)
+            # One shard keeps the group's transactional id of before sharding; several fence per shard.
+            transactional_id = f"{config.group_id}.harvester" + (f".{shard}" if config.shards > 1 else "")
+            transactions = KafkaTransactionalPublisher(kafka, transactional_id, config.checkpoints, shard)
+            return exactly_once(store, transactions)
+        case "at_least_once":
+
+            def factory(callback: DeliveryCallback) -> Publisher:
+                return publisher(kafka, callback, in_order=store.release_on_ack, in_child=config.producer_process)
+
+            return at_least_once(store, factory)
+
+
+def publisher(
+    kafka: Mapping[str, Any], callback: DeliveryCallback, *, in_order: bool, in_child: bool = True
+) -> Publisher:
+    """The at-least-once publisher: one that keeps order where the store releases a key at its
+    acknowledgement (the log source), and then, with ``in_child``, its producer in a child process.
+    The log source's drain is bound by the harvester's interpreter; mark-purge's, by its database."""
+    if in_order and in_child and runs_in_child(kafka):
+        return ProcessPublisher(kafka, callback, in_order=True)
+    return KafkaPublisher(kafka, callback, in_order=in_order)
+
+
+def tracing() -> dict[str, BatchScope]:
+    """The OpenTelemetry publish span when the ``otel`` extra is installed; nothing otherwise."""
+    try:
+        from harvester.otel import publish_span
+    except ImportError:
+        return {}
+    return {"batch_scope": publish_span}
+
+
+def elector_config(config: HarvesterConfig) -> ElectorConfig:
+    """The NELI settings ``config`` implies; raises ``pydantic.ValidationError`` when its limits do
+    not fit together (no I/O: ``reaper check`` runs it too)."""
+    from leader import ElectorConfig
+
+    limits = config.limits
+    return ElectorConfig(
+        kafka_config=dict(config.base_kafka_config),
+        group_id=config.group_id,
+        topic=config.topic,
+        heartbeat_timeout=limits.heartbeat_timeout.total_seconds(),
+        min_poll_interval=limits.min_poll_interval.total_seconds(),
+        max_poll_interval=limits.max_poll_interval.total_seconds(),
+        name=config.name,
+        partitions=config.shards,
+    )
+
+
+def neli_elector(
+    config: HarvesterConfig,
+    report: Callable[[int], Mapping[str, float]] | None = None,
+    healthy: Callable[[], bool] | None = None,
+) -> Elector:
+    """The default elector: Fast NELI over the configured leader group and topic; its heartbeats
+    carry ``report`` of their shard, and it steps down while ``healthy`` says no."""
+    from leader import NeliElector
+
+    return NeliElector(elector_config(config), report=report, healthy=healthy)
+
+
+def reachable(config: HarvesterConfig) -> dict[str, bool]:
+    """What a readiness probe checks of the services, each bounded to ~2 s: the database, Kafka, and
+    the outbox table (it may be dropped while the harvester runs)."""
+    db_ok = kafka_ok = outbox_ok = False
+    try:
+        with psycopg.connect(config.data_source, connect_timeout=2) as conn:
+            row = conn.execute("SELECT to_regclass(%s) IS NOT NULL", (config.table.quoted,)).fetchone()
+        db_ok, outbox_ok = True, bool(row and row[0])
+    except psycopg.Error:
+        pass
+    try:
+        AdminClient(dict(config.base_kafka_config)).list_topics(timeout=2)
+        kafka_ok = True
+    except Exception:
+        pass
+    return {"database_ok": db_ok, "kafka_ok": kafka_ok, "outbox_ok": outbox_ok}
