@@ -12,6 +12,10 @@ A failed delivery resets its record and forces a remark: queued records are disc
 leader id is refreshed, so the next mark picks up everything unacknowledged, in id order. A record
 that waited behind its key longer than ``queue_timeout`` (usually a lost delivery report) forces a
 remark too, as goharvest does.
+
+A record that must go out alone (:attr:`harvester.core.settle.Settler.solo`: Kafka refused a batch it
+shared) is sent once nothing is in flight, and nothing else is sent until Kafka answered it, so that
+its answer is about it alone.
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ class AtLeastOnceDispatcher:
         # committed, and dispatching them again would publish a duplicate.
         self._purged_during_mark: set[int] | None = None
         self._published = 0  # counted here, added to the Prometheus counter once per batch
+        self._solo: int | None = None  # the id of the record out alone, until Kafka answered it
         # Mark thread only:
         self._next_queue_check = 0.0
         self._threads = [worker(self._completion_loop, "harvester-complete", context.labels)]
@@ -136,6 +141,7 @@ class AtLeastOnceDispatcher:
         state, metrics, gate, bound = self._state, self._ctx.metrics, self._gate, self._bound
         published = self._published
         now = time.monotonic()
+        solo = self._ctx.settler.solo
         if not state.still_leader():  # asked without the lock: the elector may hold its own
             return
         with state.cond:
@@ -148,11 +154,16 @@ class AtLeastOnceDispatcher:
                     return  # the rest is re-marked after the refresh
                 if record.id in purged or gate.hold_back(record, now):
                     continue
-                while gate.window >= bound and state.current(leader_id):
+                alone = bool(solo) and record.id in solo
+                while (
+                    gate.window >= bound or self._solo is not None or (alone and gate.in_flight_records)
+                ) and state.current(leader_id):
                     state.cond.wait(0.05)
                 if not state.current(leader_id):
                     return
                 gate.sent(record)
+                if alone:
+                    self._solo = record.id
                 self._publish((record,))
             metrics.queued.set(gate.queued_records)
             metrics.in_flight.set(gate.in_flight_records)
@@ -178,9 +189,21 @@ class AtLeastOnceDispatcher:
     def _send_waiting(self, keys: Iterable[str], may_send: bool) -> None:
         """Send the records waiting behind ``keys`` while their keys have room (caller holds the
         lock); not after a failure or a lost leadership: the remark marks them again."""
-        state = self._state
-        if may_send and state.leader_id is not None and not state.force_remark:
-            self._publish(self._gate.take(keys))
+        state, solo = self._state, self._ctx.settler.solo
+        if may_send and state.leader_id is not None and not state.force_remark and self._solo is None:
+            taken = self._gate.take([*keys, *self._gate.parked], solo)
+            if taken and taken[-1].id in solo:
+                self._solo = taken[-1].id
+            self._publish(taken)
+
+    def _answered(self, items: Sequence[DeliveryReport]) -> list[str]:
+        """Keys to look for records to send after ``items`` were answered: theirs, and every key
+        waiting when they end a record's time alone (caller holds the lock)."""
+        keys = _keys(items)
+        if self._solo is not None and any(record.id == self._solo for record, _ in items):
+            self._solo = None
+            keys += self._gate.waiting_keys
+        return keys
 
     # ------------------------------------------------------------------ completion
 
@@ -224,7 +247,7 @@ class AtLeastOnceDispatcher:
             purges.put(items)
             if any(err is not None for _, err in items):
                 state.force_remark = True
-            self._send_waiting(_keys(items), may_send)
+            self._send_waiting(self._answered(items), may_send)
             metrics.in_flight.set(self._gate.in_flight_records)
             metrics.queued.set(self._gate.queued_records)
             state.cond.notify_all()
@@ -239,11 +262,12 @@ class AtLeastOnceDispatcher:
         settler = self._ctx.settler
         delivered = [r for r, err in items if err is None]
         failures = [(r, err) for r, err in items if err is not None]
+        dead: set[int] = set()
         try:
             # Fenced: the records stay for the new leader; only bookkeeping is left.
             if settler.retry("purge", self._store.purge, [r.id for r in delivered]):
                 settler.delivered(delivered)
-                settler.settle(failures)
+                dead = settler.settle(failures)
             covered = self._store.durable([r.id for r in delivered])
         except Exception:
             # As in any completion: a remark re-publishes whatever was not purged.
@@ -251,6 +275,7 @@ class AtLeastOnceDispatcher:
             with state.cond:
                 if not answered:
                     gate.answered(items)
+                    self._answered(items)
                 gate.abandon(items)
                 state.force_remark = True
                 state.cond.notify_all()
@@ -259,14 +284,18 @@ class AtLeastOnceDispatcher:
         with state.cond:
             published = self._published
             if self._purged_during_mark is not None:
+                # A copy the running mark hands out must not go out: delivered, or dead-lettered.
                 self._purged_during_mark.update(r.id for r in delivered)
+                self._purged_during_mark.update(dead)
             if answered:
-                earlier = gate.done(delivered, covered, failures)
+                earlier = gate.done(delivered, covered, failures, dead)
+                keys = _keys(items)
             else:
-                earlier = gate.completed(items, covered, failures)
+                earlier = gate.completed(items, covered, failures, dead)
+                keys = self._answered(items)
                 if failures:
                     state.force_remark = True
-            self._send_waiting(_keys(items) + earlier, may_send)
+            self._send_waiting(keys + earlier, may_send)
             metrics.in_flight.set(gate.in_flight_records)
             metrics.queued.set(gate.queued_records)
             state.cond.notify_all()

@@ -6,6 +6,11 @@ No per-key barrier is needed: a batch commits all or nothing, in id order, and a
 pending purges. A new term first fences the previous leader's producer (``init_transactions`` on
 the shared transactional id) and purges whatever its committed checkpoints name, so nothing that
 was committed to Kafka is published twice (see :mod:`harvester.kafka.transactions`).
+
+A record that must go out alone (:attr:`harvester.core.settle.Settler.solo`: Kafka refused a batch it
+shared, which aborted its transaction) gets a transaction of its own: the batch is cut around it, the
+parts committed one after the other in id order, and the first that aborts ends the batch (the rest
+is re-marked, so each key keeps its order and nothing is published twice).
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import functools
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Iterator, Sequence
 from uuid import UUID
 
 import structlog
@@ -126,28 +131,29 @@ class ExactlyOnceDispatcher:
         failures: list[tuple[MarkedRecord, Exception]] = [
             (r, MalformedRecordError(r.malformed)) for r in batch if r.malformed is not None
         ]
-        if good:
+        published = 0
+        for part in _parts(good, self._ctx.settler.solo):
             try:
-                position = self._txn.publish_batch(good, state.epoch)
+                position = self._txn.publish_batch(part, state.epoch)
             except ProducerFencedError as exc:
                 self._ctx.on_fenced(FencedError(str(exc)))
                 return
             except TransactionAbortedError as exc:
                 metrics.transactions_aborted.inc()
-                log.warning("transaction_aborted", error=str(exc), records=len(good))
-                failures += [(r, exc.failures[r.id]) for r in good if r.id in exc.failures]
+                log.warning("transaction_aborted", error=str(exc), records=len(part))
+                failures += [(r, exc.failures[r.id]) for r in part if r.id in exc.failures]
                 if not exc.failures:
                     self._ctx.backoff.failed()
-                good = []
-            else:
-                metrics.transactions_committed.inc()
-                metrics.published.inc(len(good))
-                with state.cond:
-                    while self._pending_purges >= _MAX_PENDING_PURGES and not state.stopping.is_set():
-                        state.cond.wait(0.05)
-                    self._pending_purges += 1
-                self._purge_jobs.put_nowait((good, position))
-        if failures or len(good) < len(batch):
+                break
+            metrics.transactions_committed.inc()
+            metrics.published.inc(len(part))
+            published += len(part)
+            with state.cond:
+                while self._pending_purges >= _MAX_PENDING_PURGES and not state.stopping.is_set():
+                    state.cond.wait(0.05)
+                self._pending_purges += 1
+            self._purge_jobs.put_nowait((part, position))
+        if failures or published < len(batch):
             self._ctx.settler.settle(failures)
             self._state.request_remark()
 
@@ -172,6 +178,26 @@ class ExactlyOnceDispatcher:
                 with self._state.cond:
                     self._pending_purges -= 1
                     self._state.cond.notify_all()
+
+
+def _parts(records: Sequence[MarkedRecord], solo: Collection[int]) -> Iterator[list[MarkedRecord]]:
+    """``records`` in id order, as the transactions they go out in: each of those in ``solo`` alone,
+    the runs between them whole."""
+    if not solo or not any(r.id in solo for r in records):
+        if records:
+            yield list(records)
+        return
+    run: list[MarkedRecord] = []
+    for record in records:
+        if record.id in solo:
+            if run:
+                yield run
+                run = []
+            yield [record]
+        else:
+            run.append(record)
+    if run:
+        yield run
 
 
 def exactly_once(store: CheckpointStore, transactions: TransactionalPublisher) -> DispatcherFactory:

@@ -27,13 +27,18 @@ When a record gives its key's room back is the :class:`ReleasePolicy`, chosen at
   again, and only its id and key are kept.
 
 Under both, a failure closes its key until it is settled: a later record of the key in flight fails
-with it (the publisher keeps order) or is the key's only one (it does not).
+with it (the publisher keeps order) or is the key's only one (it does not). A re-marked copy waiting
+behind a record that is then dead-lettered is dropped, as behind one acknowledged.
+
+A record that must go out alone (:attr:`harvester.core.settle.Settler.solo`) is taken from its key's
+FIFO only while nothing is in flight, and nothing after it in the same :meth:`KeyGate.take`; its key
+is *parked* until then, for the dispatcher to try again.
 """
 
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from harvester.core.identity import KEY_RUN
@@ -106,6 +111,8 @@ class KeyGate:
         # dict: a Counter's deletion is a Python-level method, once per record sent from a FIFO.
         self._waiting_ids: dict[int, int] = {}
         self._queued = 0
+        # Keys whose FIFO's head waits to go out alone (some may have lost it since: harmless).
+        self._parked: set[str] = set()
 
     # ------------------------------------------------------------------ what the dispatcher reads
 
@@ -139,6 +146,16 @@ class KeyGate:
         them again, so a drain waits for them."""
         return bool(self._in_flight) or self._unpurged_total > len(self._held)
 
+    @property
+    def parked(self) -> list[str]:
+        """Keys whose next record waits to go out alone."""
+        return list(self._parked)
+
+    @property
+    def waiting_keys(self) -> list[str]:
+        """Keys with records waiting."""
+        return list(self._waiting)
+
     def oldest_wait(self) -> float | None:
         """When the record waiting longest was queued (monotonic), or None when none waits."""
         return min((q[0][0] for q in self._waiting.values()), default=None)
@@ -166,15 +183,22 @@ class KeyGate:
         if flying >= self._flights or flying + self._unpurged.get(key, 0) >= self._run:
             self._closed.add(key)
 
-    def take(self, keys: Iterable[str]) -> list[MarkedRecord]:
+    def take(self, keys: Iterable[str], alone: Collection[int] = ()) -> list[MarkedRecord]:
         """The records waiting behind ``keys`` that their keys have room for now, in order, counted as
         sent (the caller sends them). A key's next record that is a re-marked copy of one still in
-        flight stays (dropped or sent when that one is answered)."""
+        flight stays (dropped or sent when that one is answered). One whose id is in ``alone`` is
+        taken only when nothing is in flight, and ends the list (else its key is parked)."""
         taken: list[MarkedRecord] = []
         waiting_of, closed, in_flight = self._waiting, self._closed, self._in_flight
         for key in keys:
             waiting = waiting_of.get(key)
             while waiting is not None and key not in closed and waiting[0][1].id not in in_flight:
+                solo = bool(alone) and waiting[0][1].id in alone
+                if solo:
+                    if in_flight:
+                        self._parked.add(key)
+                        break
+                    self._parked.discard(key)
                 record = waiting.popleft()[1]
                 self._queued -= 1
                 left = self._waiting_ids.pop(record.id, 1) - 1
@@ -185,10 +209,13 @@ class KeyGate:
                     waiting = None
                 self.sent(record)
                 taken.append(record)
+                if solo:
+                    return taken
         return taken
 
     def discard_waiting(self) -> None:
         """Forget every record waiting (a remark marks them again)."""
+        self._parked.clear()
         self._waiting.clear()
         self._waiting_ids.clear()
         self._queued = 0
@@ -221,11 +248,16 @@ class KeyGate:
             self._recheck(record.key for record, err in items if err is None)
 
     def done(
-        self, delivered: Sequence[MarkedRecord], covered: Sequence[int], failures: Sequence[DeliveryReport]
+        self,
+        delivered: Sequence[MarkedRecord],
+        covered: Sequence[int],
+        failures: Sequence[DeliveryReport],
+        dead: Collection[int] = (),
     ) -> list[str]:
         """``delivered`` were purged, of which (or of those held before) the store covers ``covered``,
-        and ``failures`` were settled: the covered ones and the failures are done, the others held.
-        The keys of held records done now (their room grew too)."""
+        and ``failures`` were settled, those in ``dead`` dead-lettered (their copies waiting are
+        dropped): the covered ones and the failures are done, the others held. The keys of held
+        records done now (their room grew too)."""
         earlier: list[str] = []
         keys = [r.key for r in delivered]
         if len(covered) == len(delivered) and not self._held:  # a purge that deletes, say
@@ -235,19 +267,23 @@ class KeyGate:
             self._held.update((r.id, r.key) for r in delivered if r.id not in durable)
             earlier = [self._held.pop(rid) for rid in covered if rid in self._held]
             self._forget([r.key for r in delivered if r.id in durable] + earlier)
-        self._settle(failures)
+        self._settle(failures, dead)
         self._recheck(keys + [r.key for r, _ in failures] + earlier)
         return earlier
 
     def completed(
-        self, items: Sequence[DeliveryReport], covered: Sequence[int], failures: Sequence[DeliveryReport]
+        self,
+        items: Sequence[DeliveryReport],
+        covered: Sequence[int],
+        failures: Sequence[DeliveryReport],
+        dead: Collection[int] = (),
     ) -> list[str]:
         """:meth:`answered` and :meth:`done` at once, for ``items`` whose purge and settlement ran
-        before the gate heard of them (``covered`` and ``failures`` as for :meth:`done`)."""
+        before the gate heard of them (``covered``, ``failures`` and ``dead`` as for :meth:`done`)."""
         delivered = [r for r, err in items if err is None]
         if len(covered) != len(delivered) or self._held:
             self.answered(items)
-            return self.done(delivered, covered, failures)
+            return self.done(delivered, covered, failures, dead)
         in_flight, flying, waiting_ids = self._in_flight, self._flying, self._waiting_ids
         for record, err in items:
             key = record.key
@@ -257,7 +293,7 @@ class KeyGate:
                 flying[key] = left
             else:
                 del flying[key]
-            if err is None and record.id in waiting_ids:
+            if (err is None or record.id in dead) and record.id in waiting_ids:
                 self._drop_copies(record)
         self._recheck([r.key for r, _ in items])
         return []
@@ -302,12 +338,15 @@ class KeyGate:
             else:
                 del unpurged[key]
 
-    def _settle(self, failures: Sequence[DeliveryReport]) -> None:
-        """``failures`` are settled or abandoned: they leave flight and stop closing their keys."""
+    def _settle(self, failures: Sequence[DeliveryReport], dead: Collection[int] = ()) -> None:
+        """``failures`` are settled or abandoned: they leave flight and stop closing their keys; the
+        copies waiting of those in ``dead`` are dropped."""
         for record, _ in failures:
             if self._in_flight.pop(record.id, None) is not None:
                 _count_down(self._flying, record.key)
             _count_down(self._failing, record.key)
+            if record.id in dead and record.id in self._waiting_ids:
+                self._drop_copies(record)
 
     def _recheck(self, keys: Iterable[str]) -> None:
         """Reopen those of ``keys`` (whose counts fell) that have room now."""

@@ -6,6 +6,13 @@ Poison records: a failure is *retriable* (the broker or network) or *permanent* 
 counting against the record. Permanent ones count attempts (in the table when it has the attempt
 columns, else in memory); at ``max_attempts`` the record moves to the dead-letter table, which
 releases its key.
+
+A poison record does not take its neighbours with it: Kafka refuses a partition's whole batch for one
+record too large, failing every record that shared the batch. A record refused with such a *shared*
+error (:func:`harvester.core.failures.shared`) joins :attr:`Settler.solo`, the records the dispatchers
+publish alone (nothing else in flight in at-least-once mode, a transaction of its own in
+exactly-once mode), and counts an attempt only when it was refused alone; meanwhile it is reset, as
+a retriable failure is, without the back-off.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import structlog
 
-from harvester.core.failures import classify, reason
+from harvester.core.failures import classify, reason, shared
 from harvester.core.limits import Limits
 from harvester.core.metrics import HarvesterMetrics
 from harvester.core.protocols import FailedRecords, FencedError, StoreError
@@ -93,6 +100,9 @@ class Settler:
         self._leader_id = leader_id
         # Attempts of permanently failing records, when the table cannot keep them (by id).
         self._attempts: dict[int, tuple[int, datetime]] = {}
+        # Ids of records refused with a shared error: published alone until delivered or dead-lettered.
+        # Written by the completion side, read by the dispatchers (set operations are atomic).
+        self.solo: set[int] = set()
 
     def retry(self, operation: str, op: Callable[[Sequence[_T]], None], items: Sequence[_T]) -> bool:
         """Run an idempotent purge/reset until it succeeds (True), backing off between tries (see
@@ -118,44 +128,57 @@ class Settler:
         if not records:
             return
         self._metrics.publish_latency.observe_many(_latencies(records))
-        if self._attempts:
+        if self._attempts or self.solo:
             for record in records:
                 self._attempts.pop(record.id, None)
+                self.solo.discard(record.id)
         self._metrics.purged.inc(len(records))
         self._backoff.succeeded()
 
-    def settle(self, failures: Sequence[tuple[MarkedRecord, Exception]]) -> bool:
-        """Record failed deliveries: reset the retriable ones (and back off), count attempts of the
-        permanent ones and dead-letter those out of attempts. False if the fence refused it."""
+    def settle(self, failures: Sequence[tuple[MarkedRecord, Exception]]) -> set[int]:
+        """Record failed deliveries: reset the retriable ones (and back off) and those refused with a
+        shared error while not alone (published alone from now on), count attempts of the other
+        permanent ones and dead-letter those out of attempts. The ids dead-lettered (none if the
+        fence refused it): a copy of one waiting to go out must not."""
         if not failures:
-            return True
+            return set()
         retriable: list[int] = []
+        suspects: list[int] = []
         failing: list[Failure] = []
         dead: list[Failure] = []
+        solo = self.solo
         for record, err in failures:
-            log.warning("delivery_failed", id=record.id, key=record.key, topic=record.topic, error=str(err))
             kind = classify(err)
+            alone = record.id in solo
+            log.warning(
+                "delivery_failed", id=record.id, key=record.key, topic=record.topic, error=str(err), alone=alone
+            )
             self._metrics.retries.labels(kind).inc()
             if kind == "retriable":
                 retriable.append(record.id)
                 continue
+            if not alone and shared(err):
+                suspects.append(record.id)
+                continue
             failure = self._count_attempt(record, err)
             (dead if failure.attempts >= self._limits.max_attempts else failing).append(failure)
+        solo.update(suspects)  # before the reset: a copy marked after it goes out alone
         store, leader_id = self._store, self._leader_id()
         if not (
-            self.retry("reset", store.reset, retriable)
+            self.retry("reset", store.reset, retriable + suspects)
             and self.retry("fail", store.fail, failing)
             and (leader_id is None or self.retry("dead_letter", lambda f: store.dead_letter(f, leader_id), dead))
         ):
-            return False
-        self._metrics.reset.inc(len(retriable) + len(failing))
+            return set()
+        self._metrics.reset.inc(len(retriable) + len(suspects) + len(failing))
         if retriable:
             self._backoff.failed()
         for f in dead:
             self._attempts.pop(f.id, None)
+            solo.discard(f.id)
             self._metrics.dead_lettered.labels(f.reason).inc()
             log.error("dead_lettered", id=f.id, key=f.key, reason=f.reason, attempts=f.attempts, error=f.error)
-        return True
+        return {f.id for f in dead}
 
     def _count_attempt(self, record: MarkedRecord, error: Exception) -> Failure:
         """This permanent failure's attempt number (from the row, or from memory)."""

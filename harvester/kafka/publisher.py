@@ -34,18 +34,23 @@ _PERMANENT_NAMES = (
     "_BAD_MSG",
 )
 PERMANENT_CODES = frozenset(getattr(KafkaError, n) for n in _PERMANENT_NAMES if hasattr(KafkaError, n))
+# Of those, the errors a broker answers for a partition's whole batch in a produce request: one record
+# too large (or the batch as a whole) fails every record that shared the batch with it.
+_SHARED_NAMES = ("MSG_SIZE_TOO_LARGE", "RECORD_LIST_TOO_LARGE", "INVALID_RECORD")
+SHARED_CODES = frozenset(getattr(KafkaError, n) for n in _SHARED_NAMES if hasattr(KafkaError, n))
 
 
 class DeliveryError(PublishError):
-    """Kafka did not accept a record; its error code decides whether that is permanent. A refusal of
-    the record's topic names the ACL that fixes it (docs/security.md)."""
+    """Kafka did not accept a record; its error code decides whether that is permanent, and whether
+    the refusal may have been of the record's whole batch (shared). A refusal of the record's topic
+    names the ACL that fixes it (docs/security.md)."""
 
     def __init__(self, error: KafkaError, topic: str | None = None) -> None:
-        label = error.name().lower().lstrip("_")
+        label, code = error.name().lower().lstrip("_"), error.code()
         text = str(error.str())
-        if topic is not None and error.code() == KafkaError.TOPIC_AUTHORIZATION_FAILED:
+        if topic is not None and code == KafkaError.TOPIC_AUTHORIZATION_FAILED:
             text += f": Kafka ACL missing: allow WRITE on topic {topic} (docs/security.md)"
-        super().__init__(text, reason=label, permanent=error.code() in PERMANENT_CODES)
+        super().__init__(text, reason=label, permanent=code in PERMANENT_CODES, shared=code in SHARED_CODES)
         self.code: int = error.code()
 
 
@@ -94,7 +99,9 @@ class KafkaPublisher:
     after librdkafka's default 5 minutes. An error about the record itself (too large, invalid)
     still fails it alone, while its key's next records may be written: it is retried until it is
     dead-lettered, so it lands out of order only if a retry succeeds, after a broker limit was raised
-    in between.
+    in between. The broker gives such an error to the record's whole batch (:data:`SHARED_CODES`): a
+    record that only shared it is retried alone and succeeds, after its key's later records if they
+    went in later batches.
     """
 
     def __init__(self, config: Mapping[str, Any], on_delivery: DeliveryCallback, *, in_order: bool = False) -> None:

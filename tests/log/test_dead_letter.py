@@ -1,6 +1,8 @@
 """The log source over a table dead-letters a poison record among good ones, in both delivery modes:
-the record goes to the dead-letter table with its reason, counts as done for the slot (which moves
-on past it), nothing else stalls, and ``reaper dlq replay`` delivers it once its cause is fixed."""
+the record goes to the dead-letter table with its reason, alone (the next record of its key, which
+shared its batch, is delivered), counts as done for the slot (which moves on past it), is attempted
+exactly as many times as its dead letter says and never after, nothing else stalls, and
+``reaper dlq replay`` delivers it once its cause is fixed."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import structlog
 import yaml
 
 from harvester.postgres.identifiers import TableName
@@ -33,27 +36,34 @@ def test_a_poison_record_is_dead_lettered_the_slot_moves_past_it_and_replay_deli
 ) -> None:
     good, small = topics(), topics(**{"max.message.bytes": "1024"})
     big = "p:0:" + os.urandom(2000).hex()  # larger than the small topic takes, compressed too
-    make_log_harvester(delivery=delivery, producer=FAST, max_attempts=2, retry_backoff="10ms", max_retry_backoff="50ms")
     rows = [(good, f"g{i % 4}", f"g{i % 4}:{i // 4}") for i in range(40)]
-    insert(logical_dsn, log_outbox, rows[:20])
-    # The poison among good ones in one transaction; at least once, with the next record of its key.
-    # Not exactly once: Kafka fails a produce request's whole batch of a partition for a record too
-    # large, and the harvester dead-letters every record of it (a defect, reported with issue 48).
-    follower = [(small, "p", "p:1")] if delivery == "at_least_once" else []
-    insert(logical_dsn, log_outbox, [rows[20], (small, "p", big), *follower, rows[21]])
-    after_poison = lsn(logical_dsn)
-    insert(logical_dsn, log_outbox, rows[22:])
-    verdict = check(read_messages(services.bootstrap, [good], 40, **COMMITTED), {f"g{i}": 10 for i in range(4)})
-    assert verdict.lost == [] and verdict.out_of_order == [] and verdict.unexpected == 0
-    if delivery == "exactly_once":
-        assert verdict.duplicates == 0
-    assert wait_drained(logical_dsn, log_outbox) == 0  # the poison row moved to the dead-letter table
-    [(poison, (reason, attempts))] = dead_letters(logical_dsn, log_outbox).items()
-    assert reason == "msg_size_too_large" and attempts == 2
-    # Done for the slot: it moves on past the poison's transaction.
-    assert wait_until(lambda: at_or_after(logical_dsn, slot_position(logical_dsn, log_outbox), after_poison))
-    followed = [v for _, _, v in follower]
-    assert [text(m.value()) for m in read_messages(services.bootstrap, [small], len(follower), **COMMITTED)] == followed
+    # The poison among good ones in one transaction, with the next record of its key (in its batch,
+    # which Kafka refuses whole: the follower is retried alone and delivered).
+    follower = [(small, "p", "p:1")]
+    with structlog.testing.capture_logs() as logs:
+        make_log_harvester(
+            delivery=delivery, producer=FAST, max_attempts=2, retry_backoff="10ms", max_retry_backoff="50ms"
+        )
+        insert(logical_dsn, log_outbox, rows[:20])
+        insert(logical_dsn, log_outbox, [rows[20], (small, "p", big), *follower, rows[21]])
+        after_poison = lsn(logical_dsn)
+        insert(logical_dsn, log_outbox, rows[22:])
+        verdict = check(read_messages(services.bootstrap, [good], 40, **COMMITTED), {f"g{i}": 10 for i in range(4)})
+        assert verdict.lost == [] and verdict.out_of_order == [] and verdict.unexpected == 0
+        if delivery == "exactly_once":
+            assert verdict.duplicates == 0
+        assert wait_drained(logical_dsn, log_outbox) == 0  # the poison row moved to the dead-letter table
+        [(poison, (reason, attempts))] = dead_letters(logical_dsn, log_outbox).items()
+        assert reason == "msg_size_too_large" and attempts == 2
+        # Done for the slot: it moves on past the poison's transaction.
+        assert wait_until(lambda: at_or_after(logical_dsn, slot_position(logical_dsn, log_outbox), after_poison))
+        followed = [v for _, _, v in follower]
+        small_values = [text(m.value()) for m in read_messages(services.bootstrap, [small], 1, **COMMITTED)]
+        assert small_values == followed
+    # Attempted (alone, each refusal counted) as many times as its dead letter says, never after it.
+    events = [e["event"] for e in logs if e.get("id") == poison and e["event"] in ("delivery_failed", "dead_lettered")]
+    assert events[-1] == "dead_lettered" and events.count("dead_lettered") == 1
+    assert sum(1 for e in logs if e.get("id") == poison and e.get("alone")) == attempts
 
     set_topic_config(services.bootstrap, small, "max.message.bytes", "1048576")
     config = tmp_path / "reaper.yaml"

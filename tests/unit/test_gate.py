@@ -1,6 +1,7 @@
 """The per-key gate under random sequences of send / ack / fail / purge / abandon / remark / new term,
-with each release policy: its invariant after every step, each key's bounds, and each key's records
-sent in the order they were marked."""
+with each release policy: its invariant after every step, each key's bounds, each key's records
+sent in the order they were marked, a copy of a dead-lettered record never sent, and a record that
+must go out alone taken only with nothing in flight, last."""
 
 from __future__ import annotations
 
@@ -49,6 +50,8 @@ class GateMachine(RuleBasedStateMachine):
         # Per key, the ids marked and not sent, in the order the gate must send them.
         self.fifo: dict[str, deque[int]] = {k: deque() for k in KEYS}
         self.remark_due = False
+        self.solo: set[int] = set()  # ids to go out alone
+        self.dead: set[int] = set()  # ids dead-lettered
 
     @initialize(policy=st.sampled_from(POLICIES))
     def build(self, policy: ReleasePolicy) -> None:
@@ -70,7 +73,13 @@ class GateMachine(RuleBasedStateMachine):
 
     def _send_waiting(self, keys: list[str]) -> None:
         if not self.remark_due:
-            self._sent(self.gate.take(keys))
+            idle = not self.flying
+            taken = self.gate.take(keys + self.gate.parked, self.solo)
+            for at, record in enumerate(taken):
+                assert record.id not in self.dead, f"{record.id} sent after it was dead-lettered"
+                if record.id in self.solo:
+                    assert idle and at == len(taken) - 1, f"{record.id} not sent alone"
+            self._sent(taken)
 
     def _offer(self, record: MarkedRecord) -> None:
         if self.gate.hold_back(record, 0.0):
@@ -92,6 +101,12 @@ class GateMachine(RuleBasedStateMachine):
         self.records[record.id] = record
         self.next_id += 1
         self._offer(record)
+
+    @precondition(lambda self: any(self.fifo.values()))
+    @rule(data=st.data())
+    def go_alone(self, data: st.DataObject) -> None:
+        """A record waiting is to go out alone (its copy in flight failed with a shared error)."""
+        self.solo.add(data.draw(st.sampled_from(sorted(i for fifo in self.fifo.values() for i in fifo))))
 
     @precondition(lambda self: not self.remark_due and self.flying)
     @rule(data=st.data())
@@ -119,7 +134,8 @@ class GateMachine(RuleBasedStateMachine):
         candidates = sorted({r.id for r in delivered} | self.held)
         covered = sorted(_some(data, set(candidates)))
         failures = self._failures(data)
-        earlier = self.gate.done(delivered, covered, failures)
+        dead = self._dead(data, failures)
+        earlier = self.gate.done(delivered, covered, failures, dead)
         assert sorted(earlier) == sorted(self.records[i].key for i in covered if i in self.held)
         self.held |= {r.id for r in delivered} - set(covered)
         self.held -= set(covered)
@@ -137,7 +153,8 @@ class GateMachine(RuleBasedStateMachine):
         ]
         delivered = [r for r, err in items if err is None]
         failures = [(r, err) for r, err in items if err is not None]
-        self.gate.completed(items, [r.id for r in delivered], failures)
+        dead = self._dead(data, failures)
+        self.gate.completed(items, [r.id for r in delivered], failures, dead)
         for r in delivered:
             self.flying.discard(r.id)
             self.fifo[r.key] = deque(i for i in self.fifo[r.key] if i != r.id)
@@ -168,6 +185,15 @@ class GateMachine(RuleBasedStateMachine):
         self.gate.new_term()
         self.unpurged -= self.held
         self.held.clear()
+
+    def _dead(self, data: st.DataObject, failures: Sequence[DeliveryReport]) -> set[int]:
+        """Some of ``failures``, dead-lettered: their copies waiting leave the model's FIFOs."""
+        dead = _some(data, {r.id for r, _ in failures})
+        for record, _ in failures:
+            if record.id in dead:
+                self.fifo[record.key] = deque(i for i in self.fifo[record.key] if i != record.id)
+        self.dead |= dead
+        return dead
 
     def _failures(self, data: st.DataObject) -> list[DeliveryReport]:
         return [(self.records[i], RuntimeError("no")) for i in sorted(_some(data, self.failing))]
@@ -218,3 +244,19 @@ def _some(data: st.DataObject, ids: set[int]) -> set[int]:
 
 GateMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=50, deadline=None)
 test_gate = GateMachine.TestCase
+
+
+def test_a_record_to_go_alone_waits_until_nothing_is_in_flight_and_goes_last() -> None:
+    """Its key is parked while another key's record flies; taken once none does, and nothing after it."""
+    gate = KeyGate(RELEASE_AT_PURGE)
+    a1, a2, a3, b1 = (MarkedRecord(i, CREATED, "t", k, b"v", []) for i, k in [(1, "a"), (2, "a"), (3, "a"), (4, "b")])
+    for record in (a1, b1):
+        assert not gate.hold_back(record, 0.0)
+        gate.sent(record)
+    assert gate.hold_back(a2, 0.0) and gate.hold_back(a3, 0.0)
+    gate.answered([(a1, None)])
+    gate.done([a1], [a1.id], [])
+    assert gate.take(["a"], {a2.id}) == [] and gate.parked == ["a"]
+    gate.answered([(b1, None)])
+    gate.done([b1], [b1.id], [])
+    assert gate.take(["b", *gate.parked], {a2.id}) == [a2] and gate.parked == []
