@@ -38,6 +38,7 @@ case "${1:-}" in
     setup_venv; services
     shift
     echo "== ruff"; "$VENV/bin/ruff" check harvester leader tests bench examples
+    "$VENV/bin/ruff" format --check harvester leader tests bench examples
     echo "== mypy --strict"; "$VENV/bin/mypy"
     echo "== pytest"
     # Two workers: most of the suite's time is spent waiting on services (fault windows, failovers);

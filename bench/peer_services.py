@@ -2,7 +2,6 @@
 into the project's cache; a private PostgreSQL with ``wal_level=logical``; one Connect standalone
 worker on loopback."""
 
-
 from __future__ import annotations
 
 import json

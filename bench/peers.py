@@ -183,9 +183,7 @@ def copy_burst(
     return committed, _backend_cpu(conn) - cpu_before
 
 
-def emit_burst(
-    conn: psycopg.Connection[Any], prefix: str, topic: str, records: int, keys: int
-) -> tuple[float, float]:
+def emit_burst(conn: psycopg.Connection[Any], prefix: str, topic: str, records: int, keys: int) -> tuple[float, float]:
     """Write the burst as logical messages in one transaction; return (commit wall time, CPU s of
     the writing backend)."""
     payloads = [encode(OutboxRecord(topic=topic, key=f"key{i % keys}", value=VALUE)) for i in range(records)]
@@ -581,6 +579,7 @@ def run(
             f" (pgoutput, EventRouter); producers' compression.type={compression}; {rounds} rounds, medians",
             flush=True,
         )
+
         def burst_of(source: Source, tuned: bool) -> Callable[[psycopg.Connection[Any], int], Burst]:
             if not source:
                 return lambda c, r: debezium_burst(c, pg, connect, records, keys, r == 0, spread)
@@ -596,6 +595,7 @@ def run(
                     print(f"  round {r + 1}: {name:<42} {b.rate:9.0f} records/s", flush=True)
         report(results, records)
         if rate > 0:
+
             def steady_relay(source: Source) -> Callable[[psycopg.Connection[Any]], RelayContext]:
                 if not source:
                     return lambda c: debezium_relay(c, pg, connect)

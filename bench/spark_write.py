@@ -217,7 +217,7 @@ def at_size(
     table, topic = fresh_outbox(conn, schema, f"size_{rows}"), fresh_topic()
     df = spark.range(0, rows, 1, args.partitions).selectExpr(
         "concat('key-', id % 1000) AS key",
-        "concat('{\"order\":', id, ',\"status\":\"created\",\"total\":42.5}') AS value",
+        'concat(\'{"order":\', id, \',"status":"created","total":42.5}\') AS value',
     )
     timing = Path(tempfile.mkdtemp()) / "commit.json"
     acked: dict[int, float] = {}
@@ -339,7 +339,7 @@ def main() -> None:
         return spark.range(0, rows, 1, args.partitions).selectExpr(
             "'bench.orders' AS kafka_topic",
             "concat('key-', id % 1000) AS kafka_key",
-            "concat('{\"order\":', id, ',\"status\":\"created\",\"total\":42.5}') AS kafka_value",
+            'concat(\'{"order":\', id, \',"status":"created","total":42.5}\') AS kafka_value',
         )
 
     df = frame(args.rows)

@@ -100,9 +100,7 @@ def steady(
     logical messages with that prefix, a table-less outbox) while the relay moves them to
     ``topic``; wait (up to 60 s) for every record to arrive. ``in_process``: the relay runs in this
     process, whose CPU then excludes the writers' and the consumer's threads."""
-    consumer = Consumer(
-        {"bootstrap.servers": bootstrap, "group.id": f"steady-{topic}", "enable.auto.commit": False}
-    )
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"steady-{topic}", "enable.auto.commit": False})
     consumer.assign([TopicPartition(topic, p, OFFSET_END) for p in range(partitions)])
     consumer.consume(1, 1.0)  # joins the partitions before the first insert
     commits: dict[str, float] = {}

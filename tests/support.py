@@ -161,8 +161,7 @@ def streamed_transactions(dsn: str, slot: str | None = None) -> int:
     """How many transactions the server has streamed in progress to ``slot`` (or to every slot),
     since its last restart."""
     query = (
-        "SELECT coalesce(sum(stream_txns), 0) FROM pg_stat_replication_slots"
-        " WHERE %s::text IS NULL OR slot_name = %s"
+        "SELECT coalesce(sum(stream_txns), 0) FROM pg_stat_replication_slots WHERE %s::text IS NULL OR slot_name = %s"
     )
     with psycopg.connect(dsn, autocommit=True) as conn:
         row = conn.execute(query, (slot, slot)).fetchone()

@@ -71,8 +71,7 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         "purge",
         parents=[common],
         help="delete dead letters dead-lettered before a date",
-        description="Delete, for good, the dead letters that were dead-lettered before the given date or "
-        "timestamp.",
+        description="Delete, for good, the dead letters that were dead-lettered before the given date or timestamp.",
     )
     purge.add_argument("--before", required=True, type=_date, help="ISO date or timestamp (UTC if no zone)")
     purge.add_argument("--yes", action="store_true", help="do not ask for confirmation")

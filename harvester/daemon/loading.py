@@ -95,9 +95,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             key = self.construct_object(key_node, deep=deep)
             if key in seen:
                 mark = key_node.start_mark
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"key {key!r} given twice in one mapping", mark
-                )
+                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} given twice in one mapping", mark)
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
 
@@ -201,4 +199,3 @@ def _describe(
     where = _where(loc, origins) if loc else source
     more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
     return f"{source}: {where}: {msg}{more}" if loc else f"{source}: {msg}{more}"
-

@@ -204,7 +204,6 @@ def configure(
     )
 
 
-
 class Folder:
     """Lets a message through once per ``window`` seconds: librdkafka repeats a failure (a broker it
     cannot reach) on every reconnect. Repeats, told apart only by librdkafka's timings and counts, are
@@ -280,9 +279,7 @@ def librdkafka_error_cb(**labels: str) -> Callable[[KafkaError], None]:
     return on_error
 
 
-def _log_uncaught(
-    exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None
-) -> None:
+def _log_uncaught(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
     logging.getLogger("reaper").critical("uncaught_exception", exc_info=(exc_type, exc, tb))
 
 

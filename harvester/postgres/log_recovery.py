@@ -84,9 +84,9 @@ class RecoveryStatements:
             ).format(f=fence_table(table).ident, t=table.ident)
 
         return cls(
-            read=sql.SQL(
-                "SELECT log_recovery_id FROM {} WHERE outbox_table = %s AND shard = %s AND epoch = %s"
-            ).format(fence_table(table).ident),
+            read=sql.SQL("SELECT log_recovery_id FROM {} WHERE outbox_table = %s AND shard = %s AND epoch = %s").format(
+                fence_table(table).ident
+            ),
             begin=update("CASE WHEN log_recovery_id = 0 THEN -1 ELSE log_recovery_id END"),
             restart=update("-1"),
             # Read after the new slot exists: every row it will not show is visible to this statement.

@@ -340,9 +340,7 @@ class LogStore(PostgresStore):
         with self._state:
             settled = self._txns.settled(self._slot.advanced)
             idle = (
-                not out
-                and self._txns.idle
-                and (self._handed_since_idle or time.monotonic() > self._next_idle_confirm)
+                not out and self._txns.idle and (self._handed_since_idle or time.monotonic() > self._next_idle_confirm)
             )
         if out:
             self._handed_since_idle = True

@@ -1,8 +1,8 @@
 """Spark integration: the ``outbox`` data source, which writes DataFrames into the outbox atomically.
 
-    from harvester.spark import register
-    register(spark)
-    df.write.format("outbox").mode("append").option("dsn", dsn).option("topic", "orders").save()
+from harvester.spark import register
+register(spark)
+df.write.format("outbox").mode("append").option("dsn", dsn).option("topic", "orders").save()
 """
 
 from __future__ import annotations

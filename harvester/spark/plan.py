@@ -94,11 +94,7 @@ def _headers_kind(data_type: DataType, name: str) -> HeadersKind:
         return "map"
     if isinstance(data_type, ArrayType) and isinstance(data_type.elementType, StructType):
         fields = data_type.elementType.fields
-        if (
-            len(fields) == 2
-            and isinstance(fields[0].dataType, StringType)
-            and _is_text_or_bytes(fields[1].dataType)
-        ):
+        if len(fields) == 2 and isinstance(fields[0].dataType, StringType) and _is_text_or_bytes(fields[1].dataType):
             return "pairs"
     raise RecordError(
         f"headers column {name!r} has type {data_type.simpleString()}; expected map<string,string> or "

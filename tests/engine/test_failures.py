@@ -131,7 +131,10 @@ def test_broker_restart_mid_run(
 
 
 def test_a_dead_marking_thread_makes_the_harvester_not_alive(
-    services: Services, outbox: TableName, topics: Callable[..., str], make_harvester: HarvesterFactory,
+    services: Services,
+    outbox: TableName,
+    topics: Callable[..., str],
+    make_harvester: HarvesterFactory,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     topic = topics()

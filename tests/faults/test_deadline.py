@@ -29,9 +29,7 @@ def pg_target(services: Services) -> tuple[str, int]:
     return str(pg.get("host", "127.0.0.1")), int(str(pg.get("port") or 5432))
 
 
-def test_a_stalled_statement_fails_as_unreachable_and_the_store_recovers(
-    services: Services, outbox: TableName
-) -> None:
+def test_a_stalled_statement_fails_as_unreachable_and_the_store_recovers(services: Services, outbox: TableName) -> None:
     with Proxy(pg_target(services)) as proxy:
         dsn = make_conninfo(services.pg_dsn, host="127.0.0.1", port=proxy.port)
         store = PostgresStore.open(dsn, outbox, statement_timeout=1.0)

@@ -60,7 +60,10 @@ def test_sigterm_hands_over_within_3s(spawn: Spawn) -> None:
     assert handover < 3.0, "\n".join(c.describe() for c in group)
     assert old.proc.wait(10) == 0
     assert [x["event"] for x in old.lines(since=sent) if x["event"] != "work"] == [
-        "closing", "revoked", "revoke_done", "closed",
+        "closing",
+        "revoked",
+        "revoke_done",
+        "closed",
     ]
     # The barrier: the successor starts only after the old leader's LeaderRevoked handler returned.
     assert old.lines("revoke_done")[-1]["t"] <= acquired_at

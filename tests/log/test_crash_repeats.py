@@ -64,9 +64,7 @@ def test_a_crash_repeats_at_most_a_run_of_each_key(
     verdict = check(messages, {f"k{i}": PER_KEY for i in range(KEYS)})
     assert verdict.lost == [] and verdict.out_of_order == [] and verdict.unexpected == 0
     id_header = IdentityHeaders().id
-    copies = Counter(
-        (m.key(), dict(consumed_headers(m) or [])[id_header]) for m in messages
-    )
+    copies = Counter((m.key(), dict(consumed_headers(m) or [])[id_header]) for m in messages)
     repeated = Counter(key for (key, _), n in copies.items() if n > 1)
     assert max(repeated.values(), default=0) <= KEY_RUN, repeated
 

@@ -63,6 +63,7 @@ def main() -> None:
     h = Harvester(config, on_event=on_event, elector=elector)
     made.append(h)
     done = threading.Event()
+
     def on_term(*_: object) -> None:
         # Ignored from here on: a second SIGTERM arriving while this one is inside done.set() would
         # run this handler again in the same thread and deadlock on the event's lock (seen once).

@@ -178,8 +178,10 @@ def test_migrate_is_idempotent_and_keeps_existing_rows(
     # A goharvest-created table with data in it already.
     create_goharvest_outbox(pg, table)
     pg.execute(
-        sql.SQL("INSERT INTO {} (create_time, kafka_topic, kafka_key, kafka_value, kafka_header_keys, "
-                "kafka_header_values) VALUES (now(), 't', 'k', 'v', '{{}}', '{{}}')").format(table.ident)
+        sql.SQL(
+            "INSERT INTO {} (create_time, kafka_topic, kafka_key, kafka_value, kafka_header_keys, "
+            "kafka_header_values) VALUES (now(), 't', 'k', 'v', '{{}}', '{{}}')"
+        ).format(table.ident)
     )
     path = config(tmp_path, yaml_for(services, table, unique("lead")))
     first = reaper("migrate", "-f", path)

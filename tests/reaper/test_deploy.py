@@ -227,12 +227,7 @@ def test_no_secret_is_applied_with_the_workload() -> None:
         assert not re.search(r"password:\s*(?![\s$])", body), f"{path.name}: literal password"
         name, keys = created_secret(path)
         assert keys, f"{path.name}: the header creates the Secret from files"
-        referenced = {
-            ref
-            for doc in docs.values()
-            if doc["kind"] == "Deployment"
-            for ref in secret_references(doc)
-        }
+        referenced = {ref for doc in docs.values() if doc["kind"] == "Deployment" for ref in secret_references(doc)}
         assert referenced == {name}
     # The docs show the same command as the manifest they deploy.
     headers = "\n".join(header(path) for path in K8S.glob("*.yaml"))

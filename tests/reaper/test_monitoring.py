@@ -134,9 +134,7 @@ def scrape_during_drain(
     group = unique("reaper-metrics")
     config = tmp_path / "reaper.yaml"
     config.write_text(goharvest_yaml(services, table, group))
-    assert (
-        run_reaper("migrate", "-f", str(config)).returncode == 0
-    )
+    assert run_reaper("migrate", "-f", str(config)).returncode == 0
     insert(pg, table, topic, 0, BACKLOG)
     reaper = Process(config, "metrics", tmp_path)
     try:

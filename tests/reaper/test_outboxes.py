@@ -217,7 +217,6 @@ def test_dlq_chooses_its_outbox(services: Services, tables: tuple[TableName, Tab
     assert unknown.returncode == 2 and "--outbox: public.nope is not an outboxTable" in unknown.stderr
 
 
-
 def test_a_section_that_stops_itself_is_retried_and_the_other_goes_on(
     services: Services,
     pg: Conn,

@@ -215,7 +215,6 @@ def test_connection_defaults_are_named_and_carry_no_secret(tmp_path: Path) -> No
     )
 
 
-
 SECTIONS_YAML = """\
 harvest:
   - outboxTable: sales.outbox

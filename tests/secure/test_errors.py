@@ -23,8 +23,22 @@ def other_ca(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A CA that did not sign the services' certificates."""
     where = tmp_path_factory.mktemp("other-ca")
     subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=other CA",
-         "-keyout", str(where / "ca.key"), "-out", str(where / "ca.crt")],
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "2",
+            "-subj",
+            "/CN=other CA",
+            "-keyout",
+            str(where / "ca.key"),
+            "-out",
+            str(where / "ca.crt"),
+        ],
         check=True,
         capture_output=True,
     )
@@ -42,7 +56,7 @@ def box(secure: None, tmp_path_factory: pytest.TempPathFactory) -> s.Outbox:
 
 CASES: dict[str, tuple[str, str]] = {  # case -> (what check's line says, what run's says)
     "pg_wrong_ca": ("certificate verify failed (sslrootcert:", "certificate verify failed (sslrootcert:"),
-    "pg_host_mismatch": ("does not match host name \"127.0.0.1\" (host:", "does not match host name"),
+    "pg_host_mismatch": ('does not match host name "127.0.0.1" (host:', "does not match host name"),
     "pg_wrong_password": ("password authentication failed", "password authentication failed"),
     "kafka_wrong_ca": ("not signed by a CA in ssl.ca.location", "(harvest.baseKafkaConfig: ssl.ca.location"),
     "kafka_host_mismatch": ("does not name '127.0.0.1'", "(harvest.baseKafkaConfig: bootstrap.servers"),

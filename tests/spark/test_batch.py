@@ -152,9 +152,7 @@ def test_empty_dataframe_commits_nothing(
     assert leftovers(pg, outbox) == (0, 0)
 
 
-def test_topic_and_headers_from_columns(
-    spark: SparkSession, sink: dict[str, str], pg: Conn, outbox: TableName
-) -> None:
+def test_topic_and_headers_from_columns(spark: SparkSession, sink: dict[str, str], pg: Conn, outbox: TableName) -> None:
     df = spark.createDataFrame(
         [("a.topic", "k1", "v1", {"trace": 'x"1\\'}), ("b_topic", "k2", None, {}), ("a.topic", "k3", "", None)],
         "topic string, key string, value string, headers map<string,string>",

@@ -23,6 +23,7 @@ pytestmark = pytest.mark.integration
 
 Conn = psycopg.Connection[tuple[object, ...]]
 
+
 @pytest.fixture
 def goharvest(pg: Conn, schema: str) -> TableName:
     """goharvest's outbox table in this test's schema, never migrated."""
