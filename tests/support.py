@@ -210,6 +210,23 @@ def reader(bootstrap: str, topics: list[str], **extra: Any) -> Iterator[Consumer
         consumer.close()
 
 
+def read_distinct(bootstrap: str, topic: str, distinct: int, timeout: float = 120, **extra: Any) -> list[Message]:
+    """Every message of ``topic`` once ``distinct`` different values came (copies do not count
+    towards it), and whatever came in 1 s more; ``extra``: the consumer's settings (isolation level)."""
+    out: list[Message] = []
+    values: set[bytes | None] = set()
+    deadline, settle = time.monotonic() + timeout, None
+    with reader(bootstrap, [topic], **extra) as consumer:
+        while time.monotonic() < (settle or deadline):
+            for msg in consumer.consume(1000, 0.2):
+                if msg.error() is None:
+                    out.append(msg)
+                    values.add(msg.value())
+            if settle is None and len(values) >= distinct:
+                settle = time.monotonic() + 1.0
+    return out
+
+
 # The first signature admits consumer settings given as an unpacked ``dict[str, str]`` (``**COMMITTED``):
 # mypy checks the values of such a dict against every parameter that can be passed by name, so against
 # the second signature's ``timeout`` (a float) too.

@@ -7,19 +7,17 @@ transaction's end, so that a crash repeated everything done of it: hundreds of r
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from collections.abc import Callable
 
 import pytest
-from confluent_kafka import Message
 
 from harvester.core.identity import KEY_RUN, IdentityHeaders
 from harvester.postgres.identifiers import TableName
 from tests.engine.workload import check, insert, wait_until
 from tests.log.conftest import SINGLE_SERVER, stash
 from tests.proc.processes import HarvesterProcess, harvester_spec
-from tests.support import Services, consumed_headers, end_offsets, reader, unique
+from tests.support import Services, consumed_headers, end_offsets, read_distinct, unique
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -56,7 +54,7 @@ def test_a_crash_repeats_at_most_a_run_of_each_key(
         assert published < total, "the crash must come in the middle of the transaction"
         b = HarvesterProcess(spec("next-b"))
         assert b.wait_for("LeaderAcquired", timeout=60), b.log
-        messages = read_all(services.bootstrap, topic, total)
+        messages = read_distinct(services.bootstrap, topic, total)
     finally:
         for p in (a, b):
             if p is not None:
@@ -67,20 +65,3 @@ def test_a_crash_repeats_at_most_a_run_of_each_key(
     copies = Counter((m.key(), dict(consumed_headers(m) or [])[id_header]) for m in messages)
     repeated = Counter(key for (key, _), n in copies.items() if n > 1)
     assert max(repeated.values(), default=0) <= KEY_RUN, repeated
-
-
-def read_all(bootstrap: str, topic: str, distinct: int, timeout: float = 120) -> list[Message]:
-    """Every message of ``topic`` once ``distinct`` different values came (copies do not count
-    towards it), and whatever came in 1 s more."""
-    out: list[Message] = []
-    values: set[bytes | None] = set()
-    deadline, settle = time.monotonic() + timeout, None
-    with reader(bootstrap, [topic]) as consumer:
-        while time.monotonic() < (settle or deadline):
-            for msg in consumer.consume(1000, 0.2):
-                if msg.error() is None:
-                    out.append(msg)
-                    values.add(msg.value())
-            if settle is None and len(values) >= distinct:
-                settle = time.monotonic() + 1.0
-    return out

@@ -12,7 +12,6 @@ from typing import Any
 
 import psycopg
 import pytest
-from confluent_kafka import Message
 from psycopg import sql
 
 from harvester import Harvester, HarvesterConfig, Limits
@@ -21,7 +20,7 @@ from harvester.postgres.logical import LogSetup
 from harvester.postgres.migrations import fence_table
 from tests.engine.workload import check, insert, wait_drained, wait_until, writing
 from tests.log.conftest import SINGLE_SERVER, stash
-from tests.support import HarvesterFactory, Services, harvesters, read_messages, reader
+from tests.support import HarvesterFactory, Services, harvesters, read_distinct, read_messages
 
 pytestmark = pytest.mark.integration
 
@@ -88,23 +87,6 @@ def recovering(dsn: str, table: TableName) -> Callable[[], bool]:
     return began
 
 
-def read_distinct(bootstrap: str, topic: str, distinct: int, timeout: float = 120) -> list[Message]:
-    """Every message of ``topic`` (read_committed) once ``distinct`` different values came (copies
-    do not count towards it), and whatever came in 1 s more."""
-    out: list[Message] = []
-    values: set[bytes | None] = set()
-    deadline, settle = time.monotonic() + timeout, None
-    with reader(bootstrap, [topic], **COMMITTED) as consumer:
-        while time.monotonic() < (settle or deadline):
-            for msg in consumer.consume(1000, 0.2):
-                if msg.error() is None:
-                    out.append(msg)
-                    values.add(msg.value())
-            if settle is None and len(values) >= distinct:
-                settle = time.monotonic() + 1.0
-    return out
-
-
 def recoveries(h: Harvester) -> float:
     return h.registry.get_sample_value("harvester_log_slot_recoveries_total") or 0.0
 
@@ -133,7 +115,7 @@ def test_a_dropped_slot_is_recovered_from_the_table(
         drop_slot(logical_dsn, slot, lambda: recovering(logical_dsn, log_outbox)() or recoveries(h) > 0)
     finally:
         writer.join()
-    messages = read_distinct(services.bootstrap, topic, total)
+    messages = read_distinct(services.bootstrap, topic, total, **COMMITTED)
     assert wait_until(lambda: recoveries(h) == 1)
     verdict = check(messages, {f"k{i}": PER_KEY for i in range(KEYS)})
     assert verdict.lost == [] and verdict.out_of_order == [] and verdict.unexpected == 0, verdict
