@@ -4,6 +4,7 @@ privilege or ACL that ``reaper run`` needs and lacks is one problem naming the g
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from harvester.daemon.errors import FailError
@@ -54,7 +55,12 @@ def kafka_problems(settings: ReaperSettings, timeout: float) -> list[str]:
     harvest = settings.harvest
     config = harvest.base_kafka_config
     user = f"User:{config['sasl.username']}" if "sasl.username" in config else "the principal"
-    admin = AdminClient(dict(config))
+    # librdkafka's own lines (a request timing out, events purged at close) would go raw to stderr,
+    # among the reaper's JSON lines; what matters here is said as problems.
+    quiet = logging.getLogger("reaper.access.kafka")
+    quiet.setLevel(logging.CRITICAL)
+    admin_config: dict[str, Any] = {**config, "logger": quiet}
+    admin = AdminClient(admin_config)
     wanted = {harvest.topic: ("READ", "WRITE")}
     if harvest.delivery == "exactly_once":
         wanted[harvest.checkpoints] = ("READ", "WRITE")
