@@ -80,7 +80,10 @@ def test_idle_harvester_polls_rarely_and_wakes_on_notify(
 ) -> None:
     topic = topics()
     h = make_harvester(max_mark_backoff="30s")
-    time.sleep(0.5)  # settle into idle back-off
+    # Settle into idle back-off from its first mark, not from the start: winning the leadership takes
+    # a while on a loaded machine, and the back-off's first steps (10 ms doubling) come after it.
+    assert wait_until(lambda: _count(h) > 0, timeout=30)
+    time.sleep(1.5)
     before = _count(h)
     time.sleep(3.0)
     idle_marks = _count(h) - before
