@@ -30,7 +30,7 @@ from confluent_kafka.admin import (  # type: ignore[attr-defined]
 from confluent_kafka.cimpl import NewTopic
 from psycopg import sql
 
-from tests.support import REAPER, ROOT, SERVICES, reaper_environment, unique
+from tests.support import REAPER, ROOT, SERVICES, reaper_environment, run_reaper, unique
 
 PG_PORT = 5442
 KAFKA_PORT = 9192
@@ -140,10 +140,10 @@ def outbox(tmp: Path, harvest: dict[str, Any]) -> Outbox:
             conn.execute(sql.SQL("GRANT CREATE ON DATABASE harvester TO {}").format(sql.Identifier(owner)))
     made = Outbox(schema, owner, runtime)
     as_owner = write(tmp / "owner.yaml", made.table, pg_dsn(owner, PASSWORD), {}, harvest)
-    done = reaper("migrate", "-f", str(as_owner))
+    done = run_reaper("migrate", "-f", str(as_owner))
     assert done.returncode == 0, done.stderr
     as_runtime = write(tmp / "grants.yaml", made.table, pg_dsn(runtime, PASSWORD), {}, harvest)
-    script = reaper("grants", "-f", str(as_runtime))
+    script = run_reaper("grants", "-f", str(as_runtime))
     assert script.returncode == 0, script.stderr
     with psycopg.connect(pg_dsn(), autocommit=True) as conn:  # a superuser: REPLICATION needs one
         conn.execute(script.stdout.encode())
@@ -165,19 +165,6 @@ def write(path: Path, table: str, dsn: str, kafka: dict[str, Any], harvest: dict
     }
     path.write_text(yaml.safe_dump(settings))
     return path
-
-
-def reaper(*args: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [*REAPER, *args],
-        capture_output=True,
-        text=True,
-        stdin=subprocess.DEVNULL,
-        timeout=timeout,
-        check=False,
-        env=reaper_environment(),
-        cwd=ROOT,
-    )
 
 
 def reapers(*commands: list[str], timeout: float = 90) -> list[subprocess.CompletedProcess[str]]:

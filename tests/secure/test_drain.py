@@ -12,7 +12,7 @@ import pytest
 from confluent_kafka.admin import AclOperation, ResourceType  # type: ignore[attr-defined]
 
 from tests.secure import services as s
-from tests.support import read_messages, text
+from tests.support import read_messages, run_reaper, text
 
 
 def acls(group: str, topic: str, exactly_once: bool) -> list[s.Acl]:
@@ -56,7 +56,7 @@ def test_drains_least_privileged_with_a_handover(secure: None, tmp_path: Path, h
     user = s.principal(acls(group, topic, exactly_once))
     kafka = s.kafka_config(user, s.PASSWORD)
     config = s.write(tmp_path / "reaper.yaml", box.table, s.pg_dsn(box.runtime, s.PASSWORD), kafka, harvest)
-    check = s.reaper("check", "-f", str(config))
+    check = run_reaper("check", "-f", str(config))
     assert check.returncode == 0, check.stdout + check.stderr
     logs = [tmp_path / "first.log", tmp_path / "second.log"]
     first, second = (s.reaper_process(config, log) for log in logs)

@@ -15,7 +15,7 @@ from psycopg import sql
 
 from tests.secure import services as s
 from tests.secure.test_drain import acls
-from tests.support import unique
+from tests.support import run_reaper, unique
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +107,7 @@ def test_one_line_naming_the_fix(box: s.Outbox, other_ca: Path, tmp_path: Path, 
 
 def restricted_role(box: s.Outbox, tmp: Path) -> str:
     role = unique("rt")
-    grants = s.reaper("grants", "-f", str(s.write(tmp / "grants.yaml", box.table, s.pg_dsn(role), {}, {})))
+    grants = run_reaper("grants", "-f", str(s.write(tmp / "grants.yaml", box.table, s.pg_dsn(role), {}, {})))
     with psycopg.connect(s.pg_dsn(), autocommit=True) as conn:
         conn.execute(grants.stdout.encode())
         conn.execute(sql.SQL("ALTER ROLE {} PASSWORD {}").format(sql.Identifier(role), s.PASSWORD))
