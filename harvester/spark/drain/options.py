@@ -31,6 +31,18 @@ def positive(options: Mapping[str, str], name: str, default: int) -> int:
     return value
 
 
+def outbox_of(options: Mapping[str, str], dsn_is: str) -> tuple[str, TableName]:
+    """Options ``dsn`` (required; ``dsn_is`` says what for) and ``table`` (default ``outbox``), looked
+    up in lower case; the drain and the publishing sink read them alike."""
+    dsn = options.get("dsn")
+    if not dsn:
+        raise DrainConfigError(f"option dsn is required: {dsn_is}")
+    try:
+        return dsn, TableName.parse(options.get("table", "outbox"))
+    except IdentifierError as exc:
+        raise DrainConfigError(str(exc)) from exc
+
+
 @dataclass(frozen=True, slots=True)
 class DrainOptions:
     """What a drain of one outbox needs; plain values, pickled to every executor."""
@@ -57,13 +69,7 @@ class DrainOptions:
     def parse(cls, options: Mapping[str, str]) -> DrainOptions:
         """Options as Spark passes them (case-insensitive keys); raises :class:`DrainConfigError`."""
         lowered = {k.lower(): v for k, v in options.items()}
-        dsn = lowered.get("dsn")
-        if not dsn:
-            raise DrainConfigError("option dsn is required: a libpq connection string")
-        try:
-            table = TableName.parse(lowered.get("table", "outbox"))
-        except IdentifierError as exc:
-            raise DrainConfigError(str(exc)) from exc
+        dsn, table = outbox_of(lowered, "a libpq connection string")
         group = lowered.get("leadergroupid") or f"outbox-harvester.{table.qualified}"
         return cls(
             dsn=dsn,

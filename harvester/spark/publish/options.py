@@ -6,8 +6,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from harvester.core.identity import DEFAULT_PREFIX
-from harvester.postgres.identifiers import IdentifierError, TableName
-from harvester.spark.drain.options import DrainConfigError, positive
+from harvester.postgres.identifiers import TableName
+from harvester.spark.drain.options import DrainConfigError, outbox_of, positive
 
 DEFAULT_MAX_ATTEMPTS = 3
 """Permanent refusals of a record before it is dead-lettered: a reaper's ``maxAttempts``."""
@@ -27,13 +27,7 @@ class PublishOptions:
     def parse(cls, options: Mapping[str, str]) -> PublishOptions:
         """Options as Spark passes them (case-insensitive keys); raises :class:`DrainConfigError`."""
         lowered = {k.lower(): v for k, v in options.items()}
-        dsn = lowered.get("dsn")
-        if not dsn:
-            raise DrainConfigError("option dsn is required: the outbox's libpq connection string, for dead letters")
-        try:
-            table = TableName.parse(lowered.get("table", "outbox"))
-        except IdentifierError as exc:
-            raise DrainConfigError(str(exc)) from exc
+        dsn, table = outbox_of(lowered, "the outbox's libpq connection string, for dead letters")
         kafka = {k.removeprefix("kafka."): v for k, v in lowered.items() if k.startswith("kafka.")}
         if "bootstrap.servers" not in kafka:
             raise DrainConfigError("option kafka.bootstrap.servers is required: the brokers to publish to")
