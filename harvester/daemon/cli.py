@@ -11,6 +11,7 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import harvester
@@ -24,7 +25,7 @@ from harvester.daemon.settings import ReaperSettings, SettingsError, secret_valu
 if TYPE_CHECKING:
     import psycopg
 
-COMMANDS = ("run", "migrate", "check", "status", "dlq", "grants")
+COMMANDS = ("run", "migrate", "check", "status", "dlq", "grants", "convert-debezium")
 
 DESCRIPTION = """\
 reaper drains a transactional outbox table in PostgreSQL into Kafka.
@@ -40,6 +41,7 @@ Typical first use:
   reaper run     -f reaper.yaml    # harvest until SIGTERM/SIGINT
   reaper status  -f reaper.yaml    # who leads, the group's members, backlog, in flight, dead letters
   reaper grants  -f reaper.yaml    # the SQL giving the runtime role only what it needs (docs/security.md)
+  reaper convert-debezium connector.json > reaper.yaml   # from Debezium's outbox router (docs/migrating.md)
 
 A goharvest reaper.yaml works unchanged, and so does goharvest's command line: reaper -f reaper.yaml
 """
@@ -148,6 +150,15 @@ def _parser() -> argparse.ArgumentParser:
         "--role", metavar="NAME", help="the runtime role (default: the user of harvest.dataSource, else 'reaper')"
     )
     dlq.add_parser(sub, common)
+    convert = sub.add_parser(
+        "convert-debezium",
+        help="print the reaper.yaml that reads what a Debezium outbox connector reads",
+        description="Read a Debezium PostgreSQL connector's JSON configuration (as its REST API takes it) "
+        "with an EventRouter transform and print a reaper.yaml with layout: debezium, the transform's "
+        "options under eventRouter, unchanged (docs/migrating.md). Exit 2 with one line naming an option "
+        "that has no counterpart.",
+    )
+    convert.add_argument("connector", metavar="CONNECTOR.json", help="the connector's JSON file ('-': stdin)")
     return parser
 
 
@@ -162,6 +173,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     args = parser.parse_args(args_list)
+    if args.command == "convert-debezium":
+        return _convert_debezium(args.connector)
     try:
         settings = load(args.file)
         port_file = None
@@ -221,6 +234,18 @@ def _grants(settings: ReaperSettings, role: str | None) -> int:
     return 0
 
 
+def _convert_debezium(path: str) -> int:
+    from harvester.event_router import EventRouterError, converted_yaml
+
+    try:
+        text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
+        print(converted_yaml(text), end="")
+    except (OSError, EventRouterError) as exc:
+        print(f"reaper: convert-debezium: {one_line(str(exc))}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def _workers(value: str) -> int:
     try:
         count = int(value)
@@ -239,7 +264,7 @@ def _migrate(settings: ReaperSettings) -> int:
     from harvester.postgres.widen import widen
 
     table, shards = settings.harvest.table, settings.harvest.shards
-    if settings.harvest.log_messages:
+    if settings.harvest.log_messages or settings.harvest.layout == "debezium":
         return _migrate_tableless(settings)
     with connect_pg(settings, 10) as conn:
         try:
@@ -269,7 +294,8 @@ def _migrate(settings: ReaperSettings) -> int:
 
 
 def _migrate_tableless(settings: ReaperSettings) -> int:
-    """A table-less outbox: its fence and dead-letter tables (no outbox table), publication and slot."""
+    """A table-less outbox, or a table of Debezium's layout (the application's, left as it is): the
+    fence and dead-letter tables, the publication and the slot."""
     import psycopg
 
     from harvester.postgres.migrations import ensure
@@ -281,7 +307,8 @@ def _migrate_tableless(settings: ReaperSettings) -> int:
             created = _log_source(conn, settings)
         except psycopg.Error as exc:
             raise FailError(f"migrating {table} failed: {pg_reason(exc)}", code=1) from None
-    print(f"table-less outbox {table}: " + (f"applied {', '.join(applied)}" if applied else "up to date"))
+    what = "outbox table (layout debezium)" if settings.harvest.layout == "debezium" else "table-less outbox"
+    print(f"{what} {table}: " + (f"applied {', '.join(applied)}" if applied else "up to date"))
     for name in created:
         print(f"log source: created {name}")
     return 0
