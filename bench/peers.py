@@ -67,8 +67,6 @@ import statistics
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -86,9 +84,10 @@ from peer_services import (
     KAFKA_VERSION,
     PARTITIONS,
     TUNED,
-    ConnectWorker,
     LogicalPostgres,
+    MeteredConnect,
     MissingError,
+    drop_slot,
     resolve_jars,
 )
 from psycopg import sql
@@ -228,7 +227,7 @@ RelayContext = contextlib.AbstractContextManager[Relay]
 
 
 @contextlib.contextmanager
-def debezium_relay(conn: psycopg.Connection[Any], pg: LogicalPostgres, connect: ConnectWorker) -> Iterator[Relay]:
+def debezium_relay(conn: psycopg.Connection[Any], pg: LogicalPostgres, connect: MeteredConnect) -> Iterator[Relay]:
     """Debezium's connector with the EventRouter, streaming from a fresh goharvest outbox."""
     name = f"peers_{uuid.uuid4().hex[:8]}"
     table = TableName(name, "outbox")
@@ -264,20 +263,20 @@ def debezium_relay(conn: psycopg.Connection[Any], pg: LogicalPostgres, connect: 
     }
     connect.request("POST", "/connectors", {"name": name, "config": config})
     try:
-        _wait_streaming(conn, connect, name)
+        connect.wait_streaming(conn, name, name)
         time.sleep(3.0)  # idle, as the harvester idles before its burst
         yield Relay(table, topic, connect.cpu, in_process=False)
     finally:
         with contextlib.suppress(OSError):  # urllib's errors are OSErrors
             connect.request("DELETE", f"/connectors/{name}")
-        _drop_slot(conn, name)
+        drop_slot(conn, name)
         conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(name)))
 
 
 def debezium_burst(
     conn: psycopg.Connection[Any],
     pg: LogicalPostgres,
-    connect: ConnectWorker,
+    connect: MeteredConnect,
     records: int,
     keys: int,
     check: bool,
@@ -293,9 +292,7 @@ def debezium_burst(
             committed, copy_cpu = copy_burst(conn, relay.table, relay.topic, records, keys, spread)
             schema = relay.table.schema
             assert schema is not None  # fresh_outbox's
-            elapsed = (
-                wait_published(consumer, relay.topic, records, lambda: _assert_running(connect, schema)) - committed
-            )
+            elapsed = wait_published(consumer, relay.topic, records, lambda: connect.assert_running(schema)) - committed
             after, relay_after = meter.sample(), connect.cpu()
             vacuums = autovacuums(conn, relay.table)
             if check:
@@ -314,43 +311,6 @@ def debezium_burst(
         extra=extra,
         autovacuums=vacuums,
     )
-
-
-def _assert_running(connect: ConnectWorker, name: str) -> None:
-    status = connect.request("GET", f"/connectors/{name}/status")
-    for task in status.get("tasks", []):
-        if task.get("state") == "FAILED":
-            trace = (task.get("trace") or "").splitlines()
-            raise MissingError(f"Debezium's task failed: {trace[0][:300] if trace else task}")
-
-
-def _wait_streaming(conn: psycopg.Connection[Any], connect: ConnectWorker, name: str) -> None:
-    """Until the connector's task runs and its replication slot is in use by a WAL sender."""
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        try:
-            _assert_running(connect, name)
-        except urllib.error.HTTPError:  # 404 until the connector is registered
-            time.sleep(0.2)
-            continue
-        row = conn.execute("SELECT active FROM pg_replication_slots WHERE slot_name = %s", (name,)).fetchone()
-        if row is not None and row[0]:
-            return
-        time.sleep(0.2)
-    raise MissingError(f"Debezium's connector did not start streaming within 90 s: {connect._last_error()}")
-
-
-def _drop_slot(conn: psycopg.Connection[Any], name: str, publication: str | None = None) -> None:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        row = conn.execute("SELECT active FROM pg_replication_slots WHERE slot_name = %s", (name,)).fetchone()
-        if row is None:
-            break
-        if not row[0]:
-            conn.execute("SELECT pg_drop_replication_slot(%s)", (name,))
-            break
-        time.sleep(0.2)
-    conn.execute(sql.SQL("DROP PUBLICATION IF EXISTS {}").format(sql.Identifier(publication or name)))
 
 
 def _check_record(topic: str) -> None:
@@ -410,7 +370,7 @@ def harvester_relay(
     finally:
         stop(engine, store)
         if source != MARK_PURGE:
-            _drop_slot(conn, setup.slot, setup.publication)
+            drop_slot(conn, setup.slot, setup.publication)
         assert table.schema is not None  # fresh_outbox's
         conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(table.schema)))
 
@@ -564,7 +524,7 @@ def run(
     state = Path(tempfile.mkdtemp(prefix="peers-"))
     state.chmod(0o755)  # services.sh runs PostgreSQL as the postgres user when started as root
     pg = LogicalPostgres(state)
-    connect = ConnectWorker(state / "connect", compression)
+    connect = MeteredConnect(state / "connect", compression)
     try:
         pg.start()
         harvest.DSN = pg.dsn  # bench/harvest.py's helpers (run_engine) connect to harvest.DSN

@@ -214,8 +214,8 @@ def from_connector(connector: Mapping[str, Any]) -> dict[str, Any]:
         raise EventRouterError(f"the connector has {len(routers)} transforms of type {EVENT_ROUTER}; one is converted")
     others = [n for n in names if n not in routers]
     if others:
-        kind = config.get(f"transforms.{others[0]}.type")
-        raise EventRouterError(f"transform {others[0]} ({kind}) has no counterpart")
+        other = config.get(f"transforms.{others[0]}.type")
+        raise EventRouterError(f"transform {others[0]} ({other}) has no counterpart")
     for which in ("value.converter", "key.converter"):
         converter = config.get(which)
         if converter is not None and converter not in _VALUE_CONVERTERS:
