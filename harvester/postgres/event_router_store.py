@@ -24,6 +24,7 @@ from harvester.event_router import EventRouter
 from harvester.postgres import pgoutput
 from harvester.postgres.catalog import OutboxColumns
 from harvester.postgres.event_router_rows import RouterColumns, router_record
+from harvester.postgres.identifiers import TableName
 from harvester.postgres.log_records import Columns
 from harvester.postgres.log_retention import RetainingLogStore
 from harvester.postgres.log_store import decoded
@@ -34,6 +35,15 @@ from harvester.postgres.message_store import _COLUMNS, _EPOCH_2000, MessageStore
 _COLUMNS_SQL = (
     "SELECT a.attname FROM pg_attribute a WHERE a.attrelid = to_regclass(%s) AND a.attnum > 0 AND NOT a.attisdropped"
 )
+
+
+def missing_columns(conn: psycopg.Connection[Any], table: TableName, router: EventRouter) -> list[str]:
+    """Why ``table`` cannot be read as ``router`` reads it: absent, or a column it names absent."""
+    names = {str(r[0]) for r in conn.execute(_COLUMNS_SQL, (table.quoted,)).fetchall()}
+    if not names:
+        return [f"outbox table {table} does not exist (Debezium's layout: the application creates it)"]
+    absent = [c for c in router.columns if c not in names]
+    return [f"outbox table {table} has no column {c}, which eventRouter names" for c in absent]
 
 
 class RouterStore(MessageStore):
@@ -49,13 +59,9 @@ class RouterStore(MessageStore):
     def _read_columns(self, conn: psycopg.Connection[Any]) -> OutboxColumns:
         """The table must have the columns EventRouter reads (their types are checked as the
         stream names them); records hold bytes, as Kafka does."""
-        names = {str(r[0]) for r in conn.execute(_COLUMNS_SQL, (self._table.quoted,)).fetchall()}
-        if not names:
-            raise StoreError(f"outbox table {self._table} does not exist")
-        wanted = self._router.columns
-        absent = [c for c in wanted if c not in names]
-        if absent:
-            raise StoreError(f"outbox table {self._table} has no column {absent[0]}, which eventRouter names")
+        problems = missing_columns(conn, self._table, self._router)
+        if problems:
+            raise StoreError(problems[0])
         return _COLUMNS
 
     def _columns_of(self, relation: pgoutput.Relation) -> Columns:
