@@ -31,12 +31,12 @@ from harvester.kafka.process_publisher import ProcessPublisher, runs_in_child
 from harvester.kafka.publisher import KafkaPublisher, producer_config
 from harvester.kafka.topics import ensure_topic, require_partitions
 from harvester.kafka.transactions import KafkaTransactionalPublisher
-from harvester.postgres.log_recovery import SlotRecoveries
-from harvester.postgres.log_retention import RetainingLogStore
-from harvester.postgres.log_store import LogStore
-from harvester.postgres.message_store import MessageStore
-from harvester.postgres.spill import spill_directory
-from harvester.postgres.store import PostgresStore
+from harvester.postgres.log.message_store import MessageStore
+from harvester.postgres.log.recovery import SlotRecoveries
+from harvester.postgres.log.retention import RetainingLogStore
+from harvester.postgres.log.spill import spill_directory
+from harvester.postgres.log.store import LogStore
+from harvester.postgres.table.store import PostgresStore
 
 if TYPE_CHECKING:
     from leader import ElectorConfig

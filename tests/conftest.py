@@ -10,8 +10,8 @@ import pytest
 from psycopg import sql
 
 from harvester import HarvesterConfig, Limits
-from harvester.postgres.identifiers import TableName
-from harvester.postgres.migrations import migrate
+from harvester.postgres.schema.identifiers import TableName
+from harvester.postgres.schema.migrations import migrate
 from tests.support import (
     HarvesterFactory,
     PrivateKafka,

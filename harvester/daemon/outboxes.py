@@ -222,8 +222,8 @@ class Outbox:
 def start_error(exc: Exception) -> FailError:
     """Why ``Harvester.start()`` failed, as a one-line error naming the setting to look at."""
     from harvester.kafka.topics import TopicError
-    from harvester.postgres.message_store import FailoverRiskError
-    from harvester.postgres.store import OutboxMissingError, ShardCountError, StoreError
+    from harvester.postgres.log.message_store import FailoverRiskError
+    from harvester.postgres.table.store import OutboxMissingError, ShardCountError, StoreError
     from leader.topic import LeaderTopicError
 
     if isinstance(exc, ShardCountError | FailoverRiskError):  # it names the setting

@@ -19,7 +19,7 @@ from psycopg import sql
 from pydantic import ByteSize
 
 from harvester import Harvester, HarvesterConfig, Limits
-from harvester.postgres.identifiers import TableName
+from harvester.postgres.schema.identifiers import TableName
 from tests.engine.workload import wait_until
 from tests.log.conftest import stash
 from tests.reaper.test_e2e import wait_for
