@@ -94,12 +94,13 @@ from psycopg import sql
 from steady import Steady, steady
 
 from harvester import Limits, OutboxRecord, TableName
-from harvester.postgres import logical, migrations
-from harvester.postgres.log_retention import RetainingLogStore
-from harvester.postgres.log_store import LogStore
-from harvester.postgres.logical import LogSetup
-from harvester.postgres.message_format import default_prefix, encode
-from harvester.postgres.message_store import MessageStore
+from harvester.postgres.log import logical
+from harvester.postgres.log.logical import LogSetup
+from harvester.postgres.log.message_store import MessageStore
+from harvester.postgres.log.retention import RetainingLogStore
+from harvester.postgres.log.store import LogStore
+from harvester.postgres.schema import migrations
+from harvester.postgres.schema.message_format import default_prefix, encode
 
 # The harvester's sources in this bench: rows marked and purged, rows read from the log, and a
 # table-less outbox's logical messages read from the log.

@@ -26,9 +26,9 @@ from pydantic import (
 
 from harvester.core.limits import BOTH_SPELLINGS, Duration, Limits
 from harvester.event_router import EventRouter
-from harvester.postgres.identifiers import TableName
-from harvester.postgres.logical import LogSetup
-from harvester.postgres.message_format import default_prefix
+from harvester.postgres.log.logical import LogSetup
+from harvester.postgres.schema.identifiers import TableName
+from harvester.postgres.schema.message_format import default_prefix
 
 # PostgreSQL's rule for replication slot names; publications follow it too here, for symmetry.
 _SLOT = re.compile(r"^[a-z0-9_]{1,63}$")

@@ -259,9 +259,9 @@ def _workers(value: str) -> int:
 def _migrate(settings: ReaperSettings) -> int:
     import psycopg
 
-    from harvester.postgres.migrations import ensure_shard_index, migrate
-    from harvester.postgres.sharding import shard_index
-    from harvester.postgres.widen import widen
+    from harvester.postgres.schema.migrations import ensure_shard_index, migrate
+    from harvester.postgres.schema.sharding import shard_index
+    from harvester.postgres.schema.widen import widen
 
     table, shards = settings.harvest.table, settings.harvest.shards
     if settings.harvest.log_messages or settings.harvest.layout == "debezium":
@@ -298,7 +298,7 @@ def _migrate_tableless(settings: ReaperSettings) -> int:
     fence and dead-letter tables, the publication and the slot."""
     import psycopg
 
-    from harvester.postgres.migrations import ensure
+    from harvester.postgres.schema.migrations import ensure
 
     table = settings.harvest.table
     with connect_pg(settings, 10) as conn:
@@ -316,7 +316,7 @@ def _migrate_tableless(settings: ReaperSettings) -> int:
 
 def _log_source(conn: psycopg.Connection[Any], settings: ReaperSettings) -> list[str]:
     """With ``source: log``, create the publication and the slot (after saying what the server lacks)."""
-    from harvester.postgres import logical
+    from harvester.postgres.log import logical
 
     harvest = settings.harvest
     if harvest.source != "log":

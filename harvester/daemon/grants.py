@@ -4,7 +4,7 @@ the configured outbox, for its source and delivery mode, and nothing more ([secu
 The schema's owner (the role that runs ``reaper migrate``) creates every table, the publication and
 the slot; the runtime role only reads, deletes and updates rows under the fence, and writes dead
 letters. What each statement is for is said beside it, so that a reviewer can check the list
-against the code (``harvester/postgres/statements.py``, ``fencing.py``, ``migrations.ensure``).
+against the code (``harvester/postgres/table/statements.py``, ``fencing.py``, ``migrations.ensure``).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import re
 from dataclasses import dataclass
 
 from harvester.config import HarvesterConfig
-from harvester.postgres.identifiers import TableName
-from harvester.postgres.migrations import dead_letter_table, fence_table
+from harvester.postgres.schema.identifiers import TableName
+from harvester.postgres.schema.migrations import dead_letter_table, fence_table
 
 _ROLE = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 

@@ -21,9 +21,9 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 
 from harvester import HarvesterConfig
-from harvester.postgres import logical
-from harvester.postgres.identifiers import TableName
-from harvester.postgres.migrations import ensure
+from harvester.postgres.log import logical
+from harvester.postgres.schema.identifiers import TableName
+from harvester.postgres.schema.migrations import ensure
 from tests.kafka_connect import (
     EVENT_ROUTER,
     POSTGRES_CONNECTOR,

@@ -14,7 +14,7 @@ import pytest
 from psycopg import sql
 
 from harvester import HarvesterConfig
-from harvester.postgres.migrations import dead_letter_table
+from harvester.postgres.schema.migrations import dead_letter_table
 from tests.engine.workload import wait_until
 from tests.log.conftest import (
     drop_slot,

@@ -7,7 +7,7 @@ table-less outbox does (:mod:`.message_store`): the position done is stored in t
 is deleted per batch, a dead letter's record is copied from memory, and a lost slot cannot be
 recovered from the table. The publication publishes inserts only: a delete is no record. Rows that
 stay are left as Debezium leaves them, or, with a retention window, deleted in bulk once delivered
-(:class:`RetainingRouterStore`, as :mod:`.log_retention`).
+(:class:`RetainingRouterStore`, as :mod:`.retention`).
 """
 
 from __future__ import annotations
@@ -21,16 +21,16 @@ import psycopg
 from harvester.core.protocols import StoreError
 from harvester.core.records import MarkedRecord
 from harvester.event_router import EventRouter
-from harvester.postgres import pgoutput
-from harvester.postgres.catalog import OutboxColumns
-from harvester.postgres.event_router_rows import RouterColumns, router_record
-from harvester.postgres.identifiers import TableName
-from harvester.postgres.log_records import Columns
-from harvester.postgres.log_retention import RetainingLogStore
-from harvester.postgres.log_store import decoded
-from harvester.postgres.log_transactions import Taken, Transaction, Transactions, messages
-from harvester.postgres.logical import LogSetup
-from harvester.postgres.message_store import _COLUMNS, _EPOCH_2000, MessageStore
+from harvester.postgres.log import pgoutput
+from harvester.postgres.log.event_router_rows import RouterColumns, router_record
+from harvester.postgres.log.logical import LogSetup
+from harvester.postgres.log.message_store import _COLUMNS, _EPOCH_2000, MessageStore
+from harvester.postgres.log.records import Columns
+from harvester.postgres.log.retention import RetainingLogStore
+from harvester.postgres.log.store import decoded
+from harvester.postgres.log.transactions import Taken, Transaction, Transactions, messages
+from harvester.postgres.schema.catalog import OutboxColumns
+from harvester.postgres.schema.identifiers import TableName
 
 _COLUMNS_SQL = (
     "SELECT a.attname FROM pg_attribute a WHERE a.attrelid = to_regclass(%s) AND a.attnum > 0 AND NOT a.attisdropped"
@@ -115,4 +115,4 @@ class RouterStore(MessageStore):
 
 class RetainingRouterStore(RouterStore, RetainingLogStore):
     """:class:`RouterStore` whose delivered rows that stay are deleted in bulk, at least
-    ``retention`` seconds after their delivery (:mod:`.log_retention`)."""
+    ``retention`` seconds after their delivery (:mod:`.retention`)."""

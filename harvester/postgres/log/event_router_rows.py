@@ -16,8 +16,8 @@ from uuid import UUID
 from harvester.core.protocols import StoreError
 from harvester.core.records import MarkedRecord
 from harvester.event_router import EventRouter
-from harvester.postgres import pgoutput
-from harvester.postgres.log_records import Columns
+from harvester.postgres.log import pgoutput
+from harvester.postgres.log.records import Columns
 
 # Type oids (PostgreSQL's pg_type.dat), by how their binary form reads as text.
 _INTEGERS = {20: struct.Struct("!q"), 23: struct.Struct("!i"), 21: struct.Struct("!h")}
