@@ -238,8 +238,8 @@ class HarvesterConfig(BaseModel):
     @property
     def log_setup(self) -> LogSetup:
         """The names the log source reads through (its store, ``reaper migrate`` and ``reaper check``)."""
-        columns = self.event_router.columns if self.event_router is not None else None
-        return LogSetup(self.table, self.slot, self.publication, self.prefix, self.log_accept_loss_on_failover, columns)
+        every = self.event_router is not None
+        return LogSetup(self.table, self.slot, self.publication, self.prefix, self.log_accept_loss_on_failover, every)
 
     @field_validator("outbox_table")
     @classmethod

@@ -34,6 +34,9 @@ from tests.support import (
 
 pytestmark = pytest.mark.integration
 
+TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+TRACED = f"#Sat Nov 28 04:00:00 UTC 2026\ntraceparent={TRACEPARENT}\n"
+
 
 @DELIVERY
 def test_insert_then_delete_and_rows_that_stay(
@@ -68,24 +71,26 @@ def test_insert_then_delete_and_rows_that_stay(
         conn.execute(
             sql.SQL(
                 "CREATE TABLE {} (id UUID PRIMARY KEY DEFAULT gen_random_uuid(), aggregatetype VARCHAR(255) NOT NULL,"
-                " aggregateid VARCHAR(255), type VARCHAR(255) NOT NULL, payload " + payload + ")"
+                f" aggregateid VARCHAR(255), type VARCHAR(255) NOT NULL, payload {payload}, tracingspancontext TEXT)"
             ).format(config.table.ident)
         )
         migrated = run_reaper("migrate", "-f", str(tmp_path / "reaper.yaml"))
         assert migrated.returncode == 0, migrated.stderr
         assert "outbox table (layout debezium)" in migrated.stdout, migrated.stdout
-        insert = sql.SQL("INSERT INTO {} (aggregatetype, aggregateid, type, payload) VALUES (%s, %s, 'T', %s)").format(
-            config.table.ident
-        )
+        insert = sql.SQL(
+            "INSERT INTO {} (aggregatetype, aggregateid, type, payload, tracingspancontext)"
+            " VALUES (%s, %s, 'T', %s, %s)"
+        ).format(config.table.ident)
         try:
             with harvesters(lambda: config) as make:
                 make()
                 with conn.transaction(), conn.cursor() as cur:  # insert-then-delete
-                    cur.executemany(insert, [("Order", f"k{i % 3}", as_payload(f"d{i}")) for i in range(9)])
+                    cur.executemany(insert, [("Order", f"k{i % 3}", as_payload(f"d{i}"), None) for i in range(9)])
                     cur.execute(sql.SQL("DELETE FROM {}").format(config.table.ident))
                 with conn.transaction(), conn.cursor() as cur:  # rows that stay, one with a NULL key
-                    cur.executemany(insert, [("Order", f"k{i % 3}", as_payload(f"s{i}")) for i in range(6)])
-                    cur.execute(insert, ("Order", None, as_payload("no key")))
+                    stay = [("Order", f"k{i % 3}", as_payload(f"s{i}"), TRACED if i == 0 else None) for i in range(6)]
+                    cur.executemany(insert, stay)
+                    cur.execute(insert, ("Order", None, as_payload("no key"), None))
                 messages = read_messages(services.bootstrap, [f"{schema}.Order"], 15, **COMMITTED)
                 # At least once, the dead letter's failures remark (a new pass): a key's run may come again
                 # after it, in order; each value's first copy keeps the key's order.
@@ -96,6 +101,9 @@ def test_insert_then_delete_and_rows_that_stay(
                     for k in range(3)
                 }
                 assert all(next(h[0] for h in consumed_headers(m) or []) == "id" for m in messages)
+                # The tracing span context column's trace context, as the record's (Properties text).
+                traced = next(m for m in messages if m.value() == b"s0")
+                assert ("traceparent", TRACEPARENT.encode()) in (consumed_headers(traced) or [])
                 dead = sql.SQL("SELECT kafka_value FROM {}").format(dead_letter_table(config.table).ident)
                 assert wait_until(lambda: conn.execute(dead).fetchall() == [(b"no key",)])
                 left = sql.SQL("SELECT count(*) FROM {}").format(config.table.ident)

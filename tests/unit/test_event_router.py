@@ -11,6 +11,7 @@ import pytest
 from harvester.config import HarvesterConfig
 from harvester.daemon.cli import main
 from harvester.event_router import EventRouter, EventRouterError, Placement, event_router_of, from_connector
+from harvester.postgres.log.event_router_rows import trace_context
 
 CONNECTOR = {
     "name": "orders-outbox",
@@ -133,3 +134,9 @@ def test_convert_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     path.write_text("{")
     assert main(["convert-debezium", str(path)]) == 2
     assert capsys.readouterr().err.startswith("reaper: convert-debezium: not JSON:")
+
+
+def test_the_tracing_span_context_of_java_properties() -> None:
+    text = b"#Sat Nov 28 04:00:00 UTC 2026\ntraceparent=00-0af7-b7ad-01\ntracestate=rojo\\=00f0\\:1\nother=1\n!x\n"
+    assert trace_context(text) == [("traceparent", b"00-0af7-b7ad-01"), ("tracestate", b"rojo=00f0:1")]
+    assert trace_context(b"") == []

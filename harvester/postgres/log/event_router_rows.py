@@ -9,6 +9,7 @@ term, as the slot sends the same inserts again."""
 from __future__ import annotations
 
 import hashlib
+import re
 import struct
 from datetime import UTC, datetime
 from uuid import UUID
@@ -27,6 +28,9 @@ _TEXTUAL = frozenset(_INTEGERS) | _TEXTS | {_JSONB, _UUID, _BOOL}
 _INSERT_VALUES = 8  # 'I', the relation's oid, 'N', the column count
 _EPOCH = datetime(2000, 1, 1, tzinfo=UTC)
 _ID_BITS = (1 << 63) - 1
+# java.util.Properties text: a key ends at its first unescaped '=' or ':'; '\\x' stands for x.
+_SEPARATOR = re.compile(r"(?<!\\)[=:]")
+_ESCAPE = re.compile(r"\\(.)")
 
 
 def _text(raw: bytes, oid: int) -> bytes:
@@ -64,7 +68,12 @@ class RouterColumns(Columns):
         self.types = relation.types
         self.event_id, self.key, self.payload, self.route = (index[r[0]] for r in roles[:4])
         self.placed = [(p.header, index[p.column]) for p in router.headers]
-        self.needed = 1 + max(index[r[0]] for r in roles)
+        # The tracing span context column, when the table has one of a text type (optional, as it is
+        # to EventRouter): its W3C trace context is carried as the record's.
+        tracing = index.get(router.tracing_span_context_field)
+        self.tracing = tracing if tracing is not None and relation.types[tracing] in _TEXTS else None
+        read = [index[r[0]] for r in roles]
+        self.needed = 1 + max(read if self.tracing is None else [*read, self.tracing])
         self.integer_id = self.types[self.event_id] in _INTEGERS
         self.tombstones = router.route_tombstone_on_empty_payload
         self.router = router.router()
@@ -104,4 +113,26 @@ def router_record(data: bytes, c: RouterColumns, created: datetime = _EPOCH) -> 
     for name, i in c.placed:
         raw = values[i]
         headers.append((name, None if raw is None else _text(raw, types[i])))
+    if c.tracing is not None and values[c.tracing] is not None:
+        headers += trace_context(values[c.tracing] or b"")
     return MarkedRecord(rid, created, topic, key, payload, headers, malformed=why)
+
+
+def trace_context(properties: bytes) -> list[tuple[str, str | bytes | None]]:
+    """The ``traceparent`` and ``tracestate`` of a tracing span context column, which Debezium's
+    writers fill with ``java.util.Properties.store`` text (``key=value`` lines, ``#`` comments,
+    backslash escapes)."""
+    out: list[tuple[str, str | bytes | None]] = []
+    for raw in properties.decode("utf-8", "replace").splitlines():
+        line = raw.strip()
+        if not line or line[0] in "#!":
+            continue
+        parts = _SEPARATOR.split(line, maxsplit=1)
+        key, value = (_unescape(p).strip() for p in [*parts, ""][:2])
+        if key in ("traceparent", "tracestate") and value:
+            out.append((key, value.encode()))
+    return out
+
+
+def _unescape(text: str) -> str:
+    return _ESCAPE.sub(lambda m: m.group(1), text)
