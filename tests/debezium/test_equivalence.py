@@ -76,8 +76,8 @@ def event_router(replacement: str) -> dict[str, str]:
 def connect(tmp_path_factory: pytest.TempPathFactory, services: Services) -> Iterator[ConnectWorker]:
     resolve_jars()
     worker = ConnectWorker(Path(tmp_path_factory.mktemp("connect")), free_ports(1), services.bootstrap)
-    worker.start()
     try:
+        worker.start()  # a start that fails stops the JVM too
         yield worker
     finally:
         worker.stop()
