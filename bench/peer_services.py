@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +24,7 @@ from tests.kafka_connect import (
     drop_slot,
     resolve_jars,
 )
+from tests.support import free_ports
 
 __all__ = [
     "BOOTSTRAP",
@@ -50,9 +50,9 @@ TUNED = Limits(mark_query_records=500, max_in_flight_records=5000)
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free loopback port of the engineer's range (HARVESTER_TEST_PRIVATE_PORTS), as the tests'
+    private services take theirs."""
+    return free_ports(1)
 
 
 class LogicalPostgres:
