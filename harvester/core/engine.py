@@ -36,6 +36,7 @@ from harvester.core.protocols import (
     FatalStoreError,
     FencedError,
     MarkSource,
+    RefusedError,
     ShardCountError,
     StoreError,
 )
@@ -341,7 +342,7 @@ class Engine:
             with self._state.cond:
                 self._state.epoch = epoch
             self._dispatcher.begin_term()
-        except FatalStoreError as exc:
+        except (FatalStoreError, RefusedError) as exc:
             self._fatal(exc)
             return
         except FencedError as exc:
@@ -355,11 +356,13 @@ class Engine:
         self._metrics.epoch.set(epoch)
         log.info("fence_acquired", epoch=epoch, leader_id=str(leader_id))
 
-    def _fatal(self, error: FatalStoreError) -> None:
+    def _fatal(self, error: FatalStoreError | RefusedError) -> None:
         """No term can be safe (reapers of the group disagree on the number of shards; a table-less
-        outbox's slot was lost): stop leading and let the owner of the engine end the process with
-        the reason."""
+        outbox's slot was lost) or start (Kafka refuses the transactional id): stop leading and let
+        the owner of the engine end the process with the reason."""
         kind = "shard_count_mismatch" if isinstance(error, ShardCountError) else "store_fatal"
+        if isinstance(error, RefusedError):
+            kind = "kafka_refused"
         log.error(kind, error=str(error))
         self._lose_leadership()
         self._state.stopping.set()
