@@ -18,6 +18,7 @@ instance that finished its term start late, and the term is started again (fenci
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Mapping
 from contextlib import nullcontext
@@ -102,7 +103,8 @@ class Engine:
         # ``labels`` (the outbox, when a reaper harvests several) and the shard go on every log line
         # of the pipeline's threads.
         bound: dict[str, object] = {**(labels or {}), **({} if shard is None else {"shard": shard})}
-        context = Context(state, limits, metrics, settler, self._backoff, self._fenced, bound)
+        self._refusal: RefusedError | None = None
+        context = Context(state, limits, metrics, settler, self._backoff, self._fenced, bound, self._refused)
         self._dispatcher = dispatcher(context)
         self._threads = [worker(self._mark_loop, "harvester-mark", bound), *self._dispatcher.threads]
 
@@ -355,6 +357,13 @@ class Engine:
         self._fenced_term = term
         self._metrics.epoch.set(epoch)
         log.info("fence_acquired", epoch=epoch, leader_id=str(leader_id))
+
+    def _refused(self, error: RefusedError) -> None:
+        """The publisher can publish nothing more (Kafka refused it what it needs): as :meth:`_fatal`,
+        once, from a thread of its own, since the dispatcher calls this holding the state's lock."""
+        if self._refusal is None:
+            self._refusal = error
+            threading.Thread(target=self._fatal, args=(error,), name="harvester-refused", daemon=True).start()
 
     def _fatal(self, error: FatalStoreError | RefusedError) -> None:
         """No term can be safe (reapers of the group disagree on the number of shards; a table-less

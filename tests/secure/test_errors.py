@@ -157,3 +157,25 @@ def test_a_refused_output_topic_is_named_in_the_dead_letters(box: s.Outbox, tmp_
         proc.terminate()
         proc.wait(60)
     assert all(f"Kafka ACL missing: allow WRITE on topic {topic}" in e for e in errors), errors
+
+
+def test_a_producer_refused_a_producer_id_ends_run_with_one_line(box: s.Outbox, tmp_path: Path) -> None:
+    """A producer principal (``producerKafkaConfig``) that may WRITE no topic is refused a producer id
+    (Kafka's fatal ``Cluster authorization failed``): run stops with one line naming the ACL (exit 1)
+    instead of a dead delivery thread and records in flight for good; the records stay in the outbox."""
+    group = f"outbox-harvester.{box.table}"
+    topic = f"out_{box.schema}"
+    user = s.principal(acls(group, topic, exactly_once=False))
+    writer = s.principal([])  # nothing at all
+    kafka = s.kafka_config(user, s.PASSWORD)
+    harvest = {"producerKafkaConfig": {"sasl.username": writer, "sasl.password": s.PASSWORD}}
+    config = s.write(tmp_path / "reaper.yaml", box.table, s.pg_dsn(box.runtime, s.PASSWORD), kafka, harvest)
+    before = s.backlog(box.table)
+    s.stash(box.table, 3, topic)
+    (ran,) = s.reapers(["run", "-f", str(config)])
+    wanted = "reaper: error: Kafka refused the producer: "
+    last = ran.stderr.splitlines()[-1] if ran.stderr else ""
+    assert ran.returncode == 1 and last.startswith(wanted), ran.stderr[-3000:]
+    assert "allow WRITE on the output topics" in last and "Traceback" not in ran.stderr
+    assert s.backlog(box.table) == before + 3
+    assert s.PASSWORD not in ran.stdout + ran.stderr
