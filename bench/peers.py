@@ -67,8 +67,6 @@ import statistics
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -79,18 +77,17 @@ import harvest
 import psycopg
 from confluent_kafka import Consumer, TopicPartition
 from cpu import CollectorTime, CpuMeter, backend_pid, own_seconds, process_seconds
-from harvest import VALUE, fresh_outbox, fresh_topic, run_engine, stop, wait_empty
-from peer_services import (
-    BOOTSTRAP,
+from debezium_connect import (
     DEBEZIUM_VERSION,
     KAFKA_VERSION,
-    PARTITIONS,
-    TUNED,
     ConnectWorker,
-    LogicalPostgres,
-    MissingError,
+    assert_running,
+    connector_config,
     resolve_jars,
+    streaming_connector,
 )
+from harvest import VALUE, fresh_outbox, fresh_topic, run_engine, stop, wait_empty
+from peer_services import BOOTSTRAP, PARTITIONS, TUNED, LogicalPostgres, MissingError, drop_slot
 from psycopg import sql
 from steady import Steady, steady
 
@@ -235,42 +232,11 @@ def debezium_relay(conn: psycopg.Connection[Any], pg: LogicalPostgres, connect: 
     conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(name)))
     conn.execute(sql.SQL(GOHARVEST_DDL).format(table.ident))
     topic = fresh_topic(PARTITIONS)
-    config = {
-        "connector.class": "io.debezium.connector.postgresql.PostgresConnector",
-        "tasks.max": "1",
-        "database.hostname": "127.0.0.1",
-        "database.port": str(pg.port),
-        "database.user": "harvester",
-        "database.password": "local-dev-secret",
-        "database.dbname": "harvester",
-        "topic.prefix": name,
-        "plugin.name": "pgoutput",
-        "slot.name": name,
-        "slot.drop.on.stop": "true",
-        "publication.name": name,
-        "publication.autocreate.mode": "filtered",
-        "table.include.list": f"{name}.outbox",
-        "snapshot.mode": "no_data",
-        "tombstones.on.delete": "false",
-        "key.converter": "org.apache.kafka.connect.storage.StringConverter",
-        "value.converter": "org.apache.kafka.connect.storage.StringConverter",
-        "transforms": "outbox",
-        "transforms.outbox.type": "io.debezium.transforms.outbox.EventRouter",
-        "transforms.outbox.table.field.event.id": "id",
-        "transforms.outbox.table.field.event.key": "kafka_key",
-        "transforms.outbox.table.field.event.payload": "kafka_value",
-        "transforms.outbox.route.by.field": "kafka_topic",
-        "transforms.outbox.route.topic.replacement": "${routedByValue}",
-    }
-    connect.request("POST", "/connectors", {"name": name, "config": config})
     try:
-        _wait_streaming(conn, connect, name)
-        time.sleep(3.0)  # idle, as the harvester idles before its burst
-        yield Relay(table, topic, connect.cpu, in_process=False)
+        with streaming_connector(conn, connect, name, connector_config(name, pg.dsn, table)):
+            time.sleep(3.0)  # idle, as the harvester idles before its burst
+            yield Relay(table, topic, connect.cpu, in_process=False)
     finally:
-        with contextlib.suppress(OSError):  # urllib's errors are OSErrors
-            connect.request("DELETE", f"/connectors/{name}")
-        _drop_slot(conn, name)
         conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(name)))
 
 
@@ -294,7 +260,7 @@ def debezium_burst(
             schema = relay.table.schema
             assert schema is not None  # fresh_outbox's
             elapsed = (
-                wait_published(consumer, relay.topic, records, lambda: _assert_running(connect, schema)) - committed
+                wait_published(consumer, relay.topic, records, lambda: assert_running(connect, schema)) - committed
             )
             after, relay_after = meter.sample(), connect.cpu()
             vacuums = autovacuums(conn, relay.table)
@@ -314,43 +280,6 @@ def debezium_burst(
         extra=extra,
         autovacuums=vacuums,
     )
-
-
-def _assert_running(connect: ConnectWorker, name: str) -> None:
-    status = connect.request("GET", f"/connectors/{name}/status")
-    for task in status.get("tasks", []):
-        if task.get("state") == "FAILED":
-            trace = (task.get("trace") or "").splitlines()
-            raise MissingError(f"Debezium's task failed: {trace[0][:300] if trace else task}")
-
-
-def _wait_streaming(conn: psycopg.Connection[Any], connect: ConnectWorker, name: str) -> None:
-    """Until the connector's task runs and its replication slot is in use by a WAL sender."""
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        try:
-            _assert_running(connect, name)
-        except urllib.error.HTTPError:  # 404 until the connector is registered
-            time.sleep(0.2)
-            continue
-        row = conn.execute("SELECT active FROM pg_replication_slots WHERE slot_name = %s", (name,)).fetchone()
-        if row is not None and row[0]:
-            return
-        time.sleep(0.2)
-    raise MissingError(f"Debezium's connector did not start streaming within 90 s: {connect._last_error()}")
-
-
-def _drop_slot(conn: psycopg.Connection[Any], name: str, publication: str | None = None) -> None:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        row = conn.execute("SELECT active FROM pg_replication_slots WHERE slot_name = %s", (name,)).fetchone()
-        if row is None:
-            break
-        if not row[0]:
-            conn.execute("SELECT pg_drop_replication_slot(%s)", (name,))
-            break
-        time.sleep(0.2)
-    conn.execute(sql.SQL("DROP PUBLICATION IF EXISTS {}").format(sql.Identifier(publication or name)))
 
 
 def _check_record(topic: str) -> None:
@@ -410,7 +339,7 @@ def harvester_relay(
     finally:
         stop(engine, store)
         if source != MARK_PURGE:
-            _drop_slot(conn, setup.slot, setup.publication)
+            drop_slot(conn, setup.slot, setup.publication)
         assert table.schema is not None  # fresh_outbox's
         conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(table.schema)))
 
