@@ -104,6 +104,11 @@ def resolve_jars() -> None:
 # ---------------------------------------------------------------- the worker
 
 
+# Seconds the worker has to answer on its REST port: it starts in about 20 s on two idle cores, and
+# took over 120 s with a load average of 50 on them.
+_START_TIMEOUT = 300.0
+
+
 @dataclass(frozen=True, slots=True)
 class JvmHeap:
     """The JVM's heap over a span of its collection log (MiB)."""
@@ -178,7 +183,7 @@ class ConnectWorker:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
             )
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + _START_TIMEOUT
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise MissingError(f"Kafka Connect exited during start-up: {self.last_error()}")
@@ -197,7 +202,9 @@ class ConnectWorker:
                         f"Kafka Connect does not list the plugin {needed} (plugin.path={DEBEZIUM_PLUGINS})"
                     )
             return
-        raise MissingError(f"Kafka Connect's REST API did not answer within 120 s: {self.last_error()}")
+        raise MissingError(
+            f"Kafka Connect's REST API did not answer within {_START_TIMEOUT:.0f} s: {self.last_error()}"
+        )
 
     def last_error(self) -> str:
         lines = self.log.read_text(errors="replace").splitlines() if self.log.exists() else []
