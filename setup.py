@@ -1,6 +1,6 @@
 """The one part of the build that pyproject.toml cannot state: the migrations' home is the top-level
 ``sql/``, and the wheel installs it as the package data ``harvester/postgres/sql/``, where
-``harvester.postgres.migrations`` reads it. The rest of the build's configuration is in pyproject.toml."""
+``harvester.postgres.schema.migrations`` reads it. The rest of the build's configuration is in pyproject.toml."""
 
 from setuptools import find_packages, setup
 

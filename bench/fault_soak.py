@@ -7,7 +7,9 @@ standby, three harvesters each behind its own TCP proxies, steady inserts, and a
 Fault kinds (each once first, in random order, then at random): the leader SIGKILLed; the broker
 leading an outbox partition SIGKILLed (restarted 5-10 s later); the transaction coordinator's broker
 killed (exactly-once only); the leader group's coordinator killed; the PostgreSQL primary crashed
-and its standby promoted; the leader cut from Kafka, cut from PostgreSQL, or stalled on Kafka (each
+and its standby promoted; the slot's walsender terminated again and again for 8-15 s (log source
+only: each stream restart refreshes the leader id, so the term re-publishes what it had sent and not
+purged); the leader cut from Kafka, cut from PostgreSQL, or stalled on Kafka (each
 for 8-15 s). ``--faults`` draws from the kinds it names only (to replay one kind over and over).
 ``--source log`` harvests with the log source (the PostgreSQL pair runs 18, the slot a failover
 slot its standby synchronizes; a promotion waits until the standby's copy of the slot is ready, as
@@ -60,6 +62,7 @@ KINDS = (
     "kill_txn_coordinator",
     "kill_group_coordinator",
     "pg_failover",
+    "kill_walsender",
     "cut_leader_kafka",
     "cut_leader_pg",
     "stall_leader_kafka",
@@ -122,9 +125,10 @@ class Soak:
                 self.sc.group.running.remove(slot.proc)
                 self.spawn(slot)
 
-    def run(self, seconds: float, log: bool = True) -> None:
+    def run(self, seconds: float, verbose: bool = True) -> None:
         eos = self.sc.settings.delivery == "exactly_once"
-        kinds = [k for k in self.kinds if k != "kill_txn_coordinator" or eos]
+        log = self.sc.settings.source == "log"
+        kinds = [k for k in self.kinds if (k != "kill_txn_coordinator" or eos) and (k != "kill_walsender" or log)]
         started, self.t0 = time.monotonic(), time.time()
         while True:
             gap = self.rng.uniform(20.0, 40.0)
@@ -139,7 +143,7 @@ class Soak:
             detail = self.inject(kind, self.rng.uniform(8.0, 15.0))
             fault = Fault(kind, start, time.time(), detail)
             self.faults.append(fault)
-            if log:
+            if verbose:
                 print(f"{start - self.t0:7.1f}s {kind:<24} {detail} ({fault.end - start:.1f}s)", flush=True)
 
     def inject(self, kind: str, hold: float) -> str:
@@ -152,6 +156,8 @@ class Soak:
             self.pair.crash()
             self.pair.promote()
             return "primary crashed, standby promoted" + ready
+        if kind == "kill_walsender":
+            return self.kill_walsender(hold)
         if kind.startswith("kill_") and kind != "kill_leader":
             sc = self.sc
             if kind == "kill_partition_leader":
@@ -184,6 +190,21 @@ class Soak:
         slot.set_pg("pass")
         slot.kafka.set_mode("pass")
         return f"{name} {mode} for {hold:.1f}s"
+
+    def kill_walsender(self, hold: float) -> str:
+        """Terminate the slot's walsender on the primary whenever one streams, 0.2-1 s apart, for ``hold`` s."""
+        slot = HarvesterConfig(outbox_table=self.sc.tables.outbox.qualified).slot
+        kills, end = 0, time.monotonic() + hold
+        with psycopg.connect(self.pair.dsn, autocommit=True) as conn:
+            while time.monotonic() < end:
+                row = conn.execute(
+                    "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots"
+                    " WHERE slot_name = %s AND active_pid IS NOT NULL",
+                    (slot,),
+                ).fetchone()
+                kills += row is not None
+                time.sleep(self.rng.uniform(0.2, 1.0))
+        return f"the slot's walsender terminated {kills} times"
 
 
 def crash_tail(proc: HarvesterProcess) -> str:

@@ -32,8 +32,8 @@ from psycopg import sql
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from harvester.postgres.identifiers import TableName
-from harvester.postgres.migrations import migrate
+from harvester.postgres.schema.identifiers import TableName
+from harvester.postgres.schema.migrations import migrate
 
 PG_DSN = os.environ.get(
     "HARVESTER_TEST_PG_DSN", "host=127.0.0.1 port=5432 user=harvester password=local-dev-secret dbname=harvester"

@@ -39,7 +39,7 @@ from harvest import BOOTSTRAP, DSN, copy_rows, fresh_topic
 from psycopg import sql
 
 from harvester import TableName, migrate
-from harvester.postgres.migrations import ensure_shard_index
+from harvester.postgres.schema.migrations import ensure_shard_index
 
 REAPER = str(Path(sys.executable).parent / "reaper")
 

@@ -29,8 +29,8 @@ from pyspark.sql.types import StringType, StructField, StructType
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from harvester.postgres.identifiers import TableName
-from harvester.postgres.migrations import migrate
+from harvester.postgres.schema.identifiers import TableName
+from harvester.postgres.schema.migrations import migrate
 from harvester.spark.plan import resolve
 from harvester.spark.store import SinkTables, Staged, prepare, publish
 

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from examples.spark_pipeline import KAFKA_PACKAGE
 from harvester import TableName, migrate
-from harvester.postgres.migrations import ensure_shard_index
+from harvester.postgres.schema.migrations import ensure_shard_index
 from harvester.spark import register
 
 

@@ -61,8 +61,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from harvest import fresh_topic, run_engine, stop
 
 from harvester import Limits
-from harvester.postgres.identifiers import TableName
-from harvester.postgres.migrations import migrate
+from harvester.postgres.schema.identifiers import TableName
+from harvester.postgres.schema.migrations import migrate
 from harvester.spark import OutboxDataSource, OutboxWriter, register
 from harvester.spark.encode import text_lines
 

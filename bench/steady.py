@@ -20,7 +20,7 @@ from cpu import CpuMeter
 from psycopg import sql
 
 from harvester import OutboxRecord, TableName
-from harvester.postgres.message_format import encode
+from harvester.postgres.schema.message_format import encode
 
 VALUE_WIDTH = 100  # as the bursts' values
 

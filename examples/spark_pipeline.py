@@ -39,8 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from harvester import Harvester, HarvesterConfig
 from harvester.kafka.topics import ensure_topic
-from harvester.postgres.identifiers import TableName
-from harvester.postgres.migrations import migrate
+from harvester.postgres.schema.identifiers import TableName
+from harvester.postgres.schema.migrations import migrate
 from harvester.spark import register
 
 # The newest Kafka connector on Maven Central; Spark 4.3 runs the 4.2 connector unchanged.

@@ -25,10 +25,10 @@ if TYPE_CHECKING:
     from harvester.core.limits import Limits
     from harvester.core.records import ColumnLimits, MarkedRecord, OutboxRecord, RecordError
     from harvester.harvester import Harvester
-    from harvester.postgres.catalog import OutboxMissingError
-    from harvester.postgres.identifiers import IdentifierError, TableName
-    from harvester.postgres.migrations import migrate
-    from harvester.postgres.store import PostgresStore, StoreError
+    from harvester.postgres.schema.catalog import OutboxMissingError
+    from harvester.postgres.schema.identifiers import IdentifierError, TableName
+    from harvester.postgres.schema.migrations import migrate
+    from harvester.postgres.table.store import PostgresStore, StoreError
 
 # The one place the version is written: pyproject.toml reads it ([tool.setuptools.dynamic]), so do
 # keep it a plain string literal.
@@ -45,7 +45,7 @@ _EXPORTS = {
     "Event": "harvester.core.events",
     "Harvester": "harvester.harvester",
     "HarvesterConfig": "harvester.config",
-    "IdentifierError": "harvester.postgres.identifiers",
+    "IdentifierError": "harvester.postgres.schema.identifiers",
     "LeaderAcquired": "harvester.core.events",
     "LeaderFenced": "harvester.core.events",
     "LeaderRefreshed": "harvester.core.events",
@@ -54,14 +54,14 @@ _EXPORTS = {
     "MarkedRecord": "harvester.core.records",
     "MessageStasher": "harvester.client.message_stasher",
     "MeterRead": "harvester.core.events",
-    "OutboxMissingError": "harvester.postgres.catalog",
+    "OutboxMissingError": "harvester.postgres.schema.catalog",
     "OutboxRecord": "harvester.core.records",
-    "PostgresStore": "harvester.postgres.store",
+    "PostgresStore": "harvester.postgres.table.store",
     "RecordError": "harvester.core.records",
     "Stasher": "harvester.client.stasher",
-    "StoreError": "harvester.postgres.store",
-    "TableName": "harvester.postgres.identifiers",
-    "migrate": "harvester.postgres.migrations",
+    "StoreError": "harvester.postgres.table.store",
+    "TableName": "harvester.postgres.schema.identifiers",
+    "migrate": "harvester.postgres.schema.migrations",
     "stash": "harvester.client.stasher",
 }
 

@@ -29,14 +29,14 @@ from harvester.core.metrics import HarvesterMetrics
 from harvester.core.protocols import BatchScope, DeliveryCallback, Elector, Publisher, SourceGauges
 from harvester.kafka.process_publisher import ProcessPublisher, runs_in_child
 from harvester.kafka.publisher import KafkaPublisher, producer_config
-from harvester.kafka.topics import ensure_topic, require_partitions
+from harvester.kafka.topics import ensure_checkpoints
 from harvester.kafka.transactions import KafkaTransactionalPublisher
-from harvester.postgres.log_recovery import SlotRecoveries
-from harvester.postgres.log_retention import RetainingLogStore
-from harvester.postgres.log_store import LogStore
-from harvester.postgres.message_store import MessageStore
-from harvester.postgres.spill import spill_directory
-from harvester.postgres.store import PostgresStore
+from harvester.postgres.log.message_store import MessageStore
+from harvester.postgres.log.recovery import SlotRecoveries
+from harvester.postgres.log.retention import RetainingLogStore
+from harvester.postgres.log.spill import spill_directory
+from harvester.postgres.log.store import LogStore
+from harvester.postgres.table.store import PostgresStore
 
 if TYPE_CHECKING:
     from leader import ElectorConfig
@@ -134,9 +134,7 @@ def dispatcher(config: HarvesterConfig, store: PostgresStore, shard: int) -> Dis
     kafka = producer_config(config.base_kafka_config, config.producer_kafka_config)
     match config.delivery:
         case "exactly_once":
-            ensure_topic(config.base_kafka_config, config.checkpoints, partitions=config.shards)
-            if config.shards > 1:
-                require_partitions(config.base_kafka_config, config.checkpoints, config.shards)
+            ensure_checkpoints(config.base_kafka_config, config.checkpoints, config.shards)
             # One shard keeps the group's transactional id of before sharding; several fence per shard.
             transactional_id = f"{config.group_id}.harvester" + (f".{shard}" if config.shards > 1 else "")
             transactions = KafkaTransactionalPublisher(kafka, transactional_id, config.checkpoints, shard)

@@ -26,9 +26,9 @@ from pydantic import (
 )
 
 from harvester.core.limits import BOTH_SPELLINGS, Duration, Limits
-from harvester.postgres.identifiers import TableName
-from harvester.postgres.logical import LogSetup
-from harvester.postgres.message_format import default_prefix
+from harvester.postgres.log.logical import LogSetup
+from harvester.postgres.schema.identifiers import TableName
+from harvester.postgres.schema.message_format import default_prefix
 
 # Kafka's internal topics: a broker refuses records produced to them ("Invalid topic"), so a leader's
 # heartbeats there never arrive. goharvest's reaper_secure.yaml names __consumer_offsets as its leader

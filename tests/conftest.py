@@ -10,8 +10,8 @@ import pytest
 from psycopg import sql
 
 from harvester import HarvesterConfig, Limits
-from harvester.postgres.identifiers import TableName
-from harvester.postgres.migrations import migrate
+from harvester.postgres.schema.identifiers import TableName
+from harvester.postgres.schema.migrations import migrate
 from tests.support import (
     HarvesterFactory,
     PrivateKafka,
@@ -27,7 +27,10 @@ from tests.support import (
 # on fixed ports or directories, the Spark cluster, the restartable broker, the reaper's default HTTP
 # port) form one group, run by one worker one after another; every other test (its own schema, its
 # own topics) is a group of its own. The longest groups go first, so that no worker is left alone
-# with one at the end. (xdist's own `loadgroup` marks do not reach its scheduler under pytest 9.)
+# with one at the end: the scheduler hands out groups in the collection's order, which
+# pytest_collection_modifyitems sorts by _GROUPS, not by xdist's default (most tests first, which put
+# the reaper's 180 short tests before the Spark and chaos groups, and chaos sixth). (xdist's own
+# `loadgroup` marks do not reach its scheduler under pytest 9.)
 _GROUPS = (  # path prefix -> group, longest first
     ("tests/spark", "spark"),  # tests/spark and tests/spark_drain: one Spark cluster, fixed ports
     ("tests/chaos/test_chaos.py", "chaos"),
@@ -55,6 +58,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     from xdist.scheduler import LoadScopeScheduling
+
+    config.option.loadscopereorder = False  # keep the collection's order (see _GROUPS)
 
     class Groups(LoadScopeScheduling):  # type: ignore[misc]  # xdist is untyped
         def _split_scope(self, nodeid: str) -> str:

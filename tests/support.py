@@ -24,7 +24,7 @@ from confluent_kafka.cimpl import NewTopic
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
-from harvester.postgres.identifiers import TableName
+from harvester.postgres.schema.identifiers import TableName
 
 if TYPE_CHECKING:
     from harvester import Harvester, HarvesterConfig
@@ -153,7 +153,7 @@ def _testcontainers() -> Services:
 
 def streaming(dsn: str) -> str:
     """``dsn`` whose sessions have the server stream any transaction of more than 64 kB of changes
-    while it is in progress (``logical_decoding_work_mem`` at its least; harvester/postgres/streamed.py)."""
+    while it is in progress (``logical_decoding_work_mem`` at its least; harvester/postgres/log/streamed.py)."""
     return make_conninfo(dsn, options="-c logical_decoding_work_mem=64kB")
 
 

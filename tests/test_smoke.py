@@ -8,7 +8,7 @@ import psycopg
 import pytest
 from confluent_kafka import Producer
 
-from harvester.postgres.identifiers import TableName
+from harvester.postgres.schema.identifiers import TableName
 from tests.support import Services, read_messages
 
 pytestmark = pytest.mark.integration

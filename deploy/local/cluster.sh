@@ -85,6 +85,7 @@ share.coordinator.state.topic.min.isr=$isr
 group.initial.rebalance.delay.ms=0
 group.min.session.timeout.ms=1000
 transaction.max.timeout.ms=900000
+initial.broker.registration.timeout.ms=600000
 PROPS
 }
 
@@ -128,8 +129,11 @@ wait_node() {
   until listening "$i" && running "$i"; do
     if ! running "$i"; then
       # Its ports lie in the kernel's ephemeral range: an outgoing connection of any process may
-      # hold one for a while. Try again, a few times.
-      if grep -q "Address already in use" "$(node_dir "$i")/kafka.log" && [ $tries -lt 10 ]; then
+      # hold one for a while; on a loaded machine the quorum can take longer than the broker waits
+      # for it ("waiting for the controller to acknowledge", seen at a load of 35 on 2 cores). Try
+      # again, a few times.
+      if grep -qE "Address already in use|waiting for the controller to acknowledge" "$(node_dir "$i")/kafka.log" &&
+        [ $tries -lt 10 ]; then
         tries=$((tries + 1)); : >"$(node_dir "$i")/kafka.log"; sleep 3; start_node "$i"; continue
       fi
       tail -n 30 "$(node_dir "$i")/kafka.log" >&2; die "node $i exited during start-up"

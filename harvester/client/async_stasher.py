@@ -14,7 +14,7 @@ import psycopg
 
 from harvester.client.stasher import COPY_THRESHOLD, BaseStasher, copy_rows
 from harvester.core.records import OutboxRecord
-from harvester.postgres import catalog
+from harvester.postgres.schema import catalog
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncConnection as SAAsyncConnection

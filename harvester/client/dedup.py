@@ -28,7 +28,7 @@ from psycopg.types.json import Jsonb
 
 from harvester.client.dedup_state import DEFAULT_CAPACITY, DEFAULT_DEPTH, DEFAULT_TERMS, DedupState
 from harvester.core.identity import Identity, IdentityHeaders
-from harvester.postgres.identifiers import TableName
+from harvester.postgres.schema.identifiers import TableName
 
 log = structlog.get_logger("harvester.dedup")
 

@@ -1,7 +1,7 @@
 """Stashing into a table-less outbox: each record becomes a transactional logical decoding message,
 ``pg_logical_emit_message(true, <prefix>, <payload>)``, written in the application's transaction and
 read by the log source once it commits (docs/log-source.md). No row is written, so there is nothing
-to delete afterwards. The payload is :mod:`harvester.postgres.message_format`'s; the prefix names
+to delete afterwards. The payload is :mod:`harvester.postgres.schema.message_format`'s; the prefix names
 the outbox (the reaper's ``logPrefix``, default ``harvester:<schema>.<table>``).
 
 The records of one call are written in one statement, in their order; a transaction's messages are
@@ -17,8 +17,8 @@ import psycopg
 
 from harvester.client.stasher import BaseStasher
 from harvester.core.records import ColumnLimits, OutboxRecord
-from harvester.postgres.identifiers import TableName
-from harvester.postgres.message_format import default_prefix, encode
+from harvester.postgres.schema.identifiers import TableName
+from harvester.postgres.schema.message_format import default_prefix, encode
 
 if TYPE_CHECKING:
     from sqlalchemy import TextClause

@@ -18,8 +18,8 @@ import psycopg
 from psycopg import sql
 
 from harvester.core.records import ColumnLimits, OutboxRecord
-from harvester.postgres import catalog
-from harvester.postgres.identifiers import TableName
+from harvester.postgres.schema import catalog
+from harvester.postgres.schema.identifiers import TableName
 
 if TYPE_CHECKING:
     from sqlalchemy import TextClause

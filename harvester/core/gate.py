@@ -264,9 +264,12 @@ class KeyGate:
             self._forget(keys)
         else:
             durable = set(covered)
+            # A copy of a record held already (a remark handed it out again before its purge) is
+            # counted in its key's run by the first until the store covers the id: the copy leaves it.
+            again = [r.key for r in delivered if r.id not in durable and r.id in self._held]
             self._held.update((r.id, r.key) for r in delivered if r.id not in durable)
             earlier = [self._held.pop(rid) for rid in covered if rid in self._held]
-            self._forget([r.key for r in delivered if r.id in durable] + earlier)
+            self._forget([r.key for r in delivered if r.id in durable] + earlier + again)
         self._settle(failures, dead)
         self._recheck(keys + [r.key for r, _ in failures] + earlier)
         return earlier

@@ -31,7 +31,7 @@ def check_topic(topic: str) -> None:
 
 @dataclass(frozen=True, slots=True)
 class ColumnLimits:
-    """What the outbox table's columns accept, read from the catalog (:mod:`harvester.postgres.catalog`);
+    """What the outbox table's columns accept, read from the catalog (:mod:`harvester.postgres.schema.catalog`);
     the defaults are goharvest's layout."""
 
     key_max_chars: int | None = 100

@@ -3,7 +3,7 @@ shards. Every record of a key belongs to the same shard, so per-key order holds 
 
 The hash is the first 32 bits of the key's MD5 (of its UTF-8 bytes; a NULL key hashes as the
 empty one), read as an unsigned number. MD5 is not used for security here: it is an immutable
-function in PostgreSQL (so an expression index can hold it, :mod:`harvester.postgres.sharding`)
+function in PostgreSQL (so an expression index can hold it, :mod:`harvester.postgres.schema.sharding`)
 and computes the same value in Python, Spark or any client, on every version. PostgreSQL's own
 ``hashtextextended`` is cheaper but would need a port of its internal hash to every client.
 """

@@ -17,7 +17,7 @@ from harvester.daemon.settings import ReaperSettings, defaulted_connections
 from harvester.postgres.connections import with_hint
 
 if TYPE_CHECKING:
-    from harvester.postgres.logical import LogSetup
+    from harvester.postgres.log.logical import LogSetup
 
 
 def connect_pg(settings: ReaperSettings, timeout: float) -> Any:
@@ -67,7 +67,7 @@ def validate_election(settings: ReaperSettings) -> None:
 def validate_spill_directory(settings: ReaperSettings) -> None:
     """Raise :class:`FailError` when the log source could not spill a large transaction where the
     settings say (``run`` and ``check`` both call this): found at start, not in the middle of a drain."""
-    from harvester.postgres.spill import spill_directory
+    from harvester.postgres.log.spill import spill_directory
 
     harvest = settings.harvest
     if harvest.source != "log":
@@ -122,7 +122,7 @@ def in_section(index: int | None) -> Iterator[None]:
 
 
 def _check_postgres(settings: ReaperSettings, timeout: float) -> list[str]:
-    from harvester.postgres import catalog, migrations, widen
+    from harvester.postgres.schema import catalog, migrations, widen
 
     table = settings.harvest.table
     with connect_pg(settings, timeout) as conn:
@@ -162,7 +162,7 @@ def _check_postgres(settings: ReaperSettings, timeout: float) -> list[str]:
 
 
 def _check_log_source(conn: Any, settings: ReaperSettings) -> list[str]:
-    from harvester.postgres import logical
+    from harvester.postgres.log import logical
 
     harvest = settings.harvest
     if harvest.source != "log":
@@ -179,7 +179,7 @@ def _check_log_source(conn: Any, settings: ReaperSettings) -> list[str]:
 def _check_failover(conn: Any, setup: LogSetup) -> list[str]:
     """What a failover does to the slot: a line, and as problems a slot that could be a failover slot
     and is not (PostgreSQL 17+), and a table-less outbox whose records a failover would lose."""
-    from harvester.postgres import logical
+    from harvester.postgres.log import logical
 
     state = logical.failover(conn, setup.slot)
     print(f"log source: failover: {state.describe()}")

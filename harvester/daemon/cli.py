@@ -161,6 +161,11 @@ def _parser() -> argparse.ArgumentParser:
     grant.add_argument(
         "--role", metavar="NAME", help="the runtime role (default: the user of harvest.dataSource, else 'reaper')"
     )
+    grant.add_argument(
+        "--spark-sink",
+        action="store_true",
+        help="the grants of a role that writes into the outbox through Spark's format('outbox') instead",
+    )
     dlq.add_parser(sub, common)
     return parser
 
@@ -198,7 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return status(settings, args.timeout, as_json=args.json)
         if args.command == "grants":
-            return _grants(settings, args.role)
+            return _grants(settings, args.role, args.spark_sink)
         if args.command == "dlq":
             section = dlq.section(settings, args.outbox)
             with connect_pg(section, 10) as conn:
@@ -221,17 +226,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.code
 
 
-def _grants(settings: ReaperSettings, role: str | None) -> int:
+def _grants(settings: ReaperSettings, role: str | None, spark_sink: bool) -> int:
     from psycopg.conninfo import conninfo_to_dict
 
-    from harvester.daemon.grants import grants, role_error
+    from harvester.daemon.grants import grants, role_error, spark_sink_grants
 
     if role is None:
         role = str(conninfo_to_dict(settings.harvest.data_source).get("user") or "reaper")
     problem = role_error(role)
     if problem is not None:
         raise FailError(f"--role: {problem}")
-    print("\n".join(grants(section.harvest, role) for section in settings.sections), end="")
+    if spark_sink:
+        print("\n".join(spark_sink_grants(section.harvest.table, role) for section in settings.sections), end="")
+    else:
+        print("\n".join(grants(section.harvest, role) for section in settings.sections), end="")
     return 0
 
 
@@ -248,9 +256,9 @@ def _workers(value: str) -> int:
 def _migrate(settings: ReaperSettings) -> int:
     import psycopg
 
-    from harvester.postgres.migrations import ensure_shard_index, migrate
-    from harvester.postgres.sharding import shard_index
-    from harvester.postgres.widen import widen
+    from harvester.postgres.schema.migrations import ensure_shard_index, migrate
+    from harvester.postgres.schema.sharding import shard_index
+    from harvester.postgres.schema.widen import widen
 
     table, shards = settings.harvest.table, settings.harvest.shards
     if settings.harvest.log_messages:
@@ -286,7 +294,7 @@ def _migrate_tableless(settings: ReaperSettings) -> int:
     """A table-less outbox: its fence and dead-letter tables (no outbox table), publication and slot."""
     import psycopg
 
-    from harvester.postgres.migrations import ensure
+    from harvester.postgres.schema.migrations import ensure
 
     table = settings.harvest.table
     with connect_pg(settings, 10) as conn:
@@ -303,7 +311,7 @@ def _migrate_tableless(settings: ReaperSettings) -> int:
 
 def _log_source(conn: psycopg.Connection[Any], settings: ReaperSettings) -> list[str]:
     """With ``source: log``, create the publication and the slot (after saying what the server lacks)."""
-    from harvester.postgres import logical
+    from harvester.postgres.log import logical
 
     harvest = settings.harvest
     if harvest.source != "log":

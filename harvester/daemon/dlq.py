@@ -12,9 +12,9 @@ import psycopg
 
 from harvester.daemon.errors import FailError, OneLineParser
 from harvester.daemon.settings import ReaperSettings
-from harvester.postgres import deadletter
-from harvester.postgres.identifiers import TableName
-from harvester.postgres.migrations import dead_letter_table
+from harvester.postgres.schema import deadletter
+from harvester.postgres.schema.identifiers import TableName
+from harvester.postgres.schema.migrations import dead_letter_table
 
 
 def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:

@@ -221,13 +221,16 @@ class Outbox:
 
 def start_error(exc: Exception) -> FailError:
     """Why ``Harvester.start()`` failed, as a one-line error naming the setting to look at."""
-    from harvester.kafka.topics import TopicError
-    from harvester.postgres.message_store import FailoverRiskError
-    from harvester.postgres.store import OutboxMissingError, ShardCountError, StoreError
+    from harvester.kafka.topics import KafkaUnreachableError, TopicError
+    from harvester.postgres.log.message_store import FailoverRiskError
+    from harvester.postgres.table.store import OutboxMissingError, ShardCountError, StoreError
     from leader.topic import LeaderTopicError
 
     if isinstance(exc, ShardCountError | FailoverRiskError):  # it names the setting
         return FailError(str(exc))
+    if isinstance(exc, KafkaUnreachableError):  # looking up the checkpoint topic
+        where = "harvest.baseKafkaConfig: bootstrap.servers"
+        return FailError(f"Kafka unreachable at {exc.servers} ({where}): {exc.reason}")
     if isinstance(exc, TopicError):
         return FailError(f"harvest.checkpointTopic: {exc}")
     if isinstance(exc, OutboxMissingError):

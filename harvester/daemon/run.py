@@ -253,7 +253,7 @@ def _narrower_columns(settings: ReaperSettings) -> list[Any]:
     if settings.harvest.log_messages:
         return []
 
-    from harvester.postgres.widen import narrower
+    from harvester.postgres.schema.widen import narrower
 
     try:
         with connect_pg(settings, 5) as conn:

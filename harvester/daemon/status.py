@@ -399,7 +399,7 @@ def _database(
     import psycopg
     from psycopg import sql
 
-    from harvester.postgres.migrations import dead_letter_table, fence_table
+    from harvester.postgres.schema.migrations import dead_letter_table, fence_table
 
     table = settings.harvest.table
     fence, dead = fence_table(table), dead_letter_table(table)
@@ -451,7 +451,7 @@ def _database(
 
 
 def _slot(conn: Any, name: str) -> Slot | None:
-    from harvester.postgres.logical import slot_state
+    from harvester.postgres.log.logical import slot_state
 
     state = slot_state(conn, name)
     return None if state is None else Slot(name, *state)

@@ -224,10 +224,23 @@ class WorkerMetrics(Collector):
         yield restarts
 
 
+def port_directory() -> Path:
+    """A new directory for the workers' port files, in the system's temporary directory (``TMPDIR``,
+    else ``/tmp``, ...); :class:`FailError` naming ``TMPDIR`` when none is writable (a container's
+    read-only root filesystem)."""
+    try:
+        return Path(tempfile.mkdtemp(prefix="reaper-workers-"))
+    except OSError as exc:
+        raise FailError(
+            f"workers: cannot make the workers' directory in the temporary directory ({exc.strerror or exc}):"
+            " set TMPDIR to a writable directory (an emptyDir volume on a read-only root filesystem)"
+        ) from None
+
+
 def supervise(settings: ReaperSettings, file: str | None, count: int) -> int:
     """Run ``count`` workers of ``file`` until a signal; return the exit code."""
     validate(settings)
-    directory = Path(tempfile.mkdtemp(prefix="reaper-workers-"))
+    directory = port_directory()
     base = [sys.executable, "-m", "harvester.daemon.cli", "run", *(["-f", file] if file else [])]
     workers = [Worker(i, [*base, "--worker", f"{i}:{os.getpid()}:{directory}"], directory) for i in range(count)]
     signals = Signals()

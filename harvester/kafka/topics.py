@@ -7,15 +7,42 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient
 
 from leader.topic import ensure_topic
 
-__all__ = ["TopicError", "ensure_topic", "require_partitions"]
+__all__ = ["KafkaUnreachableError", "TopicError", "ensure_checkpoints", "ensure_topic", "require_partitions"]
+
+# What a look-up or creation ends with when no broker answered (as opposed to one that refused).
+_UNREACHABLE = {KafkaError._TRANSPORT, KafkaError._TIMED_OUT, KafkaError._ALL_BROKERS_DOWN, KafkaError._RESOLVE}
 
 
 class TopicError(RuntimeError):
-    """A topic the harvester needs exists in a shape it cannot use."""
+    """A topic the harvester needs exists in a shape it cannot use, or could not be created."""
+
+
+class KafkaUnreachableError(RuntimeError):
+    """No broker at ``servers`` answered while the harvester looked up or created a topic it needs."""
+
+    def __init__(self, servers: str, reason: str) -> None:
+        super().__init__(f"Kafka unreachable at {servers}: {reason}")
+        self.servers, self.reason = servers, reason
+
+
+def ensure_checkpoints(client_config: Mapping[str, Any], topic: str, shards: int, timeout: float = 30.0) -> None:
+    """Create the exactly-once checkpoint topic unless it exists, and check its partitions (one per
+    shard). Raises :class:`KafkaUnreachableError` when no broker answered (a start then fails as
+    with the leader topic: Kafka unreachable, started again later), :class:`TopicError` otherwise."""
+    try:
+        ensure_topic(client_config, topic, partitions=shards, timeout=timeout)
+        if shards > 1:
+            require_partitions(client_config, topic, shards, timeout)
+    except KafkaException as exc:
+        err: KafkaError = exc.args[0]
+        if err.code() in _UNREACHABLE:
+            raise KafkaUnreachableError(str(client_config.get("bootstrap.servers", "?")), err.str()) from exc
+        raise TopicError(f"topic {topic!r} could not be created or looked up: {err.str()}") from exc
 
 
 def require_partitions(client_config: Mapping[str, Any], topic: str, partitions: int, timeout: float = 30.0) -> None:

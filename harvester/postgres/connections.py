@@ -1,4 +1,4 @@
-"""The connections of a :class:`~harvester.postgres.store.PostgresStore`: one per thread that uses
+"""The connections of a :class:`~harvester.postgres.table.store.PostgresStore`: one per thread that uses
 the store (marking, purging, listening), so the mark loop and the purge/reset pipeline never wait
 on each other's round trips. A broken connection is dropped and re-opened on the next call; a
 failure becomes a :class:`StoreError` with libpq's or the server's reason, never a value or a DSN.

@@ -31,8 +31,8 @@ from pyspark.sql.types import (
 )
 
 from harvester.core.records import RecordError, check_topic
-from harvester.postgres.catalog import OutboxColumns
-from harvester.postgres.identifiers import TableName
+from harvester.postgres.schema.catalog import OutboxColumns
+from harvester.postgres.schema.identifiers import TableName
 
 SortKind = Literal["number", "text"]
 HeadersKind = Literal["map", "pairs"]

@@ -10,9 +10,9 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from harvester.postgres import catalog, migrations
-from harvester.postgres.catalog import OutboxColumns
-from harvester.postgres.identifiers import TableName
+from harvester.postgres.schema import catalog, migrations
+from harvester.postgres.schema.catalog import OutboxColumns
+from harvester.postgres.schema.identifiers import TableName
 from harvester.spark.encode import PartitionEncoder, staged_value_column, staging_columns
 from harvester.spark.plan import WritePlan
 

@@ -28,9 +28,9 @@ from datetime import datetime
 import psycopg
 from psycopg import sql
 
-from harvester.postgres.identifiers import TableName
-from harvester.postgres.migrations import dead_letter_table, fence_table
-from harvester.postgres.sharding import shard_expression
+from harvester.postgres.schema.identifiers import TableName
+from harvester.postgres.schema.migrations import dead_letter_table, fence_table
+from harvester.postgres.schema.sharding import shard_expression
 
 TERM = "term"
 

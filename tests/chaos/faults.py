@@ -55,8 +55,9 @@ class FaultInjector:
         """Inject faults; return when done. ``started`` is the writers' start (monotonic)."""
         s, rng = self._settings, self._rng
         pending = set(s.faults)  # kinds not injected yet: drawn first, so each runs at least once
-        # A kind that keeps being skipped (no leader found) must not prolong the run forever.
-        give_up = started + 2 * s.fault_seconds + 120
+        # A kind that keeps being skipped (no leader found) must not prolong the run forever; the
+        # bound leaves room for a broker restart of minutes on a loaded machine in a short window.
+        give_up = started + 2 * s.fault_seconds + 180
         while (time.monotonic() - started < s.fault_seconds or pending) and time.monotonic() < give_up:
             time.sleep(rng.uniform(s.min_gap, s.max_gap))
             kinds = sorted(pending) if pending else list(s.faults)

@@ -9,7 +9,7 @@ from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
-from harvester.postgres.identifiers import TableName
+from harvester.postgres.schema.identifiers import TableName
 from tests.chaos.settings import ChaosSettings
 from tests.proc.processes import HarvesterProcess, harvester_spec
 from tests.support import unique

@@ -12,9 +12,9 @@ import psycopg
 from psycopg import sql
 
 from harvester import HarvesterConfig
-from harvester.postgres import logical
-from harvester.postgres.identifiers import TableName
-from harvester.postgres.migrations import ensure, fence_table, migrate
+from harvester.postgres.log import logical
+from harvester.postgres.schema.identifiers import TableName
+from harvester.postgres.schema.migrations import ensure, fence_table, migrate
 from tests.chaos import audit
 from tests.chaos.settings import ChaosSettings
 from tests.engine.workload import wait_drained

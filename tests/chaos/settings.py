@@ -44,7 +44,7 @@ class ChaosSettings:
     max_per_txn: int = 6
     # Every this many seconds (0: never) the first writer commits a transaction of large_txn records
     # instead: with the log source, the harvesters' sessions set logical_decoding_work_mem to its
-    # least (64 kB), so that the server streams it while in progress (harvester/postgres/streamed.py).
+    # least (64 kB), so that the server streams it while in progress (harvester/postgres/log/streamed.py).
     large_every: float = 0.0
     large_txn: int = 400
     hot_share: float = 0.3  # share of a writer's records that go to its hot key

@@ -11,7 +11,7 @@ from typing import cast
 import pytest
 from confluent_kafka import Message
 
-from harvester.postgres.identifiers import TableName
+from harvester.postgres.schema.identifiers import TableName
 from tests.chaos.audit import TERM, Change, confirmations, past_fence
 from tests.chaos.harness import FAULT_KINDS, ChaosReport, ChaosSettings, Fault, analyse, first_copies
 from tests.proc.processes import START_REFUSED, HarvesterProcess, harvester_spec

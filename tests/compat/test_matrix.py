@@ -23,8 +23,8 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from harvester.postgres.identifiers import TableName
-from harvester.postgres.migrations import migrate
+from harvester.postgres.schema.identifiers import TableName
+from harvester.postgres.schema.migrations import migrate
 from tests.engine.workload import check, wait_drained, writing
 from tests.proc.processes import HarvesterProcess, harvester_spec
 from tests.support import (

@@ -15,7 +15,7 @@ from psycopg import sql
 
 from harvester import PostgresStore
 from harvester.core.records import Failure
-from harvester.postgres.identifiers import TableName
+from harvester.postgres.schema.identifiers import TableName
 from tests.engine.workload import insert
 from tests.support import Services, create_goharvest_outbox, run_reaper
 

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import pytest
 
-from harvester.postgres.identifiers import TableName
+from harvester.postgres.schema.identifiers import TableName
 from tests.deadletter.test_poison import FAST, dead_letters, raw_insert
 from tests.engine.workload import wait_drained
 from tests.log.test_log_source import COMMITTED, DELIVERY

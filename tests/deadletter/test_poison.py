@@ -12,9 +12,9 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from harvester.postgres import deadletter
-from harvester.postgres.identifiers import TableName
-from harvester.postgres.migrations import dead_letter_table
+from harvester.postgres.schema import deadletter
+from harvester.postgres.schema.identifiers import TableName
+from harvester.postgres.schema.migrations import dead_letter_table
 from tests.engine.workload import check, insert, wait_drained, wait_until
 from tests.proc.processes import HarvesterProcess, harvester_spec
 from tests.support import (

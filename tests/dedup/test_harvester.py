@@ -13,7 +13,7 @@ from psycopg import sql
 
 from harvester.client.dedup import DedupReader
 from harvester.core.identity import Identity
-from harvester.postgres.identifiers import TableName
+from harvester.postgres.schema.identifiers import TableName
 from tests.dedup.kafka import consumer, ends, read_to
 from tests.engine.workload import insert, wait_drained, wait_until
 from tests.support import HarvesterFactory, ManualElector, Services, consumed_headers, text

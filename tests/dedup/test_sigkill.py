@@ -16,7 +16,7 @@ from confluent_kafka import OFFSET_BEGINNING, TopicPartition
 from psycopg import sql
 
 from harvester.client.dedup import DedupReader
-from harvester.postgres.identifiers import TableName
+from harvester.postgres.schema.identifiers import TableName
 from tests.dedup.kafka import consumer, ends, read_to
 from tests.engine.workload import insert, wait_drained, wait_until
 from tests.proc.processes import HarvesterProcess, harvester_spec

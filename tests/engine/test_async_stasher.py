@@ -11,7 +11,7 @@ from psycopg.pq import TransactionStatus
 from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 
 from harvester import AsyncStasher, ColumnLimits, OutboxMissingError, OutboxRecord, RecordError
-from harvester.postgres.identifiers import TableName
+from harvester.postgres.schema.identifiers import TableName
 from tests.engine.test_stasher import rows
 from tests.support import Services
 

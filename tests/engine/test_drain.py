@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import pytest
 
-from harvester.postgres.identifiers import TableName
+from harvester.postgres.schema.identifiers import TableName
 from tests.engine.workload import check, wait_drained, write_concurrently
 from tests.support import HarvesterFactory, Services, read_messages
 

@@ -9,7 +9,7 @@ import psycopg
 import pytest
 from confluent_kafka.admin import AdminClient
 
-from harvester.postgres.identifiers import TableName
+from harvester.postgres.schema.identifiers import TableName
 from tests.engine.workload import check, insert, wait_drained, wait_until, write_concurrently, writing
 from tests.support import (
     HarvesterFactory,

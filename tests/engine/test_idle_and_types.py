@@ -18,7 +18,7 @@ from harvester.core.metrics import HarvesterMetrics
 from harvester.core.protocols import DeliveryCallback, DeliveryReport
 from harvester.core.records import MarkedRecord
 from harvester.kafka.publisher import KafkaPublisher, producer_config
-from harvester.postgres.identifiers import TableName
+from harvester.postgres.schema.identifiers import TableName
 from tests.engine.workload import check, insert, wait_drained, wait_until, write_concurrently
 from tests.support import HarvesterFactory, ManualElector, Services, consumed_headers, read_messages
 

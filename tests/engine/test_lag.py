@@ -14,7 +14,7 @@ from prometheus_client import generate_latest
 from psycopg import sql
 
 from harvester import Harvester, HarvesterConfig, Limits
-from harvester.postgres.identifiers import TableName
+from harvester.postgres.schema.identifiers import TableName
 from tests.engine.workload import wait_until
 from tests.support import Services, delete_topics, free_ports, unique
 

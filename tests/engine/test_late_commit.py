@@ -22,8 +22,8 @@ from confluent_kafka import Consumer, KafkaError, Message
 from psycopg import sql
 
 from harvester import MessageStasher, OutboxRecord, Stasher
-from harvester.postgres.identifiers import TableName
-from harvester.postgres.migrations import ensure_shard_index
+from harvester.postgres.schema.identifiers import TableName
+from harvester.postgres.schema.migrations import ensure_shard_index
 from tests.engine.workload import check, wait_until
 from tests.log.conftest import log_outbox, logical_dsn, message_outbox, stored_done, tableless  # noqa: F401  (fixtures)
 from tests.proc.processes import HarvesterProcess, harvester_spec

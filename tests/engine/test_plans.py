@@ -13,8 +13,8 @@ import pytest
 from psycopg import sql
 
 from harvester import Harvester, PostgresStore
-from harvester.postgres.identifiers import TableName
-from harvester.postgres.statements import dense_range
+from harvester.postgres.schema.identifiers import TableName
+from harvester.postgres.table.statements import dense_range
 from tests.engine.workload import insert, wait_until
 from tests.support import HarvesterFactory, Services
 

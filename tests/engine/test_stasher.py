@@ -9,7 +9,7 @@ from sqlalchemy import create_engine
 from sqlalchemy.orm import Session
 
 from harvester import OutboxRecord, RecordError, Stasher, stash
-from harvester.postgres.identifiers import TableName
+from harvester.postgres.schema.identifiers import TableName
 from tests.support import Services
 
 pytestmark = pytest.mark.integration

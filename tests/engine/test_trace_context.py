@@ -20,7 +20,7 @@ from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, Trace
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from harvester import AsyncStasher, HarvesterConfig, MessageStasher, OutboxRecord, Stasher
-from harvester.postgres.identifiers import TableName
+from harvester.postgres.schema.identifiers import TableName
 from tests.engine.test_stasher import rows
 from tests.engine.workload import wait_drained, wait_until
 from tests.log.conftest import logical_dsn, message_outbox, tableless  # noqa: F401  (fixtures)

@@ -9,7 +9,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from harvester.postgres.identifiers import TableName
+from harvester.postgres.schema.identifiers import TableName
 from tests.engine.workload import wait_drained, wait_until
 from tests.support import HarvesterFactory, Services
 

@@ -10,7 +10,7 @@ import pytest
 
 from harvester import Harvester, HarvesterConfig, Limits
 from harvester.core.events import Event, LeaderAcquired
-from harvester.postgres.identifiers import TableName
+from harvester.postgres.schema.identifiers import TableName
 from tests.engine.workload import check, wait_drained, wait_until, write_concurrently
 from tests.support import Services, read_messages, unique
 

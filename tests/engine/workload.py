@@ -13,7 +13,7 @@ from confluent_kafka import Message
 from psycopg import sql
 
 from harvester import OutboxRecord, Stasher
-from harvester.postgres.identifiers import TableName
+from harvester.postgres.schema.identifiers import TableName
 
 
 def write_concurrently(

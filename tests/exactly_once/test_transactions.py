@@ -18,7 +18,7 @@ from harvester.core.records import MarkedRecord
 from harvester.kafka.publisher import producer_config
 from harvester.kafka.topics import ensure_topic
 from harvester.kafka.transactions import KafkaTransactionalPublisher, read_checkpoints
-from harvester.postgres.identifiers import TableName
+from harvester.postgres.schema.identifiers import TableName
 from tests.engine.workload import check, insert, wait_drained, wait_until, write_concurrently, writing
 from tests.proc.processes import HarvesterProcess, harvester_spec
 from tests.support import ManualElector, Services, delete_topics, read_messages, reader, unique

@@ -11,8 +11,8 @@ import time
 import psycopg
 from psycopg import sql
 
-from harvester.postgres.identifiers import TableName
-from harvester.postgres.migrations import fence_table
+from harvester.postgres.schema.identifiers import TableName
+from harvester.postgres.schema.migrations import fence_table
 from tests.support import ROOT
 
 SCRIPT = ROOT / "deploy" / "local" / "pgpair.sh"

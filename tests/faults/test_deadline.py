@@ -16,8 +16,8 @@ from harvester import Harvester, HarvesterConfig, Limits
 from harvester.core.protocols import StoreUnreachableError
 from harvester.core.retries import PROBE
 from harvester.postgres.deadline import tcp_settings
-from harvester.postgres.identifiers import TableName
-from harvester.postgres.store import PostgresStore
+from harvester.postgres.schema.identifiers import TableName
+from harvester.postgres.table.store import PostgresStore
 from tests.faults.proxy import Proxy
 from tests.support import ManualElector, Services
 

@@ -9,8 +9,8 @@ import psycopg
 import pytest
 
 from harvester.core.protocols import StoreUnreachableError
-from harvester.postgres.identifiers import TableName
-from harvester.postgres.store import PostgresStore
+from harvester.postgres.schema.identifiers import TableName
+from harvester.postgres.table.store import PostgresStore
 from tests.support import Services
 
 

@@ -16,7 +16,7 @@ from harvester.core.events import Event, LeaderFenced
 from harvester.core.metrics import HarvesterMetrics
 from harvester.core.protocols import DeliveryCallback, FencedError
 from harvester.kafka.publisher import KafkaPublisher, producer_config
-from harvester.postgres.identifiers import TableName
+from harvester.postgres.schema.identifiers import TableName
 from tests.engine.workload import insert, wait_until
 from tests.support import ManualElector, Services, read_messages
 

@@ -12,7 +12,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from harvester.postgres.identifiers import TableName
+from harvester.postgres.schema.identifiers import TableName
 from tests.engine.workload import check, wait_drained, writing
 from tests.proc.processes import HarvesterProcess, harvester_spec
 from tests.support import Services, read_messages, unique

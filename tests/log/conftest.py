@@ -20,9 +20,9 @@ from psycopg import sql
 from pydantic import ByteSize
 
 from harvester import HarvesterConfig, Limits, MessageStasher, OutboxRecord
-from harvester.postgres import logical
-from harvester.postgres.identifiers import TableName
-from harvester.postgres.migrations import ensure, fence_table, migrate
+from harvester.postgres.log import logical
+from harvester.postgres.schema.identifiers import TableName
+from harvester.postgres.schema.migrations import ensure, fence_table, migrate
 from tests.support import HarvesterFactory, PrivatePostgres, Services, free_ports, harvesters, unique
 
 # The suite's PostgreSQL is a single server: a failover would lose a table-less outbox's records not

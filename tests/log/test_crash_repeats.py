@@ -13,7 +13,7 @@ from collections.abc import Callable
 import pytest
 
 from harvester.core.identity import KEY_RUN, IdentityHeaders
-from harvester.postgres.identifiers import TableName
+from harvester.postgres.schema.identifiers import TableName
 from tests.engine.workload import check, insert, wait_until
 from tests.log.conftest import SINGLE_SERVER, stash
 from tests.proc.processes import HarvesterProcess, harvester_spec

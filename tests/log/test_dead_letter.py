@@ -14,7 +14,7 @@ import pytest
 import structlog
 import yaml
 
-from harvester.postgres.identifiers import TableName
+from harvester.postgres.schema.identifiers import TableName
 from tests.deadletter.test_poison import FAST, dead_letters
 from tests.engine.workload import check, insert, wait_drained, wait_until
 from tests.log.conftest import slot_position

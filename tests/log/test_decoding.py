@@ -18,12 +18,12 @@ from psycopg import sql
 from harvester import HarvesterConfig
 from harvester.core.protocols import StoreError
 from harvester.core.records import MarkedRecord
-from harvester.postgres import logical, pgoutput
-from harvester.postgres.identifiers import TableName
-from harvester.postgres.log_records import READABLE_TYPES, Columns, outbox_record
-from harvester.postgres.log_store import LogStore
-from harvester.postgres.migrations import migrate
-from harvester.postgres.store import PostgresStore
+from harvester.postgres.log import logical, pgoutput
+from harvester.postgres.log.records import READABLE_TYPES, Columns, outbox_record
+from harvester.postgres.log.store import LogStore
+from harvester.postgres.schema.identifiers import TableName
+from harvester.postgres.schema.migrations import migrate
+from harvester.postgres.table.store import PostgresStore
 from tests.log.conftest import drop_slot
 from tests.log.test_log_source import mark_all
 from tests.support import unique

@@ -20,10 +20,10 @@ from harvester import HarvesterConfig, OutboxRecord, Stasher
 from harvester.core.identity import KEY_RUN
 from harvester.core.protocols import FencedError, StoreError, StoreUnreachableError
 from harvester.core.records import MarkedRecord
-from harvester.postgres.identifiers import TableName
-from harvester.postgres.log_store import LogStore
-from harvester.postgres.logical import LogSetup
-from harvester.postgres.store import PostgresStore
+from harvester.postgres.log.logical import LogSetup
+from harvester.postgres.log.store import LogStore
+from harvester.postgres.schema.identifiers import TableName
+from harvester.postgres.table.store import PostgresStore
 from tests.engine.workload import check, insert, wait_drained, wait_until, writing
 from tests.fence.test_zombie import install_audit
 from tests.log.conftest import slot_position, stored_done

@@ -15,9 +15,9 @@ import pytest
 from psycopg import sql
 
 from harvester import Harvester, HarvesterConfig, Limits
-from harvester.postgres.identifiers import TableName
-from harvester.postgres.logical import LogSetup
-from harvester.postgres.migrations import fence_table
+from harvester.postgres.log.logical import LogSetup
+from harvester.postgres.schema.identifiers import TableName
+from harvester.postgres.schema.migrations import fence_table
 from tests.engine.workload import check, insert, wait_drained, wait_until, writing
 from tests.log.conftest import SINGLE_SERVER, stash
 from tests.support import HarvesterFactory, Services, harvesters, read_distinct, read_messages

@@ -12,9 +12,9 @@ from psycopg import sql
 
 from harvester import HarvesterConfig
 from harvester.core.protocols import FencedError
-from harvester.postgres.identifiers import TableName
-from harvester.postgres.log_retention import RetainingLogStore
-from harvester.postgres.logical import LogSetup
+from harvester.postgres.log.logical import LogSetup
+from harvester.postgres.log.retention import RetainingLogStore
+from harvester.postgres.schema.identifiers import TableName
 from tests.engine.workload import insert, wait_until
 from tests.log.conftest import slot_position
 from tests.log.test_log_source import mark_all

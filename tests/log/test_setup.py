@@ -15,7 +15,7 @@ from psycopg.conninfo import make_conninfo
 from harvester import HarvesterConfig
 from harvester.daemon import logs
 from harvester.daemon.cli import main
-from harvester.postgres.identifiers import TableName
+from harvester.postgres.schema.identifiers import TableName
 from tests.support import Services, unique
 
 pytestmark = pytest.mark.integration

@@ -14,9 +14,9 @@ import pytest
 from psycopg import sql
 
 from harvester import HarvesterConfig, Limits, OutboxRecord, Stasher
-from harvester.postgres import logical
-from harvester.postgres.identifiers import TableName
-from harvester.postgres.migrations import migrate
+from harvester.postgres.log import logical
+from harvester.postgres.schema.identifiers import TableName
+from harvester.postgres.schema.migrations import migrate
 from tests.engine.workload import check, wait_drained, wait_until
 from tests.log.conftest import drop_slot
 from tests.support import Services, harvesters, read_messages, unique

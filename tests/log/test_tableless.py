@@ -24,11 +24,11 @@ from sqlalchemy.orm import Session
 
 from harvester import AsyncMessageStasher, HarvesterConfig, Limits, MessageStasher, OutboxRecord
 from harvester.core.protocols import FencedError
-from harvester.postgres.deadletter import replay_messages
-from harvester.postgres.identifiers import TableName
-from harvester.postgres.logical import LogSetup
-from harvester.postgres.message_store import MessageStore
-from harvester.postgres.migrations import dead_letter_table
+from harvester.postgres.log.logical import LogSetup
+from harvester.postgres.log.message_store import MessageStore
+from harvester.postgres.schema.deadletter import replay_messages
+from harvester.postgres.schema.identifiers import TableName
+from harvester.postgres.schema.migrations import dead_letter_table
 from tests.engine.workload import check, wait_until
 from tests.log.conftest import SINGLE_SERVER, slot_position, stash, stored_done
 from tests.log.test_log_source import COMMITTED, DELIVERY, mark_all, slot_reader

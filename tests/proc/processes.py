@@ -10,7 +10,7 @@ import threading
 import time
 from typing import Any
 
-from harvester.postgres.identifiers import TableName
+from harvester.postgres.schema.identifiers import TableName
 from tests.support import ROOT
 
 # run_harvester's exit code when PostgreSQL or Kafka refused its start (printed as ``start_refused``).

@@ -19,9 +19,12 @@ import threading
 import time
 from typing import Any
 
+from confluent_kafka import KafkaException
+
 from harvester import Harvester, HarvesterConfig
 from harvester.core.events import Event, MeterRead
 from harvester.core.protocols import StoreUnreachableError
+from harvester.kafka.topics import KafkaUnreachableError
 from leader import ElectorConfig, NeliElector
 from leader.topic import LeaderTopicError
 from tests.proc.processes import START_REFUSED
@@ -73,7 +76,8 @@ def main() -> None:
     signal.signal(signal.SIGTERM, on_term)
     try:
         h.start()
-    except (StoreUnreachableError, LeaderTopicError) as exc:
+    # KafkaException: the checkpoint topic's check refused (not unreachable)
+    except (StoreUnreachableError, LeaderTopicError, KafkaUnreachableError, KafkaException) as exc:
         emit({"event": "start_refused", "error": str(exc)})
         os._exit(START_REFUSED)  # no clean stop: whatever the failed start left running ends with the process
     emit({"event": "started", "name": config.name})

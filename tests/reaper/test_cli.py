@@ -12,7 +12,7 @@ import pytest
 from psycopg import sql
 
 from harvester.daemon.cli import main
-from harvester.postgres.identifiers import TableName
+from harvester.postgres.schema.identifiers import TableName
 from tests.support import Services, create_goharvest_outbox, unique
 
 REAPER = str(Path(sys.executable).parent / "reaper")

@@ -21,7 +21,9 @@ from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
 from harvester import migrate
-from harvester.postgres.identifiers import TableName
+from harvester.daemon.outboxes import start_error
+from harvester.kafka.topics import KafkaUnreachableError, ensure_checkpoints
+from harvester.postgres.schema.identifiers import TableName
 from tests.support import (
     REAPER,
     ROOT,
@@ -306,6 +308,19 @@ def test_run_with_kafka_unreachable_names_the_cause_and_bootstrap_servers(servic
         delete_topics(services.bootstrap, [f"{group}.neli"])
         with psycopg.connect(services.pg_dsn, autocommit=True) as pg:
             pg.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
+
+
+def test_a_checkpoint_topic_lookup_with_kafka_unreachable_is_kafka_unreachable() -> None:
+    """Exactly once, the start looks up the checkpoint topic before the leader topic: no broker
+    answering it is "Kafka unreachable" (one line, exit 2, retried in the background among several
+    sections), not a crash (it was "cannot start: KafkaException", exit 1)."""
+    servers = f"127.0.0.1:{free_ports(1)}"
+    with pytest.raises(KafkaUnreachableError) as raised:
+        ensure_checkpoints({"bootstrap.servers": servers, "log_level": 0}, "c.checkpoints", 1, timeout=1.0)
+    failed = start_error(raised.value)
+    assert failed.code == 2
+    assert str(failed).startswith(f"Kafka unreachable at {servers} (harvest.baseKafkaConfig: bootstrap.servers): ")
+    assert "\n" not in str(failed)
 
 
 def test_check_names_a_sasl_handshake_failure(services: Services, tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from psycopg import sql
 
-from harvester.postgres.identifiers import TableName
+from harvester.postgres.schema.identifiers import TableName
 from tests.support import Services, delete_topics, read_messages, unique
 
 pytestmark = pytest.mark.integration

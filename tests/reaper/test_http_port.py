@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from harvester.daemon.loading import load
 from harvester.daemon.settings import DEFAULT_HTTP_PORT
-from harvester.postgres.identifiers import TableName
+from harvester.postgres.schema.identifiers import TableName
 from tests.reaper.test_e2e import insert, outbox_count, wait_for
 from tests.support import (
     REAPER,

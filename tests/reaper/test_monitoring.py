@@ -16,7 +16,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from harvester.postgres.identifiers import TableName
+from harvester.postgres.schema.identifiers import TableName
 from tests.reaper.test_e2e import insert, outbox_count, wait_for
 from tests.reaper.test_http_port import Process, goharvest_yaml
 from tests.support import ROOT, Services, delete_topics, run_reaper, unique

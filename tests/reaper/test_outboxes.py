@@ -16,8 +16,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from psycopg import sql
 
-from harvester.postgres.identifiers import TableName
-from harvester.postgres.migrations import dead_letter_table, fence_table
+from harvester.postgres.schema.identifiers import TableName
+from harvester.postgres.schema.migrations import dead_letter_table, fence_table
 from tests.reaper.test_e2e import REAPER, Reaper, insert, outbox_count, wait_for
 from tests.support import Services, create_topics, delete_topics, read_messages, unique
 

@@ -29,8 +29,8 @@ from psycopg import sql
 
 import harvester
 from harvester.daemon import cli
-from harvester.postgres.identifiers import TableName
-from harvester.postgres.migrations import applied
+from harvester.postgres.schema.identifiers import TableName
+from harvester.postgres.schema.migrations import applied
 from tests.reaper.test_docs import anchors
 from tests.support import ROOT, Services, build_wheel
 
@@ -106,7 +106,7 @@ def test_reaper_migrate_runs_from_the_installed_wheel(
     subprocess.run([*install, str(wheel.filename)], check=True, capture_output=True, timeout=120)
     env = {k: v for k, v in os.environ.items() if not k.startswith("REAPER_")} | {"PYTHONPATH": str(site)}
     where = subprocess.run(
-        [sys.executable, "-c", "from harvester.postgres import migrations as m; print(m._directory())"],
+        [sys.executable, "-c", "from harvester.postgres.schema import migrations as m; print(m._directory())"],
         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60, check=True,
     )  # fmt: skip
     assert where.stdout.strip() == str(site / "harvester" / "postgres" / "sql")

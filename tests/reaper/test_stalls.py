@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from psycopg import sql
 
 from harvester.core.shards import shard_of
-from harvester.postgres.identifiers import TableName
+from harvester.postgres.schema.identifiers import TableName
 from tests.reaper.test_cli_reasons import error_lines
 from tests.reaper.test_e2e import outbox_count, wait_for
 from tests.reaper.test_http_port import Process

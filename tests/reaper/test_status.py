@@ -19,8 +19,8 @@ import pytest
 from psycopg import sql
 
 from harvester.daemon.status import Heartbeat, Member, Status, Term
-from harvester.postgres.identifiers import TableName
-from harvester.postgres.migrations import dead_letter_table
+from harvester.postgres.schema.identifiers import TableName
+from harvester.postgres.schema.migrations import dead_letter_table
 from tests.reaper.test_e2e import insert, wait_for
 from tests.reaper.test_http_port import Process, goharvest_yaml
 from tests.support import (

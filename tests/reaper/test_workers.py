@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -19,7 +20,7 @@ import psycopg
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from harvester.postgres.identifiers import TableName
+from harvester.postgres.schema.identifiers import TableName
 from tests.engine.workload import check
 from tests.reaper.test_e2e import REAPER, free_port, outbox_count, wait_for
 from tests.support import Services, create_topics, delete_topics, read_messages, unique
@@ -195,3 +196,15 @@ def test_a_worker_that_cannot_start_ends_the_supervisor_with_exit_2(tmp_path: Pa
     worker.proc.wait(30)
     with pytest.raises(FailError, match="worker 0 could not start"):
         worker.tend()
+
+
+def test_workers_without_a_writable_temporary_directory_stop_in_one_line_naming_tmpdir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from harvester.daemon.errors import FailError
+    from harvester.daemon.workers import port_directory
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "missing"))  # as a TMPDIR nobody can write
+    with pytest.raises(FailError, match="set TMPDIR to a writable directory") as raised:
+        port_directory()
+    assert raised.value.code == 2 and "\n" not in str(raised.value)

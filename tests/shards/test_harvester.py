@@ -16,8 +16,8 @@ from psycopg import sql
 from harvester import Harvester, HarvesterConfig, Limits
 from harvester.core.identity import Identity
 from harvester.core.shards import shard_of
-from harvester.postgres.identifiers import TableName
-from harvester.postgres.migrations import fence_table
+from harvester.postgres.schema.identifiers import TableName
+from harvester.postgres.schema.migrations import fence_table
 from tests.engine.workload import check, wait_drained, wait_until, write_concurrently
 from tests.support import Services, consumed_headers, delete_topics, read_messages, unique
 

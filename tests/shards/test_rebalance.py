@@ -23,8 +23,8 @@ from psycopg import sql
 from harvester import OutboxRecord, Stasher
 from harvester.core.identity import Identity
 from harvester.core.shards import shard_of
-from harvester.postgres.identifiers import TableName
-from harvester.postgres.migrations import fence_table
+from harvester.postgres.schema.identifiers import TableName
+from harvester.postgres.schema.migrations import fence_table
 from tests.chaos import audit
 from tests.engine.workload import check, wait_drained, wait_until
 from tests.proc.processes import HarvesterProcess, harvester_spec

@@ -17,10 +17,10 @@ from psycopg import sql
 from harvester import PostgresStore
 from harvester.core.protocols import FencedError, ShardCountError
 from harvester.core.shards import shard_of
-from harvester.postgres.identifiers import TableName
-from harvester.postgres.migrations import Migration, available, ensure, ensure_shard_index, fence_table, render
-from harvester.postgres.sharding import shard_expression, shard_index
-from harvester.postgres.statements import id_array
+from harvester.postgres.schema.identifiers import TableName
+from harvester.postgres.schema.migrations import Migration, available, ensure, ensure_shard_index, fence_table, render
+from harvester.postgres.schema.sharding import shard_expression, shard_index
+from harvester.postgres.table.statements import id_array
 from tests.engine.workload import insert
 from tests.support import ROOT, Services, create_goharvest_outbox
 

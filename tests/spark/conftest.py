@@ -15,7 +15,7 @@ from pyspark import cloudpickle
 from pyspark.sql import SparkSession
 
 from examples.spark_pipeline import KAFKA_PACKAGE
-from harvester.postgres.identifiers import TableName
+from harvester.postgres.schema.identifiers import TableName
 from harvester.spark import register
 from tests.spark import faults
 from tests.spark.cluster import ConnectServer, StandaloneCluster, base_port, packed_environment

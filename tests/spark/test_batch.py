@@ -15,7 +15,7 @@ from psycopg import sql
 from pyspark.sql import SparkSession
 from pyspark.sql.types import StringType, StructField, StructType
 
-from harvester.postgres.identifiers import TableName
+from harvester.postgres.schema.identifiers import TableName
 from harvester.spark import store
 from harvester.spark.plan import resolve
 from harvester.spark.store import SinkTables, clean_stale

@@ -18,8 +18,8 @@ from psycopg import sql
 
 from examples.spark_pipeline import KAFKA_PACKAGE
 from harvester.core.identity import Identity
-from harvester.postgres.identifiers import TableName
-from harvester.postgres.migrations import dead_letter_table, migrate
+from harvester.postgres.schema.identifiers import TableName
+from harvester.postgres.schema.migrations import dead_letter_table, migrate
 from harvester.spark.store import SinkTables, clean_stale
 from tests.spark.cluster import StandaloneCluster, executor_of, kill_tree, spark_submit
 from tests.spark.test_batch import leftovers, records, wait_for_stragglers

@@ -11,7 +11,7 @@ import pytest
 from psycopg import sql
 from pyspark.sql.connect.session import SparkSession as RemoteSparkSession
 
-from harvester.postgres.identifiers import TableName
+from harvester.postgres.schema.identifiers import TableName
 from harvester.spark import register
 from harvester.spark.store import SinkTables
 from tests.spark import faults

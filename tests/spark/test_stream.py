@@ -10,7 +10,7 @@ import pytest
 from psycopg import sql
 from pyspark.sql import SparkSession
 
-from harvester.postgres.identifiers import TableName
+from harvester.postgres.schema.identifiers import TableName
 from harvester.spark.store import SinkTables
 from tests.spark.jobs import run_stream
 from tests.spark.test_batch import leftovers, records

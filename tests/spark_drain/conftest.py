@@ -18,7 +18,7 @@ from pyspark.sql import DataFrame, SparkSession
 from examples.spark_pipeline import KAFKA_PACKAGE
 from harvester.client.dedup import DedupReader
 from harvester.core.identity import Identity
-from harvester.postgres.identifiers import TableName
+from harvester.postgres.schema.identifiers import TableName
 from harvester.spark import register
 from tests.dedup.kafka import consumer, ends, read_to
 from tests.support import Services, consumed_headers

@@ -17,8 +17,8 @@ from pyspark.sql import DataFrame
 from pyspark.sql.streaming.query import StreamingQuery
 
 from harvester.core.identity import Identity
-from harvester.postgres.identifiers import TableName
-from harvester.postgres.migrations import dead_letter_table
+from harvester.postgres.schema.identifiers import TableName
+from harvester.postgres.schema.migrations import dead_letter_table
 from tests.spark_drain.conftest import Drain, deduplicated, preload, remaining, to_kafka
 from tests.support import Services, consumed_headers, delete_topics, read_messages, text, unique
 

@@ -20,7 +20,7 @@ import psycopg
 import pytest
 
 from harvester.core.identity import Identity
-from harvester.postgres.identifiers import TableName
+from harvester.postgres.schema.identifiers import TableName
 from tests.engine.workload import wait_until
 from tests.spark_drain.conftest import Drain, deduplicated, preload, remaining, to_kafka
 from tests.support import ROOT, Services, consumed_headers, end_offsets, read_messages, text

@@ -12,10 +12,10 @@ from psycopg import sql
 from pyspark.sql.streaming.datasource import ReadMaxRows
 
 from harvester.core.protocols import FencedError
-from harvester.postgres.catalog import OutboxMissingError
-from harvester.postgres.identifiers import TableName
-from harvester.postgres.migrations import dead_letter_table
-from harvester.postgres.rows import malformed
+from harvester.postgres.schema.catalog import OutboxMissingError
+from harvester.postgres.schema.identifiers import TableName
+from harvester.postgres.schema.migrations import dead_letter_table
+from harvester.postgres.table.rows import malformed
 from harvester.spark.drain import DrainConfigError, DrainOptions, OutboxStreamReader
 from tests.spark_drain.conftest import preload, remaining
 from tests.support import Services
@@ -129,7 +129,7 @@ def test_malformed_records_are_dead_lettered_under_the_fence_and_left_out_of_the
             )
         }
         epoch = planned["0"]["epoch"]
-        # The same reasons a reaper gives (harvester.postgres.rows), under the drain's term.
+        # The same reasons a reaper gives (harvester.postgres.table.rows), under the drain's term.
         assert letters == {
             rid: ("malformed", malformed(*shape), 1, epoch) for rid, shape in zip(bad, shapes, strict=True)
         }

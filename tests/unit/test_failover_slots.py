@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from harvester.postgres.logical import Failover
+from harvester.postgres.log.logical import Failover
 
 pytestmark = pytest.mark.unit
 

@@ -260,3 +260,21 @@ def test_a_record_to_go_alone_waits_until_nothing_is_in_flight_and_goes_last() -
     gate.answered([(b1, None)])
     gate.done([b1], [b1.id], [])
     assert gate.take(["b", *gate.parked], {a2.id}) == [a2] and gate.parked == []
+
+
+def test_a_copy_purged_while_its_first_is_held_leaves_no_room_taken() -> None:
+    """A remark hands out again what the store has not seen purged: an acknowledged record's copy
+    goes out, and is purged while the first is held (a stored position, not covering it yet). Both
+    acknowledgements leave the key's run once the position covers the id: a copy counted for good
+    closed the key after KEY_RUN such remarks (walsender terminations stalled a retention window)."""
+    gate = KeyGate(release_at_ack(keeps_order=True))
+    x = MarkedRecord(1, CREATED, "t", "a", b"v", [])
+    for _ in range(2):  # the record, then its copy
+        assert not gate.hold_back(x, 0.0)
+        gate.sent(x)
+        gate.answered([(x, None)])
+        gate.done([x], [], [])
+    assert gate.holding
+    gate.done([], [x.id], [])
+    assert not gate.busy() and not gate.holding
+    assert gate.window == 0

@@ -121,7 +121,7 @@ def test_every_import_is_seen() -> None:
     source = """
 from typing import TYPE_CHECKING
 from . import records
-from ..postgres.store import PostgresStore
+from ..postgres.table.store import PostgresStore
 if TYPE_CHECKING:
     import confluent_kafka
 def later() -> None:
@@ -130,7 +130,7 @@ def later() -> None:
     seen = {name for _line, name in imports(source, "harvester.core.engine", is_package=False)}
     assert {
         "harvester.core.records",
-        "harvester.postgres.store.PostgresStore",
+        "harvester.postgres.table.store.PostgresStore",
         "confluent_kafka",
         "harvester.kafka.publisher",
     } <= seen

@@ -12,10 +12,10 @@ from uuid import UUID, uuid4
 
 import pytest
 
-from harvester.postgres.log_records import PUBLISHED
-from harvester.postgres.log_transactions import Transactions, messages, reached
-from harvester.postgres.spill import Budget
-from harvester.postgres.streamed import SPILLED
+from harvester.postgres.log.records import PUBLISHED
+from harvester.postgres.log.spill import Budget
+from harvester.postgres.log.streamed import SPILLED
+from harvester.postgres.log.transactions import Transactions, messages, reached
 
 pytestmark = pytest.mark.unit
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from harvester import OutboxRecord
-from harvester.postgres import message_format
-from harvester.postgres.message_format import PayloadError, decode, encode
+from harvester.postgres.schema import message_format
+from harvester.postgres.schema.message_format import PayloadError, decode, encode
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,7 @@ import struct
 
 import pytest
 
-from harvester.postgres import pgoutput
+from harvester.postgres.log import pgoutput
 
 pytestmark = pytest.mark.unit
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from harvester import Harvester, HarvesterConfig
-from harvester.postgres.spill import Spill, spill_directory
+from harvester.postgres.log.spill import Spill, spill_directory
 from tests.support import ManualElector
 
 pytestmark = pytest.mark.unit

@@ -11,9 +11,9 @@ from collections.abc import Callable
 
 import pytest
 
-from harvester.postgres import pgoutput
-from harvester.postgres.spill import Budget
-from harvester.postgres.streamed import SPILLED, Received, StreamedTransactions
+from harvester.postgres.log import pgoutput
+from harvester.postgres.log.spill import Budget
+from harvester.postgres.log.streamed import SPILLED, Received, StreamedTransactions
 
 pytestmark = pytest.mark.unit
 

@@ -35,8 +35,8 @@ from psycopg import sql
 
 from harvester.core.identity import IdentityHeaders
 from harvester.core.protocols import FencedError, ShardCountError, StoreError
-from harvester.postgres.migrations import fence_table
-from harvester.postgres.store import PostgresStore
+from harvester.postgres.schema.migrations import fence_table
+from harvester.postgres.table.store import PostgresStore
 from harvester.spark.drain.options import DrainConfigError, DrainOptions
 from leader import ElectorConfig, LeaderAcquired, LeaderEvent, LeaderRevoked, NeliElector
 

@@ -7,7 +7,7 @@ its delivery failing with a permanent error). Kafka refuses a record by its size
 ``max.request.size`` and the topic's ``max.message.bytes``. Both are compared with the size of the
 record's batch, which the Java producer bounds from above by a batch header, a record header and
 the lengths of the key, the value and each header with their varints. The plan's estimate
-(``harvester.postgres.rows.Pending.size`` plus :func:`overhead`) takes every varint and number at its
+(``harvester.postgres.table.rows.Pending.size`` plus :func:`overhead`) takes every varint and number at its
 widest, so it is never below that bound: a record either check refuses is always caught (with an
 uncompressed sink, Spark's default, for the broker's), and one a few hundred bytes below the limit
 may be caught too.

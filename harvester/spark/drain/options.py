@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from harvester.core.identity import DEFAULT_PREFIX
-from harvester.postgres.identifiers import IdentifierError, TableName
+from harvester.postgres.schema.identifiers import IdentifierError, TableName
 
 DEFAULT_MAX_RECORDS = 10_000
 DEFAULT_MAX_RECORD_BYTES = 1_048_576

@@ -41,7 +41,7 @@ from pyspark.sql.types import ArrayType, BinaryType, IntegerType, LongType, Stri
 from harvester.core.identity import IdentityHeaders, Stamp
 from harvester.core.protocols import FencedError
 from harvester.core.records import Failure
-from harvester.postgres.rows import Pending
+from harvester.postgres.table.rows import Pending
 from harvester.spark.drain.leadership import Shards, retrying
 from harvester.spark.drain.limits import RecordLimits, overhead
 from harvester.spark.drain.options import DrainConfigError, DrainOptions
@@ -171,7 +171,7 @@ class OutboxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         """The ids of the next records of ``shard``. Those Kafka would refuse whatever the attempt,
         as a reaper finds after its attempts (the drain has one: it would fail every replay), are
         moved to the dead-letter table under the fence instead: malformed rows (no message can be
-        made of them, :mod:`harvester.postgres.rows`) and records too large for their topic
+        made of them, :mod:`harvester.postgres.table.rows`) and records too large for their topic
         (:mod:`harvester.spark.drain.limits`)."""
         held = self._held()
         store = held.stores[shard]

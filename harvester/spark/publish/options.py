@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from harvester.core.identity import DEFAULT_PREFIX
-from harvester.postgres.identifiers import TableName
+from harvester.postgres.schema.identifiers import TableName
 from harvester.spark.drain.options import DrainConfigError, outbox_of, positive
 
 DEFAULT_MAX_ATTEMPTS = 3

@@ -30,8 +30,8 @@ from pyspark.sql.types import StructType
 from harvester.core.identity import IdentityHeaders
 from harvester.core.protocols import FencedError
 from harvester.core.records import Failure
-from harvester.postgres.migrations import fence_table
-from harvester.postgres.store import PostgresStore
+from harvester.postgres.schema.migrations import fence_table
+from harvester.postgres.table.store import PostgresStore
 from harvester.spark.drain.leadership import retrying
 from harvester.spark.drain.options import DrainConfigError
 from harvester.spark.publish.options import PublishOptions

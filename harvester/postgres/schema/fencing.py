@@ -1,6 +1,6 @@
 """The epoch fence of a store's (outbox, shard): its row in the schema's fence table, which every
 change of the store share-locks at the store's own epoch (the guard in
-:mod:`harvester.postgres.statements`). A term starts by taking an epoch above every shard's of the
+:mod:`harvester.postgres.table.statements`). A term starts by taking an epoch above every shard's of the
 outbox, after checking the number of shards recorded with the fence; a statement that changed less
 than it was given is checked against the current epoch; the exactly-once checkpoint position is kept
 in the same row."""
@@ -16,9 +16,9 @@ from psycopg import sql
 
 from harvester.core.protocols import FencedError, ShardCountError
 from harvester.postgres.connections import PooledConnections
-from harvester.postgres.identifiers import TableName
-from harvester.postgres.migrations import fence_table
-from harvester.postgres.sharding import mismatch
+from harvester.postgres.schema.identifiers import TableName
+from harvester.postgres.schema.migrations import fence_table
+from harvester.postgres.schema.sharding import mismatch
 
 
 @dataclass(frozen=True, slots=True)

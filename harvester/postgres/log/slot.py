@@ -10,10 +10,10 @@ import threading
 import time
 from collections.abc import Callable
 
-from harvester.postgres.logical import LogSetup
-from harvester.postgres.replication import SLOT_IN_USE, LogicalStream, StreamError
-from harvester.postgres.spill import Budget
-from harvester.postgres.streamed import Decoder, Received
+from harvester.postgres.log.logical import LogSetup
+from harvester.postgres.log.replication import SLOT_IN_USE, LogicalStream, StreamError
+from harvester.postgres.log.spill import Budget
+from harvester.postgres.log.streamed import Decoder, Received
 
 # Starting the stream while the slot's previous reader is still exiting: tries, and the pause between.
 _START_TRIES = 50
@@ -34,7 +34,7 @@ class SlotStream:
         """``take_over`` terminates the slot's other reader under the fence and returns the slot's
         confirmed position; ``on_start`` runs once a new stream started (a restarted stream sends
         again what the previous one sent past that position); ``decoder`` and ``budget`` are each
-        stream's (see :class:`~harvester.postgres.replication.LogicalStream`)."""
+        stream's (see :class:`~harvester.postgres.log.replication.LogicalStream`)."""
         self.conninfo = ""  # the store's, set before the first start
         self._setup = setup
         self._take_over = take_over

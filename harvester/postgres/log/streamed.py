@@ -16,8 +16,8 @@ its own or its subtransactions': PostgreSQL's own apply worker truncates its spo
 
 The outbox's rows of an in-progress transaction are held until its end, as the rows of a received
 transaction are until they are done: in memory within the store's
-:class:`~harvester.postgres.spill.Budget`, and a large transaction's changes past it, as they came,
-in a :class:`~harvester.postgres.spill.Spill`. A *decoder* may keep a change in memory in another
+:class:`~harvester.postgres.log.spill.Budget`, and a large transaction's changes past it, as they came,
+in a :class:`~harvester.postgres.log.spill.Spill`. A *decoder* may keep a change in memory in another
 form: each in-progress transaction gets one (:data:`Decoder`), which sees its changes in order as
 they come (until they spill) and returns what to keep instead of a change, or
 None to keep the change; a change it fails on is kept as it came (whoever reads it later meets the
@@ -34,8 +34,8 @@ import struct
 from collections.abc import Callable
 from typing import Final
 
-from harvester.postgres import pgoutput
-from harvester.postgres.spill import DECODED_COST, MESSAGE_COST, Budget, Spill
+from harvester.postgres.log import pgoutput
+from harvester.postgres.log.spill import DECODED_COST, MESSAGE_COST, Budget, Spill
 
 # The kinds that open, close, commit or abort a stream: 'S', 'E', 'c', 'A'.
 STREAM_KINDS = frozenset(b"SEcA")
@@ -49,7 +49,7 @@ _WITH_XID = frozenset(b"RYIUDTM")
 # What a stream gives: a message, or what a decoder kept instead of a change.
 Received = bytes | object
 # Given between a committed transaction's changes kept in memory and those that were spilled: its
-# receiver spills from there too (log_transactions.py), so that what is decoded stays in memory.
+# receiver spills from there too (transactions.py), so that what is decoded stays in memory.
 SPILLED: Final = b"\xffspilled"
 # Makes the decoder of one in-progress transaction: given each of its changes (without its xid),
 # what to keep instead, or None to keep the change itself.
@@ -97,7 +97,7 @@ class StreamedTransactions:
 
     def __init__(self, decoder: Decoder | None = None, budget: Budget | None = None) -> None:
         """``budget``: what the transactions' changes may take in memory (estimated: a change's size
-        and :data:`~harvester.postgres.spill.MESSAGE_COST`, or :data:`~harvester.postgres.spill.DECODED_COST`
+        and :data:`~harvester.postgres.log.spill.MESSAGE_COST`, or :data:`~harvester.postgres.log.spill.DECODED_COST`
         when decoded), counted in its ``streamed``; once over it, a transaction past its floor spills
         its next changes as they came (not decoded), given after :data:`SPILLED`. At its commit, a
         transaction's count is ``handed`` to its receiver, whose memory its changes go to."""

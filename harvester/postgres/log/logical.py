@@ -4,7 +4,7 @@
 report what is missing with the fix (:func:`missing`).
 
 The log source needs PostgreSQL 14+ (pgoutput's ``binary`` option; a table-less outbox its
-``messages`` option too) and published columns of types it reads (:mod:`.log_records`). A
+``messages`` option too) and published columns of types it reads (:mod:`.records`). A
 table-less outbox (``LogSetup.prefix``) publishes no table; pgoutput still wants an existing
 publication to name, so it gets an empty one (which also keeps every table's changes out of the
 stream).
@@ -20,8 +20,8 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from harvester.postgres.identifiers import TableName
-from harvester.postgres.log_records import PUBLISHED, READABLE_TYPES, readable
+from harvester.postgres.log.records import PUBLISHED, READABLE_TYPES, readable
+from harvester.postgres.schema.identifiers import TableName
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,7 +240,7 @@ def takeover(fence: TableName, server_version: int) -> sql.Composed:
 
 def recreate(conn: psycopg.Connection[Any], setup: LogSetup) -> bool:
     """Drop ``setup``'s slot if the server invalidated it, then create it if absent (autocommit
-    connection): the recovery of a lost slot (log_recovery.py). Whether it created the slot."""
+    connection): the recovery of a lost slot (recovery.py). Whether it created the slot."""
     row = conn.execute(
         "SELECT active_pid FROM pg_replication_slots WHERE slot_name = %s AND wal_status = 'lost'", (setup.slot,)
     ).fetchone()

@@ -5,17 +5,17 @@ A shard's rows are those whose key hashes to it (:func:`harvester.core.shards.sh
 here by the same expression). The mark query of shard ``i`` asks for the rows with
 ``i <= shard_expression(N) < i + 1`` in (shard, id) order: an index on ``(shard_expression(N), id)``
 answers that by reading only shard ``i``'s entries, lowest id first, whatever the other shards hold
-(the store's connections plan without sorts, :data:`harvester.postgres.statements.PLANNER_OPTIONS`;
+(the store's connections plan without sorts, :data:`harvester.postgres.table.statements.PLANNER_OPTIONS`;
 ``tests/shards/test_store.py`` shows the plan, with stale statistics and with fresh ones). The
 expression includes N, so each N has an index of its own; ``reaper migrate`` and the harvester's
-start create it (:func:`harvester.postgres.migrations.ensure_shard_index`).
+start create it (:func:`harvester.postgres.schema.migrations.ensure_shard_index`).
 """
 
 from __future__ import annotations
 
 from psycopg import sql
 
-from harvester.postgres.identifiers import TableName
+from harvester.postgres.schema.identifiers import TableName
 
 
 def shard_expression(shards: int) -> sql.Composable:

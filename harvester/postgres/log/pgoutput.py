@@ -3,10 +3,10 @@ needs (as protocol version 1 sends them; the stream asks for version 2, whose st
 :mod:`.streamed` puts back into that form): Begin, Relation and Commit, an Insert's new tuple
 (:func:`tuple_values`), and the parts of a logical decoding message (:func:`logical_message`).
 Every other message (Insert too: the log source recognizes its outbox's inserts before parsing,
-:mod:`.log_transactions`) parses to None.
+:mod:`.transactions`) parses to None.
 
 The stream asks for column values in their binary form (``binary 'true'``, PostgreSQL 14+): each
-type's send format, which :mod:`.log_records` reads. Reference: PostgreSQL's "Logical Replication
+type's send format, which :mod:`.records` reads. Reference: PostgreSQL's "Logical Replication
 Message Formats".
 """
 

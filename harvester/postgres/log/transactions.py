@@ -1,7 +1,7 @@
 """The log source's bookkeeping of received transactions: what the slot sent, in commit order, what
 of it is done, and the pass buffer of what a leader id has not been handed yet.
 
-Not thread-safe: :class:`~harvester.postgres.log_store.LogStore` calls it under its state lock (the
+Not thread-safe: :class:`~harvester.postgres.log.store.LogStore` calls it under its state lock (the
 mark thread receives and hands out, completion threads settle).
 
 A transaction is kept from its Begin until every record of it is done (acknowledged and deleted,
@@ -14,7 +14,7 @@ the stream goes forward only); records already done are skipped as they are hand
 
 Records are known by where they are in their transaction (the stream's order, which the slot sends
 again the same): the leading run of a transaction's done records is its *done prefix*, which a
-store that keeps the position done instead of deleting rows (:mod:`harvester.postgres.log_position`)
+store that keeps the position done instead of deleting rows (:mod:`harvester.postgres.log.position`)
 stores too, so that a new leader skips it even when an earlier record of another key is not done.
 """
 
@@ -28,10 +28,10 @@ from heapq import heappop, heappush
 from uuid import UUID
 
 from harvester.core.protocols import StoreError
-from harvester.postgres import pgoutput
-from harvester.postgres.log_records import Columns
-from harvester.postgres.spill import MESSAGE_COST, Budget, Spill
-from harvester.postgres.streamed import SPILLED, Received
+from harvester.postgres.log import pgoutput
+from harvester.postgres.log.records import Columns
+from harvester.postgres.log.spill import MESSAGE_COST, Budget, Spill
+from harvester.postgres.log.streamed import SPILLED, Received
 
 _EPOCH_2000 = 946_684_800.0  # PostgreSQL's timestamps count from 2000-01-01 UTC, in Unix seconds
 
@@ -46,7 +46,7 @@ class Transaction:
     inserts: list[Received]
     done: set[int] = field(default_factory=set)  # indexes in inserts of those acknowledged (or dead-lettered)
     prefix: int = 0  # how many of its first inserts are all done (advanced by Transactions.partial)
-    visible: bool = False  # its rows were found visible to new snapshots (see harvester.postgres.log_visibility)
+    visible: bool = False  # its rows were found visible to new snapshots (see harvester.postgres.log.visibility)
     commit_time: int = 0  # microseconds since 2000-01-01 UTC
     end_lsn: int = 0  # a slot advanced to here has consumed it; 0 until its Commit came
     in_memory: int = 0  # what its inserts in memory take (estimated, spill.py), as counted in the budget

@@ -1,7 +1,7 @@
 """The log source over a table with a retention window: delivered rows stay in the table for a
 while and are deleted later, in bulk, instead of one DELETE per completion batch (the log source's
 largest PostgreSQL cost in a burst). Records complete as in
-:mod:`harvester.postgres.log_position`: the position done is stored in the fence row.
+:mod:`harvester.postgres.log.position`: the position done is stored in the fence row.
 
 Which rows are delivered: the WAL carries every insert whatever happens to the row later, so the
 slot, not the table, is what delivery rests on; rows are kept only for the operators (and for the
@@ -35,8 +35,8 @@ from psycopg import sql
 
 from harvester.core.protocols import StoreError
 from harvester.core.records import MarkedRecord
-from harvester.postgres.log_position import PositionedLogStore
-from harvester.postgres.logical import LogSetup
+from harvester.postgres.log.logical import LogSetup
+from harvester.postgres.log.position import PositionedLogStore
 
 # How long, and in reads of how many messages, a leader that stops reads the stream on for its
 # final cut (see the module's doc).
@@ -105,7 +105,7 @@ class RetainingLogStore(PositionedLogStore):
     def _before_harvest(self) -> None:
         """A lost slot's recovery harvests what the table holds: the rows older than the delivered
         cut (the pending one first made delivered if the stored position reached it) are delivered,
-        so they go first, and only the rest is published again (log_recovery.py)."""
+        so they go first, and only the rest is published again (recovery.py)."""
         with self._state:
             partial = self._partial()
         self._store(0, 0, partial)

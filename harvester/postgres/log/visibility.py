@@ -3,7 +3,7 @@
 The walsender sends a transaction once its commit record is flushed, a moment before the committing
 session makes it visible. A purge in that moment would delete none of its rows, yet count its
 records done, and the slot would move past rows left in the table for good: so a transaction goes
-out only once one statement finds it visible (:meth:`harvester.postgres.log_store.LogStore.mark`).
+out only once one statement finds it visible (:meth:`harvester.postgres.log.store.LogStore.mark`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from harvester.postgres.log_transactions import Transaction
+from harvester.postgres.log.transactions import Transaction
 
 # How many of the given transactions a new snapshot does not see yet (their 32-bit xids made 64-bit
 # against the snapshot's xmax: a decoded transaction is at most one wraparound behind it).

@@ -1,10 +1,10 @@
 """The table-less outbox: records written as transactional logical decoding messages
-(``pg_logical_emit_message(true, <prefix>, <payload>)``, :mod:`harvester.postgres.message_format`)
+(``pg_logical_emit_message(true, <prefix>, <payload>)``, :mod:`harvester.postgres.schema.message_format`)
 and read by the log source from the slot, with no table and so nothing to delete.
 
 Everything the log source does about the stream, terms, passes and confirmations stays
-(:class:`~harvester.postgres.log_store.LogStore`); what takes the place of the delete is the
-position stored in the fence row (:mod:`harvester.postgres.log_position`).
+(:class:`~harvester.postgres.log.store.LogStore`); what takes the place of the delete is the
+position stored in the fence row (:mod:`harvester.postgres.log.position`).
 
 A record's id is its message's LSN: unique, the same in every term (the slot sends the same WAL
 records again), and what the identity headers, the checkpoints and the dead-letter table carry.
@@ -23,13 +23,14 @@ from psycopg import sql
 
 from harvester.core.protocols import StoreError
 from harvester.core.records import ColumnLimits, Failure, MarkedRecord
-from harvester.postgres import logical, message_format, migrations, pgoutput
-from harvester.postgres.catalog import OutboxColumns
 from harvester.postgres.connections import error_text
-from harvester.postgres.log_position import PositionedLogStore
-from harvester.postgres.log_store import decoded
-from harvester.postgres.log_transactions import Taken, Transaction, Transactions, messages
-from harvester.postgres.logical import LogSetup
+from harvester.postgres.log import logical, pgoutput
+from harvester.postgres.log.logical import LogSetup
+from harvester.postgres.log.position import PositionedLogStore
+from harvester.postgres.log.store import decoded
+from harvester.postgres.log.transactions import Taken, Transaction, Transactions, messages
+from harvester.postgres.schema import message_format, migrations
+from harvester.postgres.schema.catalog import OutboxColumns
 
 _EPOCH_2000 = datetime(2000, 1, 1, tzinfo=UTC)
 # What a record may hold: whatever Kafka accepts (the stasher checks only the record itself).
@@ -67,7 +68,7 @@ class MessageStore(PositionedLogStore):
 
     def prepare(self) -> Any:
         """As the log store's, and once, at the first: refuse to run where a failover would lose
-        records (:func:`~harvester.postgres.logical.failover_risk`). Not again at a later term: the
+        records (:func:`~harvester.postgres.log.logical.failover_risk`). Not again at a later term: the
         new primary after a failover may have no standby yet, and stopping then loses nothing."""
         columns = super().prepare()
         if not self._risk_checked:

@@ -17,8 +17,8 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from harvester.postgres.identifiers import TableName
-from harvester.postgres.migrations import LOCK_KEY, dead_letter_table
+from harvester.postgres.schema.identifiers import TableName
+from harvester.postgres.schema.migrations import LOCK_KEY, dead_letter_table
 
 _COLUMNS = """
 SELECT a.attname, t.typname, a.atttypmod, format_type(a.atttypid, a.atttypmod)

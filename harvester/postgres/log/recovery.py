@@ -28,7 +28,7 @@ What the harvest publishes again, beyond what the slot had not delivered:
   of committed checkpoints before the harvest marks anything (a purge while a recovery is under way
   deletes, whatever the variant), so nothing committed to Kafka is published again.
 - A retention window: delivered rows stay in the table. Those older than the delivered cut
-  (log_retention.py) are deleted first; the rest are harvested, which repeats the records
+  (retention.py) are deleted first; the rest are harvested, which repeats the records
   delivered since that cut was taken (usually the last second or so of the drain; a long-running
   transaction holds the cut back), in both delivery modes.
 - A table-less outbox cannot be recovered: its records exist only in the log. The leader stops
@@ -46,8 +46,8 @@ from prometheus_client.registry import Collector
 from psycopg import sql
 
 from harvester.core.protocols import FatalStoreError, StoreError
-from harvester.postgres.identifiers import TableName
-from harvester.postgres.migrations import fence_table
+from harvester.postgres.schema.identifiers import TableName
+from harvester.postgres.schema.migrations import fence_table
 
 
 class SlotLostError(StoreError):

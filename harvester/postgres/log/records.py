@@ -15,7 +15,8 @@ from datetime import UTC, datetime, timedelta
 
 from harvester.core.protocols import StoreError
 from harvester.core.records import MarkedRecord
-from harvester.postgres import pgoutput, rows
+from harvester.postgres.log import pgoutput
+from harvester.postgres.table import rows
 
 # The columns a record is made of (the log source publishes and reads no other).
 PUBLISHED = ("id", "create_time", "kafka_topic", "kafka_key", "kafka_value", "kafka_header_keys", "kafka_header_values")

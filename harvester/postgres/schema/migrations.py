@@ -20,8 +20,8 @@ from typing import Literal
 import psycopg
 from psycopg import sql
 
-from harvester.postgres.identifiers import TableName
-from harvester.postgres.sharding import shard_expression, shard_index
+from harvester.postgres.schema.identifiers import TableName
+from harvester.postgres.schema.sharding import shard_expression, shard_index
 
 LOCK_KEY = 0x6F7574626F78  # "outbox": serialises concurrent migrations of any table
 _INDEX_LOCK_KEY = LOCK_KEY + 1  # serialises the shard index builds of concurrent starts

@@ -15,7 +15,7 @@ import psycopg
 
 from harvester.core.protocols import StoreError
 from harvester.core.records import ColumnLimits, ValueKind
-from harvester.postgres.identifiers import TableName
+from harvester.postgres.schema.identifiers import TableName
 
 __all__ = ["CATALOG_SQL", "OutboxColumns", "OutboxMissingError", "UnsupportedOutboxError", "columns_from_rows", "read"]
 

@@ -21,7 +21,7 @@ number; readers that know it accept every earlier one.
 from __future__ import annotations
 
 from harvester.core.records import OutboxRecord
-from harvester.postgres.identifiers import TableName
+from harvester.postgres.schema.identifiers import TableName
 
 VERSION = 1
 

@@ -4,7 +4,7 @@ libpq layer (``psycopg.pq``), which can hold a connection in COPY BOTH mode.
 ``START_REPLICATION SLOT ... LOGICAL`` makes the server's walsender decode the log once, forward,
 from the slot's position, and send each change of the committed transactions as an XLogData
 message ('w'), in commit order; a large transaction's changes come while it is in progress, and
-:mod:`harvester.postgres.streamed` holds them until its commit. Now and then it sends a primary
+:mod:`harvester.postgres.log.streamed` holds them until its commit. Now and then it sends a primary
 keepalive ('k') with the position its decoding reached; it asks for an answer when it has heard
 nothing from us for half its ``wal_sender_timeout``. The client's standby status update ('r')
 reports how far it has consumed: the flush position it names becomes the slot's
@@ -25,8 +25,8 @@ import psycopg
 from psycopg import pq
 
 from harvester.core.protocols import StoreError
-from harvester.postgres.spill import Budget
-from harvester.postgres.streamed import STREAM_KINDS, Decoder, Received, StreamedTransactions
+from harvester.postgres.log.spill import Budget
+from harvester.postgres.log.streamed import STREAM_KINDS, Decoder, Received, StreamedTransactions
 
 _XLOG_HEAD: Final = 25  # 'w', start LSN, end LSN, send time
 _KEEPALIVE = struct.Struct("!QQB")  # end of WAL (for a logical walsender: how far it decoded), time, reply?
@@ -80,7 +80,7 @@ class LogicalStream:
             if self._conn.status != pq.ConnStatus.OK:
                 raise StreamError(f"cannot connect for replication: {self._error()}")
             # 0/0: the server starts at the slot's confirmed_flush_lsn (a lower start is ignored).
-            # Values in their binary forms (PostgreSQL 14+): cheaper to read than text (log_records.py).
+            # Values in their binary forms (PostgreSQL 14+): cheaper to read than text (records.py).
             # Large transactions streamed while in progress (protocol 2, PostgreSQL 14+; streamed.py).
             command = (
                 f"START_REPLICATION SLOT {_ident(slot)} LOGICAL 0/0"

@@ -50,8 +50,8 @@ def spill_directory(directory: str | None) -> str:
 
 class Budget:
     """The memory (estimated) the transactions of one store may hold, all together. Those streamed
-    in progress are counted by their stream (:class:`~harvester.postgres.streamed.StreamedTransactions`,
-    ``streamed``) and those received by their receiver (:class:`~harvester.postgres.log_transactions.Transactions`,
+    in progress are counted by their stream (:class:`~harvester.postgres.log.streamed.StreamedTransactions`,
+    ``streamed``) and those received by their receiver (:class:`~harvester.postgres.log.transactions.Transactions`,
     ``received``), each side writing only its own count, under its own lock; a committed streamed
     transaction's count passes from one to the other through ``handed`` (both sides run in the
     thread that reads the stream). A transaction holding more than ``floor`` spills its next

@@ -1,8 +1,8 @@
 """A log source that deletes nothing per batch: how far its records are done is stored in the
 outbox's fence row instead (``log_lsn``, the end of the last transaction whose records are all
 done), under the epoch fence, before the slot is confirmed there. Both the table-less outbox
-(:mod:`harvester.postgres.message_store`, nothing to delete) and the table with a retention window
-(:mod:`harvester.postgres.log_retention`, deleted later in bulk) complete records so.
+(:mod:`harvester.postgres.log.message_store`, nothing to delete) and the table with a retention window
+(:mod:`harvester.postgres.log.retention`, deleted later in bulk) complete records so.
 
 A new leader skips every transaction up to the stored position, whether or not the old leader's
 confirmation reached the server: at least once it republishes only what was not stored done;
@@ -20,9 +20,9 @@ from uuid import UUID
 from psycopg import sql
 
 from harvester.core.protocols import FencedError, SourceSample
-from harvester.postgres import migrations
-from harvester.postgres.log_store import LogStore
-from harvester.postgres.logical import LogSetup
+from harvester.postgres.log.logical import LogSetup
+from harvester.postgres.log.store import LogStore
+from harvester.postgres.schema import migrations
 
 
 class PositionedLogStore(LogStore):
@@ -88,7 +88,7 @@ class PositionedLogStore(LogStore):
     def purge(self, ids: Sequence[int]) -> None:
         """Nothing deleted now: the records are done, and the position with them (the done prefix
         of the first transaction not all done included); the slot moves past every transaction all
-        done. (While a lost slot is recovered, deleted as mark-purge does: log_recovery.py.)"""
+        done. (While a lost slot is recovered, deleted as mark-purge does: recovery.py.)"""
         if self._table_purge(ids):
             return
         with self._state:
@@ -103,7 +103,7 @@ class PositionedLogStore(LogStore):
         with self._state:
             lsn, partial = self._position
             out = self._txns.durable(ids, lsn, partial)
-            if self._released:  # deleted by a lost slot's recovery (log_store.py)
+            if self._released:  # deleted by a lost slot's recovery (store.py)
                 out += self._released
                 self._released.clear()
             return out
@@ -113,7 +113,7 @@ class PositionedLogStore(LogStore):
         fenced statement (the position only past checkpoints whose transactions are all done),
         then confirm the slot there. Ids this term did not hand out (recovered from committed
         checkpoints) count as done when the slot sends them; the position stays. (While a lost slot
-        is recovered, deleted as mark-purge does: log_recovery.py.)"""
+        is recovered, deleted as mark-purge does: recovery.py.)"""
         if self._table_purge(ids, position):
             return
         with self._state:

@@ -15,9 +15,9 @@ from psycopg import sql
 from psycopg.rows import dict_row
 
 from harvester.core.records import OutboxRecord
-from harvester.postgres import message_format
-from harvester.postgres.identifiers import TableName
-from harvester.postgres.migrations import dead_letter_table
+from harvester.postgres.schema import message_format
+from harvester.postgres.schema.identifiers import TableName
+from harvester.postgres.schema.migrations import dead_letter_table
 
 _SUMMARY = "id, kafka_topic, kafka_key, reason, attempts, first_failure, last_failure, dead_lettered_at"
 

@@ -23,7 +23,7 @@ import psycopg
 import structlog
 from psycopg import sql
 
-from harvester.postgres.identifiers import TableName
+from harvester.postgres.schema.identifiers import TableName
 
 log = structlog.get_logger("harvester.vacuum")
 

@@ -1,12 +1,12 @@
 """The SQL of mark-purge/reset over one outbox table, built once from the table's shape.
 
 Every statement first share-locks the fence row at this process's epoch (the ``fence`` CTE; the
-statements on the fence rows themselves are :mod:`harvester.postgres.fencing`'s):
+statements on the fence rows themselves are :mod:`harvester.postgres.schema.fencing`'s):
 after a newer epoch commits, the CTE is empty, nothing changes and the mark returns nothing. That
 is the "no change past a fence" guarantee (tested in ``tests/fence``).
 
 The mark is a read: the leader keeps the ids it has handed out in memory (see
-:class:`harvester.postgres.store.PostgresStore`) instead of writing its leader id into every row,
+:class:`harvester.postgres.table.store.PostgresStore`) instead of writing its leader id into every row,
 which halves the row versions a record costs.
 """
 
@@ -17,11 +17,11 @@ from dataclasses import dataclass
 
 from psycopg import sql
 
-from harvester.postgres.catalog import OutboxColumns
-from harvester.postgres.identifiers import TableName
-from harvester.postgres.migrations import dead_letter_table, fence_table
-from harvester.postgres.rows import MALFORMED_SQL
-from harvester.postgres.sharding import shard_expression
+from harvester.postgres.schema.catalog import OutboxColumns
+from harvester.postgres.schema.identifiers import TableName
+from harvester.postgres.schema.migrations import dead_letter_table, fence_table
+from harvester.postgres.schema.sharding import shard_expression
+from harvester.postgres.table.rows import MALFORMED_SQL
 
 _RETURNING = "id, create_time, kafka_topic, kafka_key, {value}, kafka_header_keys, kafka_header_values, {attempts}"
 _GUARD = "WITH fence AS (SELECT 1 FROM {f} WHERE outbox_table = %s AND shard = %s AND epoch = %s FOR SHARE) "

@@ -1,8 +1,8 @@
 """The outbox table in PostgreSQL (psycopg 3): mark, purge, reset, dead-letter, and wake-up on
-NOTIFY, all under the epoch fence (see :mod:`harvester.postgres.statements`).
+NOTIFY, all under the epoch fence (see :mod:`harvester.postgres.table.statements`).
 
 Marking writes nothing: the store remembers which ids it handed out under the current leader id
-(:mod:`harvester.postgres.marks`) and the next mark reads the first rows not among them. A reset
+(:mod:`harvester.postgres.table.marks`) and the next mark reads the first rows not among them. A reset
 just makes its ids eligible again.
 
 :meth:`PostgresStore.prepare` reads the table's shape and builds the statements once, before any
@@ -28,18 +28,18 @@ from psycopg import sql
 from harvester.core.identity import IdentityHeaders, Stamp
 from harvester.core.protocols import FencedError, ShardCountError, StoreError
 from harvester.core.records import Failure, MarkedRecord
-from harvester.postgres import catalog, migrations
-from harvester.postgres.catalog import OutboxColumns, OutboxMissingError
 from harvester.postgres.connections import dsn_options, error_text
 from harvester.postgres.deadline import Deadlines, limit_statements, tcp_settings
-from harvester.postgres.fencing import Fenced, FenceStatements
-from harvester.postgres.identifiers import TableName
-from harvester.postgres.marks import HandedOut
-from harvester.postgres.migrations import notify_channel
-from harvester.postgres.rows import Pending
-from harvester.postgres.rows import malformed as rows_malformed
-from harvester.postgres.statements import PLANNER_OPTIONS, Statements, dense_range, id_array
-from harvester.postgres.vacuum import Vacuumer
+from harvester.postgres.schema import catalog, migrations
+from harvester.postgres.schema.catalog import OutboxColumns, OutboxMissingError
+from harvester.postgres.schema.fencing import Fenced, FenceStatements
+from harvester.postgres.schema.identifiers import TableName
+from harvester.postgres.schema.migrations import notify_channel
+from harvester.postgres.table.marks import HandedOut
+from harvester.postgres.table.rows import Pending
+from harvester.postgres.table.rows import malformed as rows_malformed
+from harvester.postgres.table.statements import PLANNER_OPTIONS, Statements, dense_range, id_array
+from harvester.postgres.table.vacuum import Vacuumer
 
 __all__ = ["FencedError", "OutboxMissingError", "PostgresStore", "ShardCountError", "StoreError"]
 
@@ -55,7 +55,7 @@ class _Prepared:
 
 class PostgresStore(Fenced):
     """The store roles of :mod:`harvester.core.protocols` over one outbox table, or over shard
-    ``shard`` of its ``shards`` (:mod:`harvester.postgres.sharding`): then it marks only that
+    ``shard`` of its ``shards`` (:mod:`harvester.postgres.schema.sharding`): then it marks only that
     shard's rows and runs under that shard's fence row."""
 
     # A key's barrier drops once its record's purge committed: a re-mark after a crash repeats only

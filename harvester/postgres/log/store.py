@@ -1,8 +1,8 @@
 """The log source: the outbox's inserts read from a logical replication slot (``pgoutput`` over a
 publication of the table), in commit order, instead of marked in the table.
 
-The leader streams the slot (:mod:`harvester.postgres.log_slot`); the received transactions are
-kept until all their records are done (:mod:`harvester.postgres.log_transactions`), then the done
+The leader streams the slot (:mod:`harvester.postgres.log.slot`); the received transactions are
+kept until all their records are done (:mod:`harvester.postgres.log.transactions`), then the done
 prefix is confirmed to the server, which moves the slot. A confirmation follows a fenced statement
 of the same round (the delete of the delivered rows, or an epoch check), and a new leader, once it
 holds the newer epoch, terminates whatever walsender still reads the slot: a paused old leader that
@@ -30,18 +30,18 @@ from psycopg import sql
 from harvester.core.identity import Stamp
 from harvester.core.protocols import FencedError, SourceSample, StoreError
 from harvester.core.records import Failure, MarkedRecord
-from harvester.postgres import logical, pgoutput
-from harvester.postgres.log_records import Columns, outbox_record
-from harvester.postgres.log_recovery import Harvest, RecoveryStatements, SlotLostError, unrecoverable
-from harvester.postgres.log_slot import SlotStream
-from harvester.postgres.log_transactions import Taken, Transaction, Transactions, messages, reached
-from harvester.postgres.log_visibility import INVISIBLE_RECHECK, visible
-from harvester.postgres.logical import LogSetup
-from harvester.postgres.migrations import fence_table
-from harvester.postgres.replication import StreamError
-from harvester.postgres.spill import Budget
-from harvester.postgres.store import PostgresStore
-from harvester.postgres.streamed import Received
+from harvester.postgres.log import logical, pgoutput
+from harvester.postgres.log.logical import LogSetup
+from harvester.postgres.log.records import Columns, outbox_record
+from harvester.postgres.log.recovery import Harvest, RecoveryStatements, SlotLostError, unrecoverable
+from harvester.postgres.log.replication import StreamError
+from harvester.postgres.log.slot import SlotStream
+from harvester.postgres.log.spill import Budget
+from harvester.postgres.log.streamed import Received
+from harvester.postgres.log.transactions import Taken, Transaction, Transactions, messages, reached
+from harvester.postgres.log.visibility import INVISIBLE_RECHECK, visible
+from harvester.postgres.schema.migrations import fence_table
+from harvester.postgres.table.store import PostgresStore
 
 # Messages one read takes from the stream at most (completions wait for the stream meanwhile).
 _READ_MESSAGES = 5_000
@@ -78,7 +78,7 @@ class LogStore(PostgresStore):
     # A key's barrier drops at the acknowledgement: a new term streams from the slot in commit order
     # and skips the rows already deleted, so a crash repeats a run of a key's latest records, in order.
     release_on_ack = True
-    # A lost slot is recovered from the table's rows (log_recovery.py); a table-less outbox has none.
+    # A lost slot is recovered from the table's rows (recovery.py); a table-less outbox has none.
     _recoverable = True
 
     def __init__(
@@ -138,7 +138,7 @@ class LogStore(PostgresStore):
                 raise StoreError(f"checking the log source failed: {exc.sqlstate or type(exc).__name__}") from exc
             absent = f"replication slot {self._setup.slot} does not exist"
             if any(p.startswith(absent) for p in problems):
-                if self._recoverable:  # a lost slot: the leader recovers it (log_recovery.py)
+                if self._recoverable:  # a lost slot: the leader recovers it (recovery.py)
                     problems = [p for p in problems if not p.startswith(absent)]
                 elif self._run(self._ever_read, (self._table.qualified,)):
                     raise unrecoverable(absent)
@@ -207,7 +207,7 @@ class LogStore(PostgresStore):
             raise SlotLostError(f"replication slot {self._setup.slot} was invalidated by the server (wal_status lost)")
         return pgoutput.lsn_value(str(found[0][0]))
 
-    # ------------------------------------------------------------------ a lost slot (log_recovery.py)
+    # ------------------------------------------------------------------ a lost slot (recovery.py)
 
     def _fenced_mark(self, statement: sql.Composed) -> int:
         """Run one of the recovery mark's statements under the fence; the mark."""
@@ -311,7 +311,7 @@ class LogStore(PostgresStore):
 
     def mark(self, leader_id: UUID, limit: int) -> list[MarkedRecord]:
         """Up to ``limit`` records in commit order, not yet handed out under ``leader_id``; while a
-        lost slot is recovered, the table's rows (log_recovery.py)."""
+        lost slot is recovered, the table's rows (recovery.py)."""
         harvest = self._harvesting()
         if harvest is not None:
             rows = self._harvest_mark(harvest, leader_id, limit)
@@ -564,7 +564,7 @@ class LogStore(PostgresStore):
 
     def _completed(self, ids: Sequence[int], *, follow: bool = True) -> int:
         """:meth:`Transactions.completed` (caller holds ``_state``); a recovery that began since
-        the statement about ``ids`` was sent no longer waits for them (log_recovery.py)."""
+        the statement about ``ids`` was sent no longer waits for them (recovery.py)."""
         if self._harvest is not None:
             self._harvest.settled(ids)
         return self._txns.completed(ids, self._slot.advanced, follow=follow)
@@ -582,7 +582,7 @@ class LogStore(PostgresStore):
 
     def wait_for_insert(self, timeout: float) -> bool:
         """Until the stream has something to read (or, before it started, as the mark-purge store).
-        While a received transaction waits to become visible (:mod:`.log_visibility`), at most
+        While a received transaction waits to become visible (:mod:`.visibility`), at most
         ``INVISIBLE_RECHECK``: the stream may stay quiet, and the engine's idle back-off would hold
         its records back for as long."""
         if not self._slot.streaming:
