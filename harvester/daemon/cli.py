@@ -26,7 +26,11 @@ if TYPE_CHECKING:
 
 COMMANDS = ("run", "migrate", "check", "status", "dlq", "grants")
 
-DESCRIPTION = """\
+# The documentation's home: pyproject.toml's [project.urls] name the same pages. A wheel carries no
+# docs/, so the help links there (tests/reaper/test_packaging.py maps each link onto a file of the repository).
+DOCS = "https://github.com/outbox-harvester/outbox-harvester/blob/main/docs"
+
+DESCRIPTION = f"""\
 reaper drains a transactional outbox table in PostgreSQL into Kafka.
 
 Applications INSERT records into the outbox table in the same transaction as their own changes;
@@ -39,9 +43,11 @@ Typical first use:
   reaper migrate -f reaper.yaml    # create the outbox table (and the optional trigger) if absent
   reaper run     -f reaper.yaml    # harvest until SIGTERM/SIGINT
   reaper status  -f reaper.yaml    # who leads, the group's members, backlog, in flight, dead letters
-  reaper grants  -f reaper.yaml    # the SQL giving the runtime role only what it needs (docs/security.md)
+  reaper grants  -f reaper.yaml    # the SQL giving the runtime role only what it needs
 
-A goharvest reaper.yaml works unchanged, and so does goharvest's command line: reaper -f reaper.yaml
+goharvest's command line works: reaper -f reaper.yaml; so does its reaper.yaml, but for a leader topic
+that is one of Kafka's internal topics. Every difference:
+  {DOCS}/reaper.md#differences-from-goharvest
 """
 
 EPILOG = f"""\
@@ -57,7 +63,10 @@ exit codes:
   0 ok; 1 runtime failure (or check found something missing, or status found nobody leading);
   2 configuration mistake or unreachable service; 128+N after a second signal N.
 
-See docs/reaper.md for every setting, the metrics and the endpoints.
+documentation:
+  every setting, the metrics and the endpoints: {DOCS}/reaper.md
+  the runtime role's grants and the Kafka ACLs: {DOCS}/security.md
+  the outbox table, for applications in any language: {DOCS}/writers.md
 """
 
 
@@ -105,8 +114,11 @@ def _parser() -> argparse.ArgumentParser:
         parents=[common],
         help="create the outbox table and the optional objects other features need, if absent",
         description="Apply the bundled SQL migrations to the configured outbox table, idempotently: each is "
-        "recorded in harvester_migrations and applied once. Existing tables and data are left as they are. "
-        "A schema named in harvest.outboxTable that does not exist is created (and reported).",
+        "recorded in harvester_migrations and applied once. An existing outbox table keeps its column types "
+        "and rows; the tables holding copies of its rows (dead letters, the Spark sink's staging) are widened "
+        "to its column types when narrower. A schema named in harvest.outboxTable that does not exist is "
+        "created (and reported); with source: log, the publication and the replication slot are created "
+        "when absent.",
     )
     check = sub.add_parser(
         "check",
@@ -140,9 +152,11 @@ def _parser() -> argparse.ArgumentParser:
         "grants",
         parents=[common],
         help="print the SQL that gives the runtime role what reaper run needs, and nothing more",
-        description="Print, without connecting, the SQL that creates the runtime role (when absent) and "
-        "grants it what reaper run needs on the configured outbox for its source and delivery mode: apply it "
-        "as the schema's owner after 'reaper migrate' (docs/security.md).",
+        description="Print, without connecting, the SQL that creates the runtime role (when absent) and grants it\n"
+        "what reaper run needs on the configured outbox for its source and delivery mode: apply it as the\n"
+        "schema's owner after 'reaper migrate'.",
+        epilog=f"The roles, the grants and the Kafka ACLs: {DOCS}/security.md",
+        formatter_class=argparse.RawDescriptionHelpFormatter,  # the link unbroken
     )
     grant.add_argument(
         "--role", metavar="NAME", help="the runtime role (default: the user of harvest.dataSource, else 'reaper')"

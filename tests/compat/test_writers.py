@@ -14,6 +14,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
+from harvester.daemon.cli import main
 from tests.support import (
     REAPER,
     ROOT,
@@ -85,12 +86,16 @@ def test_writer_shapes_drained_by_a_reaper_configured_like_goharvests_example(
     schema: str,
     topics: Callable[..., str],
     tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     topic, group = topics(), unique("writers")
     config = tmp_path / "reaper.yaml"
     config.write_text(goharvest_reaper_yaml(services, schema, group))
     migrated = run_reaper("migrate", "-f", str(config))
     assert migrated.returncode == 0, migrated.stderr
+    assert main(["check", "-f", str(config)]) == 0
+    note = "note: harvest.limits.maxPollInterval (2.5s) is below the election's session timeout: using 10s"
+    assert note in capsys.readouterr().out
     pg.execute(sql.SQL("SET search_path TO {}").format(sql.Identifier(schema)))
 
     # 1. goharvest's stasher: Stash (one statement per record) and Prepare + PreStash.Stash (a prepared
