@@ -12,15 +12,21 @@
 # Left empty, the build takes whatever the tag points to today.
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 ARG PYTHON_DIGEST=
+# --build-arg OTEL=1 adds the otel extra (opentelemetry-api, hashed in requirements-otel.lock): the
+# reaper then records a publish span per batch when the process has a tracer provider (docs/client.md).
+ARG OTEL=0
+# --build-arg REVISION=$(git rev-parse HEAD) names the commit in the image's labels.
+ARG REVISION=
 
 # ---- build: the locked dependencies and the package, in a virtualenv without pip or setuptools
 FROM ${PYTHON_IMAGE}${PYTHON_DIGEST:+@}${PYTHON_DIGEST} AS build
+ARG OTEL
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1
 WORKDIR /src
 # Every dependency, and the build backend, comes from a lock file with hashes (pip-compile; see the
 # header of each for the command that regenerates it): nothing resolves at build time.
-COPY requirements.lock requirements-build.lock ./
+COPY requirements.lock requirements-build.lock requirements-otel.lock ./
 # README.md is left out on purpose: the image needs no long description, and the build must not depend on it.
 # setup.py maps the top-level sql/ (the migrations) into the wheel as harvester/postgres/sql/.
 COPY pyproject.toml setup.py ./
@@ -37,11 +43,22 @@ RUN python -m venv /opt/build \
  && /opt/build/bin/pip wheel --no-deps --no-build-isolation --wheel-dir /wheels /src \
  && python -m venv --without-pip /opt/reaper \
  && /opt/build/bin/pip --python /opt/reaper/bin/python install --require-hashes -r requirements.lock \
+ && if [ "$OTEL" = 1 ]; then /opt/build/bin/pip --python /opt/reaper/bin/python install --require-hashes --no-deps -r requirements-otel.lock; fi \
  && /opt/build/bin/pip --python /opt/reaper/bin/python install --no-deps --no-index --find-links /wheels outbox-harvester \
  && /opt/reaper/bin/reaper --version
 
 # ---- runtime: the virtualenv only, run as an unprivileged user
 FROM ${PYTHON_IMAGE}${PYTHON_DIGEST:+@}${PYTHON_DIGEST}
+ARG REVISION
+# The OCI annotations (pyproject.toml's version, license and URLs; tests/reaper/test_dockerfile.py keeps them equal).
+LABEL org.opencontainers.image.title="outbox-harvester reaper" \
+      org.opencontainers.image.description="Transactional outbox harvester: PostgreSQL to Kafka" \
+      org.opencontainers.image.version="0.1.0" \
+      org.opencontainers.image.revision="${REVISION}" \
+      org.opencontainers.image.licenses="Apache-2.0" \
+      org.opencontainers.image.url="https://github.com/outbox-harvester/outbox-harvester" \
+      org.opencontainers.image.source="https://github.com/outbox-harvester/outbox-harvester" \
+      org.opencontainers.image.documentation="https://github.com/outbox-harvester/outbox-harvester/blob/main/docs/reaper.md"
 # Nothing installs packages at run time: the base image's own pip (and setuptools and wheel, where the
 # tag still ships them) goes, with ensurepip's bundled copies: scanners flag them.
 RUN python -m pip uninstall --yes pip setuptools wheel \

@@ -8,6 +8,7 @@ connects to is counted, not other PostgreSQL instances on the machine.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import time
@@ -60,12 +61,30 @@ def librdkafka_seconds(pid: int) -> float:
     return total
 
 
+# Children of this process that are not the in-process harvester's (bench/peers.py's Kafka Connect
+# worker): left out of own_seconds and of rss.own_pids.
+NOT_OURS: set[int] = set()
+
+
+def own_children() -> list[int]:
+    """The live children of this process but those in NOT_OURS: the log source's producer process."""
+    me = os.getpid()
+    return [
+        pid
+        for entry in Path("/proc").iterdir()
+        if entry.name.isdigit()
+        and (pid := int(entry.name)) not in NOT_OURS
+        and (fields := proc_stat(pid)) is not None
+        and int(fields[1]) == me
+    ]
+
+
 def own_seconds() -> float:
-    """CPU seconds of this process and of its live children: the harvester in-process, with the
-    producer process the log source starts (harvester.kafka.process_publisher)."""
-    me, total = os.getpid(), time.process_time()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and (fields := proc_stat(int(entry.name))) is not None and int(fields[1]) == me:
+    """CPU seconds of this process and of its live children (own_children): the harvester
+    in-process, with the producer process the log source starts (harvester.kafka.process_publisher)."""
+    total = time.process_time()
+    for pid in own_children():
+        if (fields := proc_stat(pid)) is not None:
             total += cpu_seconds(fields, children=False)
     return total
 
@@ -95,13 +114,17 @@ def _command(pid: int) -> bytes:
 
 class CpuMeter:
     """Samples CPU time of this process (with its children), of the PostgreSQL server ``conn`` is
-    connected to, of its WAL senders, and of the Kafka broker: on two shared cores, what one relay
-    makes the server or the broker spend is taken from the others."""
+    connected to, of its WAL senders, and of the Kafka broker (the one listening on the port of
+    ``HARVESTER_TEST_KAFKA``; every ``kafka.Kafka`` process when that one is not found): on two
+    shared cores, what one relay makes the server or the broker spend is taken from the others."""
 
     def __init__(self, conn: psycopg.Connection[Any]) -> None:
         fields = proc_stat(backend_pid(conn))
         assert fields is not None, "PostgreSQL must run on this machine for its CPU to be measured"
         self._postmaster = int(fields[1])  # the backend's parent
+        # The broker the benchmarks talk to, by its listening port: other Kafka brokers on the
+        # machine (tests' private ones) come and go, and summing them made negative figures.
+        self._broker = listener(_bootstrap_port())
 
     def sample(self) -> CpuSample:
         total = walsender = broker = 0.0
@@ -119,9 +142,37 @@ class CpuMeter:
                 total += seconds
                 if b" walsender " in _command(pid):  # "postgres: [cluster name: ]walsender user ..."
                     walsender += seconds
-            elif b"\0kafka.Kafka\0" in _command(pid):
+            elif pid == self._broker or (self._broker is None and b"\0kafka.Kafka\0" in _command(pid)):
                 broker += cpu_seconds(fields, children=False)
         return CpuSample(own_seconds(), total, walsender, broker)
+
+
+def _bootstrap_port() -> int:
+    """The port of the first broker in HARVESTER_TEST_KAFKA (the benchmarks' bootstrap)."""
+    first = os.environ.get("HARVESTER_TEST_KAFKA", "127.0.0.1:9092").split(",")[0]
+    return int(first.rsplit(":", 1)[1])
+
+
+def listener(port: int) -> int | None:
+    """The process listening on TCP ``port`` on this machine (None if not found: not visible here)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                cols = line.split()
+                if cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                    inodes.add(f"socket:[{cols[9]}]")
+    if not inodes:
+        return None
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            for fd in (entry / "fd").iterdir():
+                with contextlib.suppress(OSError):
+                    if os.readlink(fd) in inodes:
+                        return int(entry.name)
+    return None
 
 
 def per_thousand(before: CpuSample, after: CpuSample, records: int) -> tuple[float, float]:

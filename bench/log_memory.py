@@ -26,10 +26,11 @@ import time
 from typing import Any
 
 import harvest
-import peers
+import peer_relays
 import psycopg
 from confluent_kafka import Consumer
 from cpu import own_seconds
+from peer_bursts import LOG, wait_published
 from pydantic import ValidationError
 
 from harvester import HarvesterConfig, Limits, TableName
@@ -79,11 +80,11 @@ def run_one(records: int, writers: int, keys: int, memory: int) -> dict[str, flo
     try:
         with (
             psycopg.connect(harvest.DSN, autocommit=True) as conn,
-            peers.harvester_relay(conn, Limits(), peers.LOG, memory) as relay,
+            peer_relays.harvester_relay(conn, Limits(), LOG, memory) as relay,
         ):
             committed = write_at_once(relay.table, relay.topic, records, writers, keys)
             own = own_seconds()
-            published = peers.wait_published(consumer, relay.topic, records)
+            published = wait_published(consumer, relay.topic, records)
             cpu = own_seconds() - own
     finally:
         consumer.close()

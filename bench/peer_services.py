@@ -1,43 +1,21 @@
-"""What bench/peers.py runs Debezium in: Kafka Connect standalone with Debezium's jars
-(tests/kafka_connect.py, shared with the equivalence test), metered; a private PostgreSQL with
-``wal_level=logical``."""
+"""The private services of bench/peers.py: a PostgreSQL with ``wal_level=logical`` on a free
+loopback port, and dropping a relay's slot and publication (Kafka Connect and Debezium's connector:
+debezium_connect.py)."""
 
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
-import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import harvest
 import psycopg
-from cpu import process_seconds
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from psycopg import sql
 
 from harvester import Limits
-from tests.kafka_connect import (
-    DEBEZIUM_VERSION,
-    KAFKA_VERSION,
-    ConnectWorker,
-    MissingError,
-    drop_slot,
-    resolve_jars,
-)
-from tests.support import free_ports
-
-__all__ = [
-    "BOOTSTRAP",
-    "DEBEZIUM_VERSION",
-    "KAFKA_VERSION",
-    "PARTITIONS",
-    "TUNED",
-    "LogicalPostgres",
-    "MeteredConnect",
-    "MissingError",
-    "drop_slot",
-    "resolve_jars",
-]
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVICES = ROOT / "deploy" / "local" / "services.sh"
@@ -46,13 +24,17 @@ PARTITIONS = 4
 TUNED = Limits(mark_query_records=500, max_in_flight_records=5000)
 
 
+class MissingError(Exception):
+    """Something the bench needs is not available here; the message says what (one line)."""
+
+
 # ---------------------------------------------------------------- private services
 
 
 def free_port() -> int:
-    """A free loopback port of the engineer's range (HARVESTER_TEST_PRIVATE_PORTS), as the tests'
-    private services take theirs."""
-    return free_ports(1)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 class LogicalPostgres:
@@ -86,14 +68,16 @@ class LogicalPostgres:
             self._run("stop-postgres")
 
 
-class MeteredConnect(ConnectWorker):
-    """The worker on a free loopback port, producing to the local Kafka, its JVM's CPU metered."""
-
-    def __init__(self, state: Path, compression: str) -> None:
-        super().__init__(state, free_port(), BOOTSTRAP, compression)
-
-    def cpu(self) -> float:
-        return process_seconds(self.proc.pid) if self.proc else 0.0
-
-
-# ---------------------------------------------------------------- one burst
+def drop_slot(conn: psycopg.Connection[Any], slot: str, publication: str | None = None) -> None:
+    """Drop replication slot ``slot`` once no WAL sender uses it (within 30 s), and the publication
+    ``publication`` (default: named as the slot) if it exists."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        row = conn.execute("SELECT active FROM pg_replication_slots WHERE slot_name = %s", (slot,)).fetchone()
+        if row is None:
+            break
+        if not row[0]:
+            conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
+            break
+        time.sleep(0.2)
+    conn.execute(sql.SQL("DROP PUBLICATION IF EXISTS {}").format(sql.Identifier(publication or slot)))

@@ -3,7 +3,7 @@ connector with its outbox EventRouter in Kafka Connect standalone) and by this p
 
     ./dev.sh bench peers [--records 200000] [--large] [--rounds 2] [--keys 1000] [--rate 2000] [--seconds 20]
         [--relays debezium,mark-purge,mark-purge-tuned,log,log-tuned,log-retention,tableless,tableless-tuned]
-        [--compression lz4] [--spread 0]
+        [--compression lz4] [--spread 0] [--ceilings decode,produce,delete] [--json peers.json]
 
 ``--large`` uses 1,000,000 records. Needs Java 17: Kafka Connect 4.1.1 (the local broker's
 version) and Debezium 3.3.2.Final (io.debezium:debezium-connector-postgres, whose jars include the
@@ -56,408 +56,80 @@ Autovacuum is counted the same way for every relay: a run within the measurement
 PostgreSQL's CPU (the notes say how many ran), the vacuum of the dead rows left at its end is not
 (the mark-purge store's own vacuums during the drain are). In the steady phase, the retention
 window's bulk deletes run within the measurement too (all but the last window or two's).
+
+Ceilings (bench/ceilings.py), measured in every round among the relays (their order alternating
+with them) over the same burst: ``decode``, the WAL sender decoding the committed burst through
+pgoutput with the log source's options (protocol 2, streaming, binary, its publication; the slot
+made before the COPY) into ``pg_recvlogical``, started at the commit, exiting at the commit's end
+(``--endpos``); ``produce``, one producer with the harvester's producer settings sending the same
+records; ``delete``, one connection draining a pre-loaded copy of the burst with ``DELETE …
+RETURNING`` of 500 rows a statement (bench/harvest.py's single-write ceiling, the polling source's).
+A second table prints each relay's share of each ceiling (the median of the rounds' ratios, with
+their range) and its resident memory (bench/rss.py): the relay's processes' resident size when the
+burst's write began and their peak from then to the end of its measurement (the harvester: this
+process and its producer process, the bench's own consumer and, table-less, the burst's messages
+built in this process included), for Debezium beside its JVM's heap (the largest in use before a
+collection, and committed, from its collection log).
+
+The machine's load average is printed at the start and the end: above about 1 per core the figures
+are noisy (the ratios within one round hold better than the rates).
+
+``--json PATH`` writes the run as one JSON object, for a renderer of the README's table:
+  - ``version`` (1), ``date`` (UTC, ISO 8601), ``command``, ``seconds`` (the run's length);
+  - ``machine``: ``cpus``, ``load_start`` and ``load_end`` (the 1, 5, 15-minute load averages),
+    ``platform``;
+  - ``workload``: ``records``, ``keys``, ``value_bytes``, ``partitions``, ``compression``,
+    ``spread``, ``rounds``, ``steady_rate``, ``steady_seconds``;
+  - ``versions``: ``postgresql``, ``kafka_connect``, ``debezium``;
+  - ``ceilings``: per kind (``decode``, ``produce``, ``delete``; those that ran), one object per round:
+    ``rate`` (records/s) and CPU s per 1,000 records ``cpu_client`` (pg_recvlogical; the producing
+    process), ``cpu_postgres``, ``cpu_walsender``, ``cpu_broker`` (null where not measured: ``delete``);
+  - ``relays``: per ``--relays`` name, ``label``, ``source`` (``debezium``, ``mark_purge``, ``log``,
+    ``retain``, ``messages``), ``tuned`` and ``rounds``, one object per round with every field of
+    ``peer_bursts.Burst``: ``rate``; CPU s per 1,000 records ``cpu_relay``, ``cpu_postgres``,
+    ``cpu_walsender``, ``cpu_broker``; ``rate_empty``, ``extra``, ``cpu_postgres_swept``,
+    ``rate_swept``, ``autovacuums``, ``gc_seconds``, ``gc_collections``; ``rss_start``, ``rss_peak``
+    (MiB), ``rss_exact``; ``jvm_heap`` (Debezium: ``collections``, ``peak_used``, ``committed``, MiB;
+    else null);
+  - ``summary``: per relay name, the medians over the rounds: ``rate``, ``cpu_relay``,
+    ``cpu_postgres``, ``cpu_walsender``, ``cpu_broker``; ``vs_debezium`` (``median``, ``min``,
+    ``max`` of the rounds' rate ratios); ``cpu_relay_vs_debezium``, ``cpu_postgres_vs_debezium``;
+    ``shares``, per ceiling kind, ``median``, ``min``, ``max`` of the rounds' ratios of the relay's
+    rate to the ceiling's; ``rss_start_mib`` (median), ``rss_peak_mib`` (largest), ``rss_exact``;
+    ``jvm_heap_peak_used_mib``, ``jvm_heap_committed_mib`` (largest; null but for Debezium);
+  - ``steady``: per relay name (default limits only) ``inserted`` (records/s), ``p50_ms``,
+    ``p99_ms``, ``cpu_relay``, ``cpu_postgres``, ``missing``.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
+import json
+import os
+import platform
 import shutil
-import statistics
 import sys
 import tempfile
 import time
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import cpu
 import harvest
 import psycopg
-from confluent_kafka import Consumer, TopicPartition
-from cpu import CollectorTime, CpuMeter, backend_pid, own_seconds, process_seconds
-from harvest import VALUE, fresh_outbox, fresh_topic, run_engine, stop, wait_empty
-from peer_services import (
-    BOOTSTRAP,
-    DEBEZIUM_VERSION,
-    KAFKA_VERSION,
-    PARTITIONS,
-    TUNED,
-    LogicalPostgres,
-    MeteredConnect,
-    MissingError,
-    drop_slot,
-    resolve_jars,
-)
-from psycopg import sql
-from steady import Steady, steady
+from ceilings import Ceiling, decode_ceiling, produce_ceiling
+from debezium_connect import DEBEZIUM_VERSION, KAFKA_VERSION, ConnectWorker, resolve_jars
+from harvest import VALUE
+from peer_bursts import LOG, MARK_PURGE, MESSAGES, RETAIN, RETENTION, SPREAD_PARTS, Burst, Source, copy_burst
+from peer_relays import RelayContext, debezium_burst, debezium_relay, harvester_burst, harvester_relay, steady_through
+from peer_report import document, report, report_ceilings, report_shares, report_steady
+from peer_services import PARTITIONS, TUNED, LogicalPostgres, MissingError
+from steady import Steady
 
-from harvester import Limits, OutboxRecord, TableName
-from harvester.postgres.log import logical
-from harvester.postgres.log.logical import LogSetup
-from harvester.postgres.log.message_store import MessageStore
-from harvester.postgres.log.retention import RetainingLogStore
-from harvester.postgres.log.store import LogStore
-from harvester.postgres.schema import migrations
-from harvester.postgres.schema.message_format import default_prefix, encode
-
-# The harvester's sources in this bench: rows marked and purged, rows read from the log, and a
-# table-less outbox's logical messages read from the log.
-Source = str
-MARK_PURGE, LOG, RETAIN, MESSAGES = "mark_purge", "log", "retain", "messages"
-# A burst's transaction spread over time (--spread) pauses after each of this many COPYs.
-_SPREAD_PARTS = 20
-# The retention window of RETAIN: short, so that the bulk delete of the burst's rows runs within the
-# round and its cost is measured (a long window defers it past the round). Each sweep scans the
-# table: in a burst, the burst's rows are scanned a few times before they are deleted (a long
-# window scans a row about twice), so this figure is an upper bound of the sweep's cost.
-RETENTION = 2.0
-
-
-@dataclass(frozen=True, slots=True)
-class Burst:
-    rate: float  # records/s, commit to the last record on the topic (the sum of its end offsets)
-    cpu_relay: float  # CPU s per 1,000 records: the relay process
-    cpu_postgres: float  # ... and the PostgreSQL server
-    cpu_walsender: float  # ... of which its WAL senders
-    cpu_broker: float  # ... and the Kafka broker
-    rate_empty: float | None = None  # harvester only: commit to empty outbox (or slot confirmed)
-    extra: int = 0  # records beyond N on the topic (at-least-once duplicates)
-    # A retention window: PostgreSQL CPU s per 1,000 records until the bulk delete emptied the
-    # outbox (cpu_postgres then stops at delivery: the slot confirmed past the burst), and the rate
-    # from the commit to then.
-    cpu_postgres_swept: float | None = None
-    rate_swept: float | None = None
-    autovacuums: int = 0  # autovacuum/autoanalyze runs on the outbox counted within the measurement
-    # In-process harvester: CPU s per 1,000 records spent in garbage collections (part of cpu_relay),
-    # and how many ran, from the commit to the last record.
-    gc_seconds: float | None = None
-    gc_collections: int = 0
-
-
-GOHARVEST_DDL = """CREATE TABLE {} (
-  id BIGSERIAL PRIMARY KEY,
-  create_time TIMESTAMPTZ NOT NULL DEFAULT now(),
-  kafka_topic VARCHAR(249) NOT NULL,
-  kafka_key VARCHAR(100) NOT NULL,
-  kafka_value VARCHAR(10000),
-  kafka_header_keys TEXT[] NOT NULL DEFAULT '{{}}',
-  kafka_header_values TEXT[] NOT NULL DEFAULT '{{}}',
-  leader_id UUID
-)"""
-
-
-def _backend_cpu(conn: psycopg.Connection[Any]) -> float:
-    return process_seconds(backend_pid(conn))
-
-
-def autovacuums(conn: psycopg.Connection[Any], table: TableName) -> int:
-    """Autovacuum and autoanalyze runs on ``table`` so far (a fresh table: those within the round).
-    The meter counts every backend of the server, so an autovacuum that runs within a relay's
-    measurement is counted in its PostgreSQL CPU, one that runs after it is not, for every relay
-    alike; this tells which ones had one."""
-    row = conn.execute(
-        "SELECT autovacuum_count + autoanalyze_count FROM pg_stat_user_tables WHERE relid = to_regclass(%s)",
-        (table.quoted,),
-    ).fetchone()
-    return int(row[0]) if row else 0
-
-
-def copy_burst(
-    conn: psycopg.Connection[Any], table: TableName, topic: str, records: int, keys: int, spread: float = 0.0
-) -> tuple[float, float]:
-    """COPY the burst in one transaction (pausing ``spread`` seconds in all between its parts: a
-    writer the walsender's decoding keeps up with); return (commit wall time, CPU s of the COPYing
-    backend)."""
-    cpu_before = _backend_cpu(conn)
-    if spread:
-        with conn.transaction():
-            part = -(-records // _SPREAD_PARTS)
-            for at in range(0, records, part):
-                harvest.copy_part(conn, table, topic, range(at, min(at + part, records)), keys)
-                time.sleep(spread / _SPREAD_PARTS)
-    else:
-        harvest.copy_rows(conn, table, topic, records, keys)
-    committed = time.time()
-    return committed, _backend_cpu(conn) - cpu_before
-
-
-def emit_burst(conn: psycopg.Connection[Any], prefix: str, topic: str, records: int, keys: int) -> tuple[float, float]:
-    """Write the burst as logical messages in one transaction; return (commit wall time, CPU s of
-    the writing backend)."""
-    payloads = [encode(OutboxRecord(topic=topic, key=f"key{i % keys}", value=VALUE)) for i in range(records)]
-    emit = "SELECT count(pg_logical_emit_message(true, %s, p)) FROM unnest(%s::bytea[]) AS p"
-    cpu_before = _backend_cpu(conn)
-    with conn.transaction():
-        for at in range(0, records, 20_000):
-            conn.execute(emit, (prefix, payloads[at : at + 20_000]))
-    committed = time.time()
-    return committed, _backend_cpu(conn) - cpu_before
-
-
-def wait_confirmed(conn: psycopg.Connection[Any], slot: str, lsn: str, timeout: float = 900) -> None:
-    """Until ``slot`` is confirmed at or past ``lsn``."""
-    probe = "SELECT confirmed_flush_lsn >= %s::pg_lsn FROM pg_replication_slots WHERE slot_name = %s"
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        row = conn.execute(probe, (lsn, slot)).fetchone()
-        if row is not None and row[0]:
-            return
-        time.sleep(0.02)
-
-
-def topic_count(consumer: Consumer, topic: str) -> int:
-    return sum(consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1] for p in range(PARTITIONS))
-
-
-@dataclass(frozen=True, slots=True)
-class Relay:
-    """A relay running over an outbox of its own: where records go in and come out, and its CPU."""
-
-    table: TableName
-    topic: str
-    cpu: Callable[[], float]  # CPU seconds of the relay's process so far
-    in_process: bool  # the harvester runs in this process; Debezium in the Connect JVM
-    prefix: str | None = None  # a table-less outbox's message prefix (records go in as messages)
-    slot: str | None = None  # the harvester's slot with a log source
-    keeps: bool = False  # delivered rows stay in the table (a retention window)
-
-
-RelayContext = contextlib.AbstractContextManager[Relay]
-
-
-@contextlib.contextmanager
-def debezium_relay(conn: psycopg.Connection[Any], pg: LogicalPostgres, connect: MeteredConnect) -> Iterator[Relay]:
-    """Debezium's connector with the EventRouter, streaming from a fresh goharvest outbox."""
-    name = f"peers_{uuid.uuid4().hex[:8]}"
-    table = TableName(name, "outbox")
-    conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(name)))
-    conn.execute(sql.SQL(GOHARVEST_DDL).format(table.ident))
-    topic = fresh_topic(PARTITIONS)
-    config = {
-        "connector.class": "io.debezium.connector.postgresql.PostgresConnector",
-        "tasks.max": "1",
-        "database.hostname": "127.0.0.1",
-        "database.port": str(pg.port),
-        "database.user": "harvester",
-        "database.password": "local-dev-secret",
-        "database.dbname": "harvester",
-        "topic.prefix": name,
-        "plugin.name": "pgoutput",
-        "slot.name": name,
-        "slot.drop.on.stop": "true",
-        "publication.name": name,
-        "publication.autocreate.mode": "filtered",
-        "table.include.list": f"{name}.outbox",
-        "snapshot.mode": "no_data",
-        "tombstones.on.delete": "false",
-        "key.converter": "org.apache.kafka.connect.storage.StringConverter",
-        "value.converter": "org.apache.kafka.connect.storage.StringConverter",
-        "transforms": "outbox",
-        "transforms.outbox.type": "io.debezium.transforms.outbox.EventRouter",
-        "transforms.outbox.table.field.event.id": "id",
-        "transforms.outbox.table.field.event.key": "kafka_key",
-        "transforms.outbox.table.field.event.payload": "kafka_value",
-        "transforms.outbox.route.by.field": "kafka_topic",
-        "transforms.outbox.route.topic.replacement": "${routedByValue}",
-    }
-    connect.request("POST", "/connectors", {"name": name, "config": config})
-    try:
-        connect.wait_streaming(conn, name, name)
-        time.sleep(3.0)  # idle, as the harvester idles before its burst
-        yield Relay(table, topic, connect.cpu, in_process=False)
-    finally:
-        with contextlib.suppress(OSError):  # urllib's errors are OSErrors
-            connect.request("DELETE", f"/connectors/{name}")
-        drop_slot(conn, name)
-        conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(name)))
-
-
-def debezium_burst(
-    conn: psycopg.Connection[Any],
-    pg: LogicalPostgres,
-    connect: MeteredConnect,
-    records: int,
-    keys: int,
-    check: bool,
-    spread: float = 0.0,
-) -> Burst:
-    with debezium_relay(conn, pg, connect) as relay:
-        consumer = Consumer(
-            {"bootstrap.servers": BOOTSTRAP, "group.id": f"{relay.topic}_count", "enable.auto.commit": False}
-        )
-        try:
-            meter = CpuMeter(conn)
-            before, relay_before = meter.sample(), connect.cpu()
-            committed, copy_cpu = copy_burst(conn, relay.table, relay.topic, records, keys, spread)
-            schema = relay.table.schema
-            assert schema is not None  # fresh_outbox's
-            elapsed = wait_published(consumer, relay.topic, records, lambda: connect.assert_running(schema)) - committed
-            after, relay_after = meter.sample(), connect.cpu()
-            vacuums = autovacuums(conn, relay.table)
-            if check:
-                _check_record(relay.topic)
-            time.sleep(1.0)
-            extra = topic_count(consumer, relay.topic) - records
-        finally:
-            consumer.close()
-    scale = 1000 / records
-    return Burst(
-        records / elapsed,
-        (relay_after - relay_before) * scale,
-        (after.postgres - before.postgres - copy_cpu) * scale,
-        (after.walsender - before.walsender) * scale,
-        (after.broker - before.broker) * scale,
-        extra=extra,
-        autovacuums=vacuums,
-    )
-
-
-def _check_record(topic: str) -> None:
-    """The EventRouter put kafka_key in the key and kafka_value, unchanged, in the value."""
-    c = Consumer(
-        {
-            "bootstrap.servers": BOOTSTRAP,
-            "group.id": f"check_{uuid.uuid4().hex[:8]}",
-            "auto.offset.reset": "earliest",
-            "enable.auto.commit": False,
-        }
-    )
-    try:
-        c.assign([TopicPartition(topic, p, 0) for p in range(PARTITIONS)])
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            msg = c.poll(1.0)
-            if msg is None or msg.error():
-                continue
-            key, value = (msg.key() or b"").decode(), (msg.value() or b"").decode()
-            if not key.startswith("key") or value != VALUE:
-                raise RuntimeError(f"Debezium's record is not the row's key/value: key={key!r} value={value[:60]!r}")
-            return
-        raise RuntimeError(f"could not read back a record of {topic}")
-    finally:
-        c.close()
-
-
-@contextlib.contextmanager
-def harvester_relay(
-    conn: psycopg.Connection[Any], limits: Limits, source: Source, memory: int = 1 << 30
-) -> Iterator[Relay]:
-    """The harvester in-process over a fresh outbox with ``source`` (with the log, its publication
-    and slot made first, and ``memory`` its logTransactionMemory; table-less, the outbox's table
-    stays empty)."""
-    table, topic = fresh_outbox(conn), fresh_topic(PARTITIONS)
-    prefix = default_prefix(table) if source == MESSAGES else None
-    # The bench's server is a single one: no failover to lose a table-less outbox's records.
-    setup = LogSetup(table, f"{table.schema}_slot", f"{table.schema}_pub", prefix, accept_loss=True)
-    log_store: LogStore | None = None
-    if source != MARK_PURGE:
-        migrations.ensure(conn, table, "fence")
-        logical.create(conn, setup)
-        every = limits.vacuum_every_records
-        if source == RETAIN:
-            log_store = RetainingLogStore(harvest.DSN, setup, RETENTION, vacuum_every=every, transaction_memory=memory)
-        else:
-            log_store = (MessageStore if source == MESSAGES else LogStore)(
-                harvest.DSN, setup, vacuum_every=every, transaction_memory=memory
-            )
-        log_store.prepare()
-    engine, store = run_engine(table, limits, store=log_store)
-    try:
-        time.sleep(3.0)  # idle marks: enough for PostgreSQL to consider generic plans
-        slot = setup.slot if source != MARK_PURGE else None
-        yield Relay(table, topic, own_seconds, in_process=True, prefix=prefix, slot=slot, keeps=source == RETAIN)
-    finally:
-        stop(engine, store)
-        if source != MARK_PURGE:
-            drop_slot(conn, setup.slot, setup.publication)
-        assert table.schema is not None  # fresh_outbox's
-        conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(table.schema)))
-
-
-def wait_published(consumer: Consumer, topic: str, records: int, check: Callable[[], None] | None = None) -> float:
-    """Wait, without asking the database, until ``topic`` holds ``records`` records; when (wall
-    time). Every relay is measured so, from outside its hot path."""
-    deadline = time.monotonic() + 900
-    while (count := topic_count(consumer, topic)) < records:
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{count} of {records} records on {topic} after 900 s")
-        if check is not None:
-            check()
-        time.sleep(0.05)
-    return time.time()
-
-
-def harvester_burst(
-    conn: psycopg.Connection[Any],
-    records: int,
-    keys: int,
-    limits: Limits,
-    source: Source = MARK_PURGE,
-    spread: float = 0.0,
-) -> Burst:
-    consumer = Consumer({"bootstrap.servers": BOOTSTRAP, "group.id": "harvester_count", "enable.auto.commit": False})
-    with harvester_relay(conn, limits, source) as relay, contextlib.closing(consumer):
-        meter = CpuMeter(conn)
-        before = meter.sample()
-        if relay.prefix is None:
-            committed, copy_cpu = copy_burst(conn, relay.table, relay.topic, records, keys, spread)
-        else:
-            committed, copy_cpu = emit_burst(conn, relay.prefix, relay.topic, records, keys)
-        own_after_copy = own_seconds()
-        with CollectorTime() as collector:
-            published = wait_published(consumer, relay.topic, records)
-            if relay.prefix is None and not relay.keeps:
-                # The table is probed only once all is published: a probe during the drain walks
-                # the heap's dead rows from its start, PostgreSQL work the harvester does not do.
-                wait_empty(conn, relay.table)
-            else:  # nothing deleted now: done once the slot is confirmed past the burst
-                row = conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()
-                assert relay.slot is not None and row is not None
-                wait_confirmed(conn, relay.slot, str(row[0]))
-        empty = time.time() - committed
-        after = meter.sample()
-        cpu_swept = rate_swept = None
-        if relay.keeps:  # and until the window's bulk delete emptied the outbox
-            wait_empty(conn, relay.table)
-            rate_swept = records / (time.time() - committed)
-            cpu_swept = (meter.sample().postgres - before.postgres - copy_cpu) * 1000 / records
-        vacuums = autovacuums(conn, relay.table)
-    scale = 1000 / records
-    # The relay's CPU: this process after the commit (the COPY's client side ran before it).
-    return Burst(
-        records / (published - committed),
-        (after.own - own_after_copy) * scale,
-        (after.postgres - before.postgres - copy_cpu) * scale,
-        (after.walsender - before.walsender) * scale,
-        (after.broker - before.broker) * scale,
-        rate_empty=records / empty,
-        cpu_postgres_swept=cpu_swept,
-        rate_swept=rate_swept,
-        autovacuums=vacuums,
-        gc_seconds=collector.seconds * scale,
-        gc_collections=collector.collections,
-    )
-
-
-def steady_through(relay: Relay, rate: float, seconds: float, keys: int) -> Steady:
-    return steady(
-        harvest.DSN,
-        BOOTSTRAP,
-        relay.table,
-        relay.topic,
-        PARTITIONS,
-        relay.cpu,
-        in_process=relay.in_process,
-        rate=rate,
-        seconds=seconds,
-        keys=keys,
-        prefix=relay.prefix,
-    )
-
-
-# ---------------------------------------------------------------- main
+from harvester import Limits
 
 
 def main() -> None:
@@ -485,14 +157,35 @@ def main() -> None:
         default=",".join(RELAYS),
         help=f"comma-separated, of {', '.join(RELAYS)} (Debezium always runs: the ratios are to it)",
     )
+    p.add_argument(
+        "--ceilings",
+        default=",".join(CEILINGS),
+        help=f"comma-separated, of {', '.join(CEILINGS)}, or none (measured each round, beside the relays)",
+    )
+    p.add_argument("--json", type=Path, help="also write the run's figures to this file (fields: above)")
     args = p.parse_args()
-    records = 1_000_000 if args.large else args.records
     chosen = {r.strip() for r in args.relays.split(",") if r.strip()} | {"debezium"}
     unknown = chosen - set(RELAYS)
     if unknown:
         sys.exit(f"peers: unknown relay(s) {', '.join(sorted(unknown))}; choose from {', '.join(RELAYS)}")
+    ceilings = {c.strip() for c in args.ceilings.split(",") if c.strip()} - {"none"}
+    if ceilings - set(CEILINGS):
+        unknown = ceilings - set(CEILINGS)
+        sys.exit(f"peers: unknown ceiling(s) {', '.join(sorted(unknown))}; choose from {', '.join(CEILINGS)}")
+    options = Options(
+        1_000_000 if args.large else args.records,
+        args.keys,
+        args.rounds,
+        args.rate,
+        args.seconds,
+        chosen,
+        ceilings,
+        args.compression,
+        args.spread,
+        args.json,
+    )
     try:
-        run(records, args.keys, args.rounds, args.rate, args.seconds, chosen, args.compression, args.spread)
+        run(options)
     except MissingError as e:
         sys.exit(f"peers: {e}")
 
@@ -508,136 +201,153 @@ RELAYS: dict[str, tuple[str, Source, bool]] = {
     "tableless": ("harvester, table-less, default limits", MESSAGES, False),
     "tableless-tuned": ("harvester, table-less, tuned 500 / 5000", MESSAGES, True),
 }
+CEILINGS = ("decode", "produce", "delete")
+# The single-write ceiling's statement size: the tuned limits' largest mark (as bench/harvest.py's).
+DELETE_BATCH = TUNED.mark_sizes[1]
 
 
-def run(
-    records: int,
-    keys: int,
-    rounds: int,
-    rate: float,
-    seconds: float,
-    chosen: set[str],
-    compression: str,
-    spread: float = 0.0,
-) -> None:
+@dataclass(frozen=True, slots=True)
+class Options:
+    records: int
+    keys: int
+    rounds: int
+    rate: float
+    seconds: float
+    relays: set[str]
+    ceilings: set[str]
+    compression: str
+    spread: float = 0.0
+    json: Path | None = None
+
+
+def run(o: Options) -> None:
     resolve_jars()
-    started = time.monotonic()
+    started, load_before = time.monotonic(), os.getloadavg()
     state = Path(tempfile.mkdtemp(prefix="peers-"))
     state.chmod(0o755)  # services.sh runs PostgreSQL as the postgres user when started as root
     pg = LogicalPostgres(state)
-    connect = MeteredConnect(state / "connect", compression)
+    connect = ConnectWorker(state / "connect", o.compression)
     try:
         pg.start()
         harvest.DSN = pg.dsn  # bench/harvest.py's helpers (run_engine) connect to harvest.DSN
-        harvest.PRODUCER = {"compression.type": compression}
+        harvest.PRODUCER = {"compression.type": o.compression}
         connect.start()
+        if connect.proc is not None:  # a child of this process, not the in-process harvester's
+            cpu.NOT_OURS.add(connect.proc.pid)
         print(
-            f"workload: burst of {records} records COPied in one transaction"
-            + (f" (pausing {spread:g} s in all between {_SPREAD_PARTS} parts)" if spread else "")
-            + f" into an idle outbox, {keys} keys,"
+            f"workload: burst of {o.records} records COPied in one transaction"
+            + (f" (pausing {o.spread:g} s in all between {SPREAD_PARTS} parts)" if o.spread else "")
+            + f" into an idle outbox, {o.keys} keys,"
             f" {len(VALUE)}-byte values, {PARTITIONS} partitions; private PostgreSQL (wal_level=logical) on"
             f" 127.0.0.1:{pg.port}; Kafka Connect {KAFKA_VERSION} standalone + Debezium {DEBEZIUM_VERSION}"
-            f" (pgoutput, EventRouter); producers' compression.type={compression}; {rounds} rounds, medians",
+            f" (pgoutput, EventRouter); producers' compression.type={o.compression}; {o.rounds} rounds, medians;"
+            f" load average {load_before[0]:.1f} on {os.cpu_count()} CPUs at the start"
+            + (" (a loaded machine: figures are noisy)" if load_before[0] > 1.0 else ""),
             flush=True,
         )
 
         def burst_of(source: Source, tuned: bool) -> Callable[[psycopg.Connection[Any], int], Burst]:
             if not source:
-                return lambda c, r: debezium_burst(c, pg, connect, records, keys, r == 0, spread)
-            return lambda c, _r: harvester_burst(c, records, keys, TUNED if tuned else Limits(), source, spread)
+                return lambda c, r: debezium_burst(c, pg, connect, o.records, o.keys, r == 0, o.spread)
+            limits = TUNED if tuned else Limits()
+            return lambda c, _r: harvester_burst(c, o.records, o.keys, limits, source, o.spread)
 
-        relays = [(label, burst_of(source, tuned)) for name, (label, source, tuned) in RELAYS.items() if name in chosen]
-        results: dict[str, list[Burst]] = {name: [] for name, _ in relays}
+        def ceiling_of(kind: str) -> Callable[[psycopg.Connection[Any], int], Ceiling]:
+            if kind == "decode":
+                return lambda c, _r: decode_ceiling(c, pg.dsn, o.records, o.keys, copy_burst)
+            if kind == "produce":
+                return lambda c, _r: produce_ceiling(c, o.records, o.keys)
+            return lambda c, _r: Ceiling(harvest.ceiling_delete(c, o.records, o.keys, DELETE_BATCH))
+
+        runs: list[tuple[str, str, Callable[[psycopg.Connection[Any], int], Burst | Ceiling]]] = [
+            (f"{kind} ceiling", kind, ceiling_of(kind)) for kind in CEILINGS if kind in o.ceilings
+        ]
+        runs += [
+            (label, name, burst_of(source, tuned))
+            for name, (label, source, tuned) in RELAYS.items()
+            if name in o.relays
+        ]
+        results: dict[str, list[Burst]] = {name: [] for name in RELAYS if name in o.relays}
+        ceilings: dict[str, list[Ceiling]] = {kind: [] for kind in CEILINGS if kind in o.ceilings}
         with psycopg.connect(pg.dsn, autocommit=True) as conn:
-            for r in range(rounds):
-                for name, fn in relays if r % 2 == 0 else relays[::-1]:
-                    b = fn(conn, r)
-                    results[name].append(b)
-                    print(f"  round {r + 1}: {name:<42} {b.rate:9.0f} records/s", flush=True)
-        report(results, records)
-        if rate > 0:
+            for r in range(o.rounds):
+                for label, name, fn in runs if r % 2 == 0 else runs[::-1]:
+                    figure = fn(conn, r)
+                    if isinstance(figure, Ceiling):
+                        ceilings[name].append(figure)
+                    else:
+                        results[name].append(figure)
+                    print(f"  round {r + 1}: {label:<42} {figure.rate:9.0f} records/s", flush=True)
+        labelled = {RELAYS[name][0]: bursts for name, bursts in results.items()}
+        report(labelled, o.records)
+        report_ceilings(ceilings, o.records)
+        report_shares(labelled, ceilings)
+        steadies: dict[str, Steady] = {}
+        if o.rate > 0:
 
             def steady_relay(source: Source) -> Callable[[psycopg.Connection[Any]], RelayContext]:
                 if not source:
                     return lambda c: debezium_relay(c, pg, connect)
                 return lambda c: harvester_relay(c, Limits(), source)
 
-            steadies = {
-                label: steady_relay(source)
-                for name, (label, source, tuned) in RELAYS.items()
-                if name in chosen and not tuned
-            }
             print(
-                f"steady inserts: {rate:.0f} records/s for {seconds:.0f} s (2 writers, 10-record transactions);"
+                f"steady inserts: {o.rate:.0f} records/s for {o.seconds:.0f} s (2 writers, 10-record transactions);"
                 " latency from commit to a consumer's receipt; CPU s per 1,000 records (PostgreSQL's includes"
                 " the writers' backends)"
             )
             with psycopg.connect(pg.dsn, autocommit=True) as conn:
-                for name, relay_of in steadies.items():
-                    with relay_of(conn) as relay:
-                        report_steady(name, steady_through(relay, rate, seconds, keys))
-        print(f"took {time.monotonic() - started:.0f} s")
+                for name, (label, source, tuned) in RELAYS.items():
+                    if name not in o.relays or tuned:
+                        continue
+                    with steady_relay(source)(conn) as relay:
+                        steadies[name] = steady_through(relay, o.rate, o.seconds, o.keys)
+                        report_steady(label, steadies[name])
+        took, load_after = time.monotonic() - started, os.getloadavg()
+        print(f"took {took:.0f} s; load average {load_after[0]:.1f} at the end")
+        if o.json is not None:
+            with psycopg.connect(pg.dsn) as conn:
+                row = conn.execute("SHOW server_version").fetchone()
+            meta = {
+                "version": 1,
+                "date": datetime.now(UTC).isoformat(timespec="seconds"),
+                "command": " ".join(["python", *sys.argv]),
+                "machine": {
+                    "cpus": os.cpu_count(),
+                    "load_start": list(load_before),
+                    "load_end": list(load_after),
+                    "platform": platform.platform(),
+                },
+                "workload": {
+                    "records": o.records,
+                    "keys": o.keys,
+                    "value_bytes": len(VALUE),
+                    "partitions": PARTITIONS,
+                    "compression": o.compression,
+                    "spread": o.spread,
+                    "rounds": o.rounds,
+                    "steady_rate": o.rate,
+                    "steady_seconds": o.seconds,
+                },
+                "versions": {
+                    "postgresql": row[0] if row else None,
+                    "kafka_connect": KAFKA_VERSION,
+                    "debezium": DEBEZIUM_VERSION,
+                },
+                "seconds": took,
+            }
+            relays = {
+                name: {"label": label, "source": source or "debezium", "tuned": tuned}
+                for name, (label, source, tuned) in RELAYS.items()
+                if name in o.relays
+            }
+            o.json.write_text(json.dumps(document(meta, relays, results, ceilings, steadies), indent=1) + "\n")
+            print(f"wrote {o.json}")
     finally:
         try:
             connect.stop()
         finally:
             pg.stop()
             shutil.rmtree(state, ignore_errors=True)
-
-
-def report(results: dict[str, list[Burst]], records: int) -> None:
-    def med(values: list[float]) -> float:
-        return statistics.median(values)
-
-    first = next(iter(results.values()))
-    debezium, debezium_pg = med([b.rate for b in first]), med([b.cpu_postgres for b in first])
-    print(
-        f"{'burst of ' + str(records):<44} {'records/s':>10} {'vs Debezium':>12} {'per round':>20}"
-        f" {'CPU s/1000: relay':>18} {'PostgreSQL':>11} {'walsender':>10} {'vs Debezium':>12} {'broker':>7}  notes"
-    )
-    for name, bursts in results.items():
-        rate, pg = med([b.rate for b in bursts]), med([b.cpu_postgres for b in bursts])
-        paired = [b.rate / d.rate for b, d in zip(bursts, first, strict=True)]
-        per_round = f"{med(paired):.2f}x ({min(paired):.2f}-{max(paired):.2f})"
-        notes = []
-        empties = [b.rate_empty for b in bursts if b.rate_empty is not None]
-        if empties:
-            done = "slot confirmed" if "table-less" in name or "retention" in name else "empty outbox"
-            notes.append(f"to all records on the topic; to {done} {med(empties):.0f} records/s")
-        else:
-            notes.append("to all records on the topic")
-        swept = [b.cpu_postgres_swept for b in bursts if b.cpu_postgres_swept is not None]
-        if swept:  # the delivery's figure leaves the bulk delete out: this one has it
-            swept_rate = med([b.rate_swept for b in bursts if b.rate_swept is not None])
-            notes.append(
-                f"PostgreSQL with the bulk delete (to empty outbox, {swept_rate:.0f} records/s):"
-                f" {med(swept):.3f}, {med(swept) / debezium_pg:.1f}x Debezium"
-            )
-        extra = max(b.extra for b in bursts)
-        if extra:
-            notes.append(f"{extra} duplicates on the topic")
-        collected = [b for b in bursts if b.gc_seconds is not None]
-        if collected:
-            gc_cpu = med([b.gc_seconds or 0.0 for b in collected])
-            runs = med([float(b.gc_collections) for b in collected])
-            notes.append(f"relay CPU in garbage collections {gc_cpu:.4f} ({runs:.0f} runs)")
-        vacuums = sum(b.autovacuums for b in bursts)
-        if vacuums:
-            notes.append(f"{vacuums} autovacuum/autoanalyze runs within the measurement")
-        print(
-            f"{name:<44} {rate:10.0f} {rate / debezium:11.2f}x {per_round:>20}"
-            f" {med([b.cpu_relay for b in bursts]):18.3f} {pg:11.3f} {med([b.cpu_walsender for b in bursts]):10.3f}"
-            f" {pg / debezium_pg:11.1f}x {med([b.cpu_broker for b in bursts]):7.3f}  {'; '.join(notes)}"
-        )
-
-
-def report_steady(name: str, result: Steady) -> None:
-    missing = f"; {result.missing} not received within 60 s" if result.missing else ""
-    print(
-        f"  {name:<42} inserted {result.inserted:6.0f}/s  p50 {result.p50_ms:6.1f} ms  p99 {result.p99_ms:7.1f} ms"
-        f"  CPU relay {result.cpu_relay:.3f}, PostgreSQL {result.cpu_postgres:.3f}{missing}",
-        flush=True,
-    )
 
 
 if __name__ == "__main__":

@@ -177,6 +177,22 @@ def tracing() -> dict[str, BatchScope]:
     return {"batch_scope": publish_span}
 
 
+def raised_max_poll_interval(config: HarvesterConfig) -> float | None:
+    """The election's session timeout when ``maxPollInterval`` is shorter (then it is used instead), else None.
+
+    librdkafka wants ``max.poll.interval.ms`` no shorter than ``session.timeout.ms``. goharvest's
+    ``maxPollInterval`` (default half of ``heartbeatTimeout``) bounded how long its send loop waited,
+    not the consumer, so its files often set a few seconds. Raising it keeps every guarantee: order
+    and fencing rest on partition 0 of the leader topic and the epoch, not on this bound; a longer one
+    only gives a revocation's drain more time before the partition moves, and lets a leader whose poll
+    thread hangs hold on for the session timeout, as long as a crashed one does.
+    """
+    from leader import ElectorConfig
+
+    session_timeout = float(ElectorConfig.model_fields["session_timeout"].default)
+    return session_timeout if config.limits.max_poll_interval.total_seconds() < session_timeout else None
+
+
 def elector_config(config: HarvesterConfig) -> ElectorConfig:
     """The NELI settings ``config`` implies; raises ``pydantic.ValidationError`` when its limits do
     not fit together (no I/O: ``reaper check`` runs it too)."""
@@ -189,7 +205,7 @@ def elector_config(config: HarvesterConfig) -> ElectorConfig:
         topic=config.topic,
         heartbeat_timeout=limits.heartbeat_timeout.total_seconds(),
         min_poll_interval=limits.min_poll_interval.total_seconds(),
-        max_poll_interval=limits.max_poll_interval.total_seconds(),
+        max_poll_interval=raised_max_poll_interval(config) or limits.max_poll_interval.total_seconds(),
         name=config.name,
         partitions=config.shards,
     )

@@ -2,7 +2,8 @@
 
 Field names are snake_case; every field also accepts goharvest's camelCase spelling, so a goharvest
 ``harvest:`` block validates unchanged. Durations accept Go-style strings (``100ms``, ``5s``).
-Defaults match goharvest's documented defaults.
+Defaults are goharvest's where it has the setting, except those docs/reaper.md lists under "Differences
+from goharvest".
 """
 
 from __future__ import annotations
@@ -29,6 +30,11 @@ from harvester.event_router import EventRouter
 from harvester.postgres.log.logical import LogSetup
 from harvester.postgres.schema.identifiers import TableName
 from harvester.postgres.schema.message_format import default_prefix
+
+# Kafka's internal topics: a broker refuses records produced to them ("Invalid topic"), so a leader's
+# heartbeats there never arrive. goharvest's reaper_secure.yaml names __consumer_offsets as its leader
+# topic, where goneli takes other groups' offset commits for heartbeats.
+_INTERNAL_TOPICS = frozenset({"__consumer_offsets", "__transaction_state", "__share_group_state"})
 
 # PostgreSQL's rule for replication slot names; publications follow it too here, for symmetry.
 _SLOT = re.compile(r"^[a-z0-9_]{1,63}$")
@@ -240,6 +246,17 @@ class HarvesterConfig(BaseModel):
         """The names the log source reads through (its store, ``reaper migrate`` and ``reaper check``)."""
         every = self.event_router is not None
         return LogSetup(self.table, self.slot, self.publication, self.prefix, self.log_accept_loss_on_failover, every)
+
+    @field_validator("leader_topic")
+    @classmethod
+    def _leader_topic(cls, value: str | None) -> str | None:
+        if value in _INTERNAL_TOPICS:
+            raise ValueError(
+                f"{value} is Kafka's internal topic, where the broker refuses the leader's heartbeats: "
+                "name a topic of the group's own (leaderTopic: <leaderGroupID>.neli, which reaper run creates), "
+                "or leave leaderTopic out for that default"
+            )
+        return value
 
     @field_validator("outbox_table")
     @classmethod

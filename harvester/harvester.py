@@ -17,7 +17,7 @@ from uuid import UUID
 import structlog
 from prometheus_client import CollectorRegistry
 
-from harvester.compose import Pipeline, build_engine, neli_elector, reachable, source
+from harvester.compose import Pipeline, build_engine, neli_elector, raised_max_poll_interval, reachable, source
 from harvester.config import HarvesterConfig
 from harvester.core.engine import Engine
 from harvester.core.events import Event, MeterRead
@@ -73,6 +73,15 @@ class Harvester:
         self._elector = (
             elector if elector is not None else neli_elector(config, self._heartbeat_report, self.database_reachable)
         )
+        raised = raised_max_poll_interval(config)
+        if elector is None and raised is not None:
+            self._log.warning(
+                "max_poll_interval_raised",
+                configured_seconds=config.limits.max_poll_interval.total_seconds(),
+                used_seconds=raised,
+                hint="maxPollInterval is at least the election's session timeout (librdkafka's rule); "
+                "set it to 10s or more, or leave it out (5m), to silence this",
+            )
         if shards > 1 and not isinstance(self._elector, ShardedElector):
             raise ValueError(f"shards: {shards} needs an elector of several shards (status_of), such as NeliElector")
         self._failure: str | None = None

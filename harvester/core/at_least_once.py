@@ -31,7 +31,7 @@ import structlog
 from harvester.core.dispatch import Context, Dispatcher, DispatcherFactory, worker
 from harvester.core.failures import MalformedRecordError
 from harvester.core.gate import RELEASE_AT_PURGE, KeyGate, release_at_ack
-from harvester.core.protocols import DeliveryReport, PublisherFactory, Purger
+from harvester.core.protocols import DeliveryReport, PublisherFactory, Purger, RefusedError
 from harvester.core.purge_thread import PurgeThread
 from harvester.core.records import MarkedRecord
 
@@ -179,6 +179,10 @@ class AtLeastOnceDispatcher:
                 continue
             try:
                 publish(record)
+            except RefusedError as exc:  # said once, in one line, by the engine, which stops leading
+                self._ctx.on_refused(exc)
+                acks.put_nowait((record, exc))
+                continue
             except Exception as exc:
                 # Not left in flight for good: settled as a failed delivery, then re-marked.
                 log.exception("publish_failed", id=record.id)
@@ -224,6 +228,9 @@ class AtLeastOnceDispatcher:
                     self._acks.put_nowait(None)
                     break
                 items.append(item)
+            refused = next((err for _, err in items if isinstance(err, RefusedError)), None)
+            if refused is not None:  # the records are settled as failed below, and stay in the outbox
+                self._ctx.on_refused(refused)
             try:
                 if self._purges is None:
                     # The keys wait for their purges: purge here, without a thread hop.

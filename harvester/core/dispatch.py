@@ -19,7 +19,7 @@ import structlog
 
 from harvester.core.limits import Limits
 from harvester.core.metrics import HarvesterMetrics
-from harvester.core.protocols import FencedError
+from harvester.core.protocols import FencedError, RefusedError
 from harvester.core.records import MarkedRecord
 from harvester.core.settle import RetryBackoff, Settler
 
@@ -63,6 +63,8 @@ class Context:
     on_fenced: Callable[[FencedError], None]
     # Bound to every log line of the pipeline's threads (``shard`` when the outbox is sharded).
     labels: Mapping[str, object] = field(default_factory=dict)
+    # The publisher can publish nothing more until an operator grants what Kafka refused.
+    on_refused: Callable[[RefusedError], None] = lambda _: None
 
 
 class Dispatcher(Protocol):

@@ -18,6 +18,7 @@ instance that finished its term start late, and the term is started again (fenci
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Mapping
 from contextlib import nullcontext
@@ -36,6 +37,7 @@ from harvester.core.protocols import (
     FatalStoreError,
     FencedError,
     MarkSource,
+    RefusedError,
     ShardCountError,
     StoreError,
 )
@@ -101,7 +103,8 @@ class Engine:
         # ``labels`` (the outbox, when a reaper harvests several) and the shard go on every log line
         # of the pipeline's threads.
         bound: dict[str, object] = {**(labels or {}), **({} if shard is None else {"shard": shard})}
-        context = Context(state, limits, metrics, settler, self._backoff, self._fenced, bound)
+        self._refusal: RefusedError | None = None
+        context = Context(state, limits, metrics, settler, self._backoff, self._fenced, bound, self._refused)
         self._dispatcher = dispatcher(context)
         self._threads = [worker(self._mark_loop, "harvester-mark", bound), *self._dispatcher.threads]
 
@@ -341,7 +344,7 @@ class Engine:
             with self._state.cond:
                 self._state.epoch = epoch
             self._dispatcher.begin_term()
-        except FatalStoreError as exc:
+        except (FatalStoreError, RefusedError) as exc:
             self._fatal(exc)
             return
         except FencedError as exc:
@@ -355,11 +358,20 @@ class Engine:
         self._metrics.epoch.set(epoch)
         log.info("fence_acquired", epoch=epoch, leader_id=str(leader_id))
 
-    def _fatal(self, error: FatalStoreError) -> None:
+    def _refused(self, error: RefusedError) -> None:
+        """The publisher can publish nothing more (Kafka refused it what it needs): as :meth:`_fatal`,
+        once, from a thread of its own, since the dispatcher calls this holding the state's lock."""
+        if self._refusal is None:
+            self._refusal = error
+            threading.Thread(target=self._fatal, args=(error,), name="harvester-refused", daemon=True).start()
+
+    def _fatal(self, error: FatalStoreError | RefusedError) -> None:
         """No term can be safe (reapers of the group disagree on the number of shards; a table-less
-        outbox's slot was lost): stop leading and let the owner of the engine end the process with
-        the reason."""
+        outbox's slot was lost) or start (Kafka refuses the transactional id): stop leading and let
+        the owner of the engine end the process with the reason."""
         kind = "shard_count_mismatch" if isinstance(error, ShardCountError) else "store_fatal"
+        if isinstance(error, RefusedError):
+            kind = "kafka_refused"
         log.error(kind, error=str(error))
         self._lose_leadership()
         self._state.stopping.set()

@@ -1,7 +1,8 @@
 """Tuning of the mark-purge/reset loop and of leader election (goharvest's ``limits:`` block).
 
 Field names are snake_case; every field also accepts goharvest's camelCase spelling. Durations accept
-Go-style strings (``100ms``, ``5s``). Defaults match goharvest's documented defaults.
+Go-style strings (``100ms``, ``5s``). Defaults are goharvest's where it has the setting, except those
+docs/reaper.md lists under "Differences from goharvest".
 """
 
 from __future__ import annotations

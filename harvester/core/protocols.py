@@ -44,6 +44,12 @@ class FatalStoreError(StoreError):
     the harvester stops with this error's one line, which says what to do."""
 
 
+class RefusedError(Exception):
+    """Kafka refuses what this process needs to lead (an ACL it lacks): no retry succeeds until an
+    operator grants it, so the engine stops leading and the harvester stops with this error's one
+    line, which names the grant; the records stay in the outbox."""
+
+
 class ShardCountError(FatalStoreError):
     """The configured number of shards is not the one the outbox's fence records: a configuration
     mistake (or a change of it under way), never retried."""
@@ -171,7 +177,9 @@ class TransactionalPublisher(Protocol):
     """Exactly-once publishing: a batch and its checkpoint commit in one transaction."""
 
     def init(self) -> None:
-        """Initialise transactions for a new term, fencing the previous leader's producer."""
+        """Initialise transactions for a new term, fencing the previous leader's producer.
+
+        Raises :class:`RefusedError` when Kafka refuses the transactional id (a missing ACL)."""
         ...
 
     def publish_batch(self, records: Sequence[MarkedRecord], epoch: int) -> int:

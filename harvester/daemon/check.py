@@ -80,6 +80,8 @@ def validate_spill_directory(settings: ReaperSettings) -> None:
 
 def check(settings: ReaperSettings, timeout: float) -> int:
     """Check every harvest section in file order; 0 when all is in place, 1 when something is missing."""
+    from harvester.compose import raised_max_poll_interval
+
     sections = settings.sections
     several = len(sections) > 1
     for i, section in enumerate(sections):  # every configuration mistake before any connection
@@ -93,6 +95,12 @@ def check(settings: ReaperSettings, timeout: float) -> int:
             print(f"{chr(10) if i else ''}harvest[{i}]: outbox {section.harvest.table}")
         for default in defaulted_connections(section):
             print(f"note: {default} is not set: using the default")
+        if (raised := raised_max_poll_interval(section.harvest)) is not None:
+            configured = section.harvest.limits.max_poll_interval.total_seconds()
+            print(
+                f"note: harvest.limits.maxPollInterval ({configured:g}s) is below the election's session timeout: "
+                f"using {raised:g}s (set 10s or more to silence this)"
+            )
         with in_section(i if several else None):
             problems += _check_postgres(section, timeout) + _check_kafka(section, timeout)
     for problem in problems:

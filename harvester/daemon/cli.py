@@ -27,7 +27,11 @@ if TYPE_CHECKING:
 
 COMMANDS = ("run", "migrate", "check", "status", "dlq", "grants", "convert-debezium")
 
-DESCRIPTION = """\
+# The documentation's home: pyproject.toml's [project.urls] name the same pages. A wheel carries no
+# docs/, so the help links there (tests/reaper/test_packaging.py maps each link onto a file of the repository).
+DOCS = "https://github.com/outbox-harvester/outbox-harvester/blob/main/docs"
+
+DESCRIPTION = f"""\
 reaper drains a transactional outbox table in PostgreSQL into Kafka.
 
 Applications INSERT records into the outbox table in the same transaction as their own changes;
@@ -40,10 +44,12 @@ Typical first use:
   reaper migrate -f reaper.yaml    # create the outbox table (and the optional trigger) if absent
   reaper run     -f reaper.yaml    # harvest until SIGTERM/SIGINT
   reaper status  -f reaper.yaml    # who leads, the group's members, backlog, in flight, dead letters
-  reaper grants  -f reaper.yaml    # the SQL giving the runtime role only what it needs (docs/security.md)
-  reaper convert-debezium connector.json > reaper.yaml   # from Debezium's outbox router (docs/migrating.md)
+  reaper grants  -f reaper.yaml    # the SQL giving the runtime role only what it needs
+  reaper convert-debezium connector.json > reaper.yaml   # from Debezium's outbox router
 
-A goharvest reaper.yaml works unchanged, and so does goharvest's command line: reaper -f reaper.yaml
+goharvest's command line works: reaper -f reaper.yaml; so does its reaper.yaml, but for a leader topic
+that is one of Kafka's internal topics. Every difference:
+  {DOCS}/reaper.md#differences-from-goharvest
 """
 
 EPILOG = f"""\
@@ -59,7 +65,10 @@ exit codes:
   0 ok; 1 runtime failure (or check found something missing, or status found nobody leading);
   2 configuration mistake or unreachable service; 128+N after a second signal N.
 
-See docs/reaper.md for every setting, the metrics and the endpoints.
+documentation:
+  every setting, the metrics and the endpoints: {DOCS}/reaper.md
+  the runtime role's grants and the Kafka ACLs: {DOCS}/security.md
+  the outbox table, for applications in any language: {DOCS}/writers.md
 """
 
 
@@ -107,8 +116,11 @@ def _parser() -> argparse.ArgumentParser:
         parents=[common],
         help="create the outbox table and the optional objects other features need, if absent",
         description="Apply the bundled SQL migrations to the configured outbox table, idempotently: each is "
-        "recorded in harvester_migrations and applied once. Existing tables and data are left as they are. "
-        "A schema named in harvest.outboxTable that does not exist is created (and reported).",
+        "recorded in harvester_migrations and applied once. An existing outbox table keeps its column types "
+        "and rows; the tables holding copies of its rows (dead letters, the Spark sink's staging) are widened "
+        "to its column types when narrower. A schema named in harvest.outboxTable that does not exist is "
+        "created (and reported); with source: log, the publication and the replication slot are created "
+        "when absent.",
     )
     check = sub.add_parser(
         "check",
@@ -142,12 +154,19 @@ def _parser() -> argparse.ArgumentParser:
         "grants",
         parents=[common],
         help="print the SQL that gives the runtime role what reaper run needs, and nothing more",
-        description="Print, without connecting, the SQL that creates the runtime role (when absent) and "
-        "grants it what reaper run needs on the configured outbox for its source and delivery mode: apply it "
-        "as the schema's owner after 'reaper migrate' (docs/security.md).",
+        description="Print, without connecting, the SQL that creates the runtime role (when absent) and grants it\n"
+        "what reaper run needs on the configured outbox for its source and delivery mode: apply it as the\n"
+        "schema's owner after 'reaper migrate'.",
+        epilog=f"The roles, the grants and the Kafka ACLs: {DOCS}/security.md",
+        formatter_class=argparse.RawDescriptionHelpFormatter,  # the link unbroken
     )
     grant.add_argument(
         "--role", metavar="NAME", help="the runtime role (default: the user of harvest.dataSource, else 'reaper')"
+    )
+    grant.add_argument(
+        "--spark-sink",
+        action="store_true",
+        help="the grants of a role that writes into the outbox through Spark's format('outbox') instead",
     )
     dlq.add_parser(sub, common)
     convert = sub.add_parser(
@@ -197,7 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return status(settings, args.timeout, as_json=args.json)
         if args.command == "grants":
-            return _grants(settings, args.role)
+            return _grants(settings, args.role, args.spark_sink)
         if args.command == "dlq":
             section = dlq.section(settings, args.outbox)
             with connect_pg(section, 10) as conn:
@@ -220,17 +239,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.code
 
 
-def _grants(settings: ReaperSettings, role: str | None) -> int:
+def _grants(settings: ReaperSettings, role: str | None, spark_sink: bool) -> int:
     from psycopg.conninfo import conninfo_to_dict
 
-    from harvester.daemon.grants import grants, role_error
+    from harvester.daemon.grants import grants, role_error, spark_sink_grants
 
     if role is None:
         role = str(conninfo_to_dict(settings.harvest.data_source).get("user") or "reaper")
     problem = role_error(role)
     if problem is not None:
         raise FailError(f"--role: {problem}")
-    print("\n".join(grants(section.harvest, role) for section in settings.sections), end="")
+    if spark_sink:
+        print("\n".join(spark_sink_grants(section.harvest.table, role) for section in settings.sections), end="")
+    else:
+        print("\n".join(grants(section.harvest, role) for section in settings.sections), end="")
     return 0
 
 

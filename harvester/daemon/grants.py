@@ -71,6 +71,68 @@ def needs(harvest: HarvesterConfig) -> list[Need]:
     return [*found, Need(table, rights, f"the outbox: {what}")]
 
 
+def spark_sink_needs(table: TableName) -> list[Need]:
+    """What a role that writes into ``table`` through Spark's ``format("outbox")`` sink needs
+    (``harvester/spark/store.py``), once the owner's ``reaper migrate`` made the sink's tables."""
+    return [
+        Need(
+            TableName(table.schema, "harvester_migrations"),
+            ("SELECT",),
+            "the migrations' ledger: whether the sink's tables are in place",
+        ),
+        Need(table, ("INSERT",), "the outbox: the commit's COPY of the staged rows"),
+        Need(
+            table.derived("spark_tasks"),
+            ("SELECT", "INSERT", "DELETE"),
+            "one row per task attempt; removed with its write, or as stale",
+        ),
+        Need(
+            table.derived("spark_staging"),
+            ("SELECT", "INSERT", "DELETE", "TRUNCATE"),
+            "the executors' COPY; emptied by the commit (a TRUNCATE when no other write stages)",
+        ),
+        Need(
+            table.derived("spark_commits"),
+            ("SELECT", "INSERT"),
+            "a streaming sink's committed batch ids (INSERT ... ON CONFLICT DO NOTHING RETURNING)",
+        ),
+    ]
+
+
+def _serial(table: TableName, column: str, role: str) -> list[str]:
+    """USAGE on the sequence behind ``table.column``, named by PostgreSQL (it truncates long names its own way)."""
+    target = table.quoted.replace("'", "''")
+    return [
+        "DO $$ DECLARE s text := pg_get_serial_sequence('" + target + "', '" + column + "'); BEGIN",
+        f"  IF s IS NOT NULL THEN EXECUTE format('GRANT USAGE ON SEQUENCE %s TO {role}', s); END IF;",
+        "END $$;",
+    ]
+
+
+def _create(role: str) -> list[str]:
+    return [
+        "DO $$ BEGIN",
+        f"  IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = '{role}') THEN CREATE ROLE {role} LOGIN; END IF;",
+        "END $$;",
+    ]
+
+
+def spark_sink_grants(table: TableName, role: str) -> str:
+    """The SQL script for ``role``, a writer of ``table`` through the Spark sink (not the reaper)."""
+    lines = [
+        f"-- grants for a Spark format('outbox') writer of {table.qualified}, role {role} (not the reaper's).",
+        "-- Apply as the schema's owner (or a superuser) after 'reaper migrate' ran as the owner (it creates",
+        f"-- the sink's tables); give the role its password apart from this script (\\password {role}).",
+        *_create(role),
+        f'GRANT USAGE ON SCHEMA "{table.schema or "public"}" TO {role};',
+    ]
+    for need in spark_sink_needs(table):
+        lines += [f"-- {need.why}", f"GRANT {', '.join(need.privileges)} ON {need.table.quoted} TO {role};"]
+    lines += ["-- the ids of the outbox and of the task attempts"]
+    lines += _serial(table, "id", role) + _serial(table.derived("spark_tasks"), "task_id", role)
+    return "\n".join(lines) + "\n"
+
+
 def grants(harvest: HarvesterConfig, role: str) -> str:
     """The SQL script for ``role`` and ``harvest``'s outbox, source and delivery mode."""
     table = harvest.table
@@ -79,9 +141,7 @@ def grants(harvest: HarvesterConfig, role: str) -> str:
         f"-- reaper grants for outbox {table.qualified} ({mode}), runtime role {role}.",
         "-- Apply as the schema's owner (or a superuser) after 'reaper migrate' ran as the owner; give the",
         f"-- role its password apart from this script (\\password {role}).",
-        "DO $$ BEGIN",
-        f"  IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = '{role}') THEN CREATE ROLE {role} LOGIN; END IF;",
-        "END $$;",
+        *_create(role),
         f'GRANT USAGE ON SCHEMA "{table.schema or "public"}" TO {role};',
     ]
     for need in needs(harvest):

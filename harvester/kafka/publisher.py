@@ -11,10 +11,10 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from confluent_kafka import KafkaError, Message, Producer
+from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
 from harvester.core.failures import PublishError
-from harvester.core.protocols import DeliveryCallback
+from harvester.core.protocols import DeliveryCallback, RefusedError
 from harvester.core.records import MarkedRecord
 from harvester.kafka.enqueue import enqueue
 
@@ -52,6 +52,17 @@ class DeliveryError(PublishError):
             text += f": Kafka ACL missing: allow WRITE on topic {topic} (docs/security.md)"
         super().__init__(text, reason=label, permanent=code in PERMANENT_CODES, shared=code in SHARED_CODES)
         self.code: int = error.code()
+
+
+def refusal(error: KafkaError) -> RefusedError:
+    """A fatal error of the producer in one line, naming the ACL when Kafka refused it a producer id."""
+    text = str(error.str())
+    if error.code() == KafkaError.CLUSTER_AUTHORIZATION_FAILED:
+        return RefusedError(
+            f"Kafka refused the producer: {text}: allow WRITE on the output topics to the producer's principal"
+            " (an idempotent producer takes its producer id with WRITE on any topic, KIP-679; docs/security.md)"
+        )
+    return RefusedError(f"Kafka producer failed for good: {text}")
 
 
 def producer_config(base: Mapping[str, Any], producer: Mapping[str, Any]) -> dict[str, Any]:
@@ -108,20 +119,31 @@ class KafkaPublisher:
         settings, self.keeps_order = delivery_settings(config, in_order)
         self._producer = Producer(settings)
         self._on_delivery = on_delivery
+        self._refused: RefusedError | None = None  # the producer's fatal error, once it had one
         self._closing = threading.Event()
         self._poller = threading.Thread(target=self._poll, name="harvester-delivery", daemon=True)
         self._poller.start()
 
     def _poll(self) -> None:
         while not self._closing.is_set():
-            self._producer.poll(0.05)
+            try:
+                self._producer.poll(0.05)
+            except KafkaException as exc:
+                # A fatal error (raised once, by poll): the producer publishes nothing more. Polling
+                # goes on, so the records it holds come back failed, reported as this refusal.
+                self._refused = refusal(exc.args[0])
 
     def publish(self, record: MarkedRecord) -> None:
-        """Enqueue ``record``; a local failure is reported through the delivery callback at once."""
+        """Enqueue ``record``; a local failure is reported through the delivery callback at once.
+        Raises :class:`RefusedError` once the producer failed for good."""
+        if self._refused is not None:
+            raise self._refused
         callback = self._on_delivery
 
         def report(err: KafkaError | None, _msg: Message) -> None:
-            callback((record, None if err is None else DeliveryError(err, record.topic)))
+            refused = self._refused
+            failed = None if err is None else (refused or DeliveryError(err, record.topic))
+            callback((record, failed))
 
         # The key is encoded to UTF-8 by the client.
         error = enqueue(self._producer, record.topic, record.key, record.value, record.kafka_headers(), report)
@@ -141,7 +163,11 @@ class KafkaPublisher:
         Dropped records stay marked in the outbox and are published by the next leader; without the
         purge, librdkafka would hold the process until they time out.
         """
-        if self._producer.flush(timeout):
+        try:
+            left = self._producer.flush(timeout)
+        except KafkaException:  # the fatal error, raised here rather than in the poll thread
+            left = len(self._producer)
+        if left:
             self._producer.purge()
             self._producer.flush(0)
         self._closing.set()

@@ -21,7 +21,7 @@ from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 
-from harvester.core.protocols import ProducerFencedError, TransactionAbortedError
+from harvester.core.protocols import ProducerFencedError, RefusedError, TransactionAbortedError
 from harvester.core.records import MarkedRecord
 from harvester.kafka.publisher import DeliveryError
 
@@ -67,7 +67,7 @@ class KafkaTransactionalPublisher:
             error: KafkaError = exc.args[0]
             if error.code() == KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED:
                 tid = self._config["transactional.id"]
-                raise ProducerFencedError(
+                raise RefusedError(
                     f"Kafka ACL missing: may not WRITE transactional id {tid}: allow WRITE on transactional id "
                     f"{tid} (docs/security.md)"
                 ) from exc

@@ -2,12 +2,14 @@
 ``EventRouter`` publishes: the same rows (several aggregate types, renamed columns, additional columns
 as headers, NULL payloads and header values, rows deleted in the transaction that inserted them, a
 transaction rolled back) drained once by Debezium 3.3.2 in Kafka Connect 4.1.1 standalone
-(tests/kafka_connect.py, the jars from Maven Central on first use) and once by the reaper, each into
-topics of its own, give equal records: topic (but for each relay's prefix), partition, key, value and
-EventRouter's headers (the reaper's identity headers after them), in the same order per key."""
+(bench/debezium_connect.py, as bench/peers.py runs it; the jars from Maven Central on first use) and
+once by the reaper, each into topics of its own, give equal records: topic (but for each relay's
+prefix), partition, key, value and EventRouter's headers (the reaper's identity headers after them),
+in the same order per key."""
 
 from __future__ import annotations
 
+import sys
 import uuid
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
@@ -18,23 +20,15 @@ import psycopg
 import pytest
 from confluent_kafka import Message
 from psycopg import sql
-from psycopg.conninfo import conninfo_to_dict
 
 from harvester import HarvesterConfig
 from harvester.postgres.log import logical
 from harvester.postgres.schema.identifiers import TableName
 from harvester.postgres.schema.migrations import ensure
-from tests.kafka_connect import (
-    EVENT_ROUTER,
-    POSTGRES_CONNECTOR,
-    STRING_CONVERTER,
-    ConnectWorker,
-    drop_slot,
-    resolve_jars,
-)
 from tests.log.conftest import drop_slot as drop_harvester_slot
 from tests.log.conftest import logical_dsn  # noqa: F401 (the fixture)
 from tests.support import (
+    ROOT,
     Services,
     consumed_headers,
     create_topics,
@@ -46,6 +40,10 @@ from tests.support import (
 )
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+# Kafka Connect as bench/peers.py runs it (bench/ holds its modules at its top).
+sys.path.insert(0, str(ROOT / "bench"))
+from debezium_connect import ConnectWorker, connector_config, resolve_jars, streaming_connector  # noqa: E402
 
 PARTITIONS = 4
 AGGREGATES = ("Order", "Customer", "Invoice")
@@ -75,7 +73,8 @@ def event_router(replacement: str) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def connect(tmp_path_factory: pytest.TempPathFactory, services: Services) -> Iterator[ConnectWorker]:
     resolve_jars()
-    worker = ConnectWorker(Path(tmp_path_factory.mktemp("connect")), free_ports(1), services.bootstrap)
+    state = Path(tmp_path_factory.mktemp("connect"))
+    worker = ConnectWorker(state, bootstrap=services.bootstrap, port=free_ports(1))
     try:
         worker.start()  # a start that fails stops the JVM too
         yield worker
@@ -139,7 +138,6 @@ def test_the_reaper_publishes_what_debeziums_event_router_publishes(
     dbz, rpr = f"{schema}.dbz.", f"{schema}.rpr."
     topics = [p + a for p in (dbz, rpr) for a in AGGREGATES]
     create_topics(services.bootstrap, topics, PARTITIONS)
-    source = conninfo_to_dict(logical_dsn)
     harvest = HarvesterConfig.model_validate(
         {
             "dataSource": logical_dsn,
@@ -161,36 +159,12 @@ def test_the_reaper_publishes_what_debeziums_event_router_publishes(
         ensure(conn, table, "dead_letter", value_type="BYTEA")
         logical.create(conn, setup)
         config = {
-            "connector.class": POSTGRES_CONNECTOR,
-            "tasks.max": "1",
-            "database.hostname": source.get("host", "127.0.0.1"),
-            "database.port": str(source.get("port", 5432)),
-            "database.user": source.get("user", "harvester"),
-            "database.password": source.get("password", ""),
-            "database.dbname": source.get("dbname", "harvester"),
-            "topic.prefix": name,
-            "plugin.name": "pgoutput",
-            "slot.name": name,
-            "publication.name": name,
-            "publication.autocreate.mode": "filtered",
-            "table.include.list": table.qualified,
-            "snapshot.mode": "no_data",
-            "tombstones.on.delete": "false",
+            **connector_config(name, logical_dsn, table, event_router(dbz + "${routedByValue}")),
             "extended.headers.enabled": "false",  # the connector's __debezium.context.* headers: not EventRouter's
-            "key.converter": STRING_CONVERTER,
-            "value.converter": STRING_CONVERTER,
-            "transforms": "outbox",
-            "transforms.outbox.type": EVENT_ROUTER,
-            **{f"transforms.outbox.{k}": v for k, v in event_router(dbz + "${routedByValue}").items()},
         }
-        connect.request("POST", "/connectors", {"name": name, "config": config})
-        try:
-            connect.wait_streaming(conn, name, name)
+        with streaming_connector(conn, connect, name, config):
             committed = write(conn, table)
             debezium = read_messages(services.bootstrap, topics[:3], committed, timeout=120)
-        finally:
-            connect.request("DELETE", f"/connectors/{name}")
-            drop_slot(conn, name)
         try:
             with harvesters(lambda: harvest) as make:
                 make()

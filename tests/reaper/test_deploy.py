@@ -150,6 +150,16 @@ def test_kubernetes_manifests(tmp_path: Path, manifest: str, name: str, replicas
     settings = validate(config_map["data"]["reaper.yaml"], tmp_path, files, env)
     assert settings.harvest.name == "pod-name"  # every log line names the pod
     assert "password=from-secret-pg-password" in settings.harvest.data_source  # it really came from the Secret
+    # TLS to both ends, verified against a CA bundle mounted read-only from the ConfigMap the header creates.
+    assert "sslmode=verify-full" in settings.harvest.data_source
+    (rootcert,) = re.findall(r"sslrootcert=(\S+)", settings.harvest.data_source)
+    assert settings.harvest.base_kafka_config["security.protocol"] == "SASL_SSL"
+    (ca_map,) = re.findall(r"kubectl create configmap (\S+) --from-file=ca.crt=", header(K8S / manifest))
+    ca_volume = next(n for n, v in volumes.items() if v.get("configMap", {}).get("name") == ca_map)
+    ca_mount = next(m for m in container["volumeMounts"] if m["name"] == ca_volume)
+    assert ca_mount["readOnly"] is True
+    for path in (rootcert, settings.harvest.base_kafka_config["ssl.ca.location"]):
+        assert path == f"{ca_mount['mountPath']}/ca.crt", path
 
     # Probes: /healthz for liveness, bounded in time, on the configured http port. /readyz (which
     # needs Kafka) gates a standalone reaper's readiness only: a sidecar's would take its application

@@ -1,4 +1,5 @@
-"""The Dockerfile, checked without a Docker engine: its structure, and its build stage replayed in a venv."""
+"""The Dockerfile, checked without a Docker engine: its structure, its labels, and its build stage replayed in
+a venv (with the otel extra), whose ``reaper --help`` links to files of the repository."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import tomllib
+from importlib.metadata import requires
 from pathlib import Path
 
 import pytest
@@ -21,11 +23,14 @@ from prometheus_client import CollectorRegistry
 from harvester import __version__
 from harvester.daemon.http import HttpServer
 from harvester.daemon.settings import HttpSettings
+from tests.reaper.test_packaging import PROJECT, linked_file, urls
 from tests.support import ROOT
 
 DOCKERFILE = ROOT / "Dockerfile"
 LOCK = ROOT / "requirements.lock"  # the runtime dependencies
 BUILD_LOCK = ROOT / "requirements-build.lock"  # the build backend
+OTEL_LOCK = ROOT / "requirements-otel.lock"  # the otel extra, with --build-arg OTEL=1
+DEV_LOCK = ROOT / "requirements-dev.lock"  # ./dev.sh setup's constraints
 
 
 def instructions() -> list[tuple[str, str]]:
@@ -106,6 +111,7 @@ def test_copied_sources_exist_and_are_not_ignored() -> None:
         assert not ignored(src), f"COPY source {src} is excluded by .dockerignore"
     # Everything the package needs at run time is copied, and the LICENSE its metadata names (license-files).
     needed = {"pyproject.toml", "setup.py", "LICENSE", "leader/", "harvester/", "sql/", LOCK.name, BUILD_LOCK.name}
+    needed.add(OTEL_LOCK.name)
     assert needed <= set(sources)
 
 
@@ -145,13 +151,78 @@ def test_locks_pin_every_dependency_with_hashes() -> None:
     assert "setuptools" not in pins(LOCK) and "pip" not in pins(LOCK)
 
 
+def build_commands(run: str) -> list[tuple[str | None, str]]:
+    """The ``&&``-joined commands of a RUN, each with the build argument it depends on: ``if [ "$ARG" = 1 ];
+    then COMMAND; fi`` gives ("ARG", COMMAND), any other command (None, command)."""
+    out: list[tuple[str | None, str]] = []
+    for command in re.split(r"\s*&&\s*", run):
+        conditional = re.fullmatch(r'if \[ "\$(\w+)" = 1 \]; then (.*); fi', command)
+        out.append((conditional.group(1), conditional.group(2)) if conditional else (None, command))
+    return out
+
+
+@pytest.mark.unit
+def test_labels_name_the_version_license_and_homes_of_pyproject() -> None:
+    (_build, final) = stages()
+    (label,) = [rest for word, rest in final if word == "LABEL"]
+    labels = dict(item.split("=", 1) for item in shlex.split(label))
+    urls_ = PROJECT["urls"]
+    assert labels == {
+        "org.opencontainers.image.title": "outbox-harvester reaper",
+        "org.opencontainers.image.description": labels["org.opencontainers.image.description"],
+        "org.opencontainers.image.version": __version__,
+        "org.opencontainers.image.revision": "${REVISION}",
+        "org.opencontainers.image.licenses": PROJECT["license"],
+        "org.opencontainers.image.url": urls_["Homepage"],
+        "org.opencontainers.image.source": urls_["Repository"],
+        "org.opencontainers.image.documentation": urls_["Documentation"],
+    }
+    assert ("ARG", "REVISION") in final
+
+
+@pytest.mark.unit
+def test_otel_and_dev_locks_cover_their_extras() -> None:
+    """requirements-otel.lock pins the otel extra with hashes (installed --no-deps, so what it needs is in
+    requirements.lock); requirements-dev.lock, ./dev.sh setup's constraints, pins every extra and dev tool
+    within pyproject.toml's bounds; ./dev.sh lock writes both, and setup installs with the constraints."""
+    extras = PROJECT["optional-dependencies"]
+    otel, runtime = pins(OTEL_LOCK), pins(LOCK)
+    for text in extras["otel"]:
+        requirement = Requirement(text)
+        name = canonicalize_name(requirement.name)
+        assert name in otel and requirement.specifier.contains(otel[name][0]), f"{OTEL_LOCK.name}: {text}"
+        for dependency in requires(requirement.name) or []:
+            needed = Requirement(dependency)
+            if needed.marker is None or needed.marker.evaluate():
+                assert canonicalize_name(needed.name) in runtime, f"{name} needs {needed.name}: not in {LOCK.name}"
+    constraints = {}
+    for line in DEV_LOCK.read_text().splitlines():
+        if line and not line.startswith("#"):
+            pinned, sep, version = line.partition("==")
+            assert sep, f"{DEV_LOCK.name}: {line} is not a pin"
+            constraints[canonicalize_name(pinned)] = version
+    for extra, requirements in extras.items():
+        for text in requirements:
+            requirement = Requirement(text)
+            name = canonicalize_name(requirement.name)
+            if name == "outbox-harvester":
+                continue
+            assert name in constraints, f"{DEV_LOCK.name} lacks {name} ({extra}): ./dev.sh lock"
+            assert requirement.specifier.contains(constraints[name]), f"{DEV_LOCK.name} pins {name} outside {text}"
+    dev_sh = (ROOT / "dev.sh").read_text()
+    assert '-e ".[dev]" -c requirements-dev.lock' in dev_sh
+    assert all(f">{lock.name}" in dev_sh for lock in (DEV_LOCK, OTEL_LOCK))
+
+
 @pytest.mark.unit
 def test_build_installs_only_from_the_hashed_locks() -> None:
     """Every pip install of the build stage is hash-checked against a lock, or takes only the wheel just built;
     the build backend is the locked one; the runtime virtualenv gets no pip and no setuptools."""
     (build, final) = stages()
     (run,) = [rest for word, rest in build if word == "RUN"]
-    commands = re.split(r"\s*&&\s*", run)
+    commands = [command for _arg, command in build_commands(run)]
+    assert [arg for arg, _command in build_commands(run) if arg] == ["OTEL"]
+    assert ("ARG", "OTEL") in build
     installs = [shlex.split(c) for c in commands if re.search(r"\bpip\b.* install ", c)]
     locks = set()
     for argv in installs:
@@ -159,7 +230,7 @@ def test_build_installs_only_from_the_hashed_locks() -> None:
             locks.add(argv[argv.index("-r") + 1])
         else:
             assert {"--no-deps", "--no-index"} <= set(argv), f"{shlex.join(argv)} resolves outside the locks"
-    assert locks == {LOCK.name, BUILD_LOCK.name}
+    assert locks == {LOCK.name, BUILD_LOCK.name, OTEL_LOCK.name}
     (wheel,) = [shlex.split(c) for c in commands if " wheel " in c]
     assert {"--no-deps", "--no-build-isolation"} <= set(wheel), "the wheel is built by the locked setuptools"
     (venv,) = [c for c in commands if "venv" in c and "/opt/reaper" in c]
@@ -183,8 +254,9 @@ def test_base_image_is_pinned_by_digest_or_takes_the_documented_digest_arg() -> 
 
 @pytest.mark.integration
 def test_build_stage_replayed_in_a_venv(tmp_path: Path) -> None:
-    """Run the build stage's COPY and RUN steps with /src, /opt/build, /opt/reaper and /wheels mapped into
-    tmp_path: pip really installs the locks (hash-checked; pip's cache keeps repeated runs cheap)."""
+    """Run the build stage's COPY and RUN steps, with OTEL=1, with /src, /opt/build, /opt/reaper and /wheels
+    mapped into tmp_path: pip really installs the locks (hash-checked; pip's cache keeps repeated runs cheap).
+    The installed ``reaper --help`` links to files of the repository, and so does the package's metadata."""
     (build, _final) = stages()
     src, venv = tmp_path / "src", tmp_path / "opt-reaper"
     paths = {"/opt/build": tmp_path / "opt-build", "/opt/reaper": venv, "/wheels": tmp_path / "wheels", "/src": src}
@@ -201,7 +273,7 @@ def test_build_stage_replayed_in_a_venv(tmp_path: Path) -> None:
     runs = [rest for word, rest in build if word == "RUN"]
     assert len(runs) == 1
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}  # not this checkout
-    for command in re.split(r"\s*&&\s*", runs[0]):
+    for _arg, command in build_commands(runs[0]):  # OTEL=1: every conditional command runs
         argv = shlex.split(command)
         for container_path, local in paths.items():
             argv = [a.replace(container_path, str(local)) for a in argv]
@@ -215,7 +287,7 @@ def test_build_stage_replayed_in_a_venv(tmp_path: Path) -> None:
     for info in installed.glob("*.dist-info"):
         name, version = info.name.removesuffix(".dist-info").split("-")
         distributions[canonicalize_name(name)] = version
-    expected = {name: version for name, (version, _hashes) in pins(LOCK).items()}
+    expected = {name: version for lock in (LOCK, OTEL_LOCK) for name, (version, _hashes) in pins(lock).items()}
     assert distributions == {**expected, "outbox-harvester": __version__}
     assert not (installed / "pip").exists() and not (installed / "setuptools").exists()
     # The package, not this checkout, answered: its migrations ship inside it as real files.
@@ -227,3 +299,15 @@ def test_build_stage_replayed_in_a_venv(tmp_path: Path) -> None:
     # The COPY of LICENSE reached the wheel's metadata (pyproject.toml's license-files).
     (license_file,) = installed.glob("outbox_harvester-*.dist-info/licenses/LICENSE")
     assert license_file.read_bytes() == (ROOT / "LICENSE").read_bytes()
+    # The wheel carries no docs/: what its help and metadata link to are files of the repository.
+    reaper = [str(venv / "bin" / "reaper"), "--help"]
+    helped = subprocess.run(reaper, capture_output=True, text=True, env=env, cwd=tmp_path, check=True, timeout=60)
+    assert {linked_file(u).name for u in urls(helped.stdout)} >= {"reaper.md", "security.md", "writers.md"}
+    (metadata,) = installed.glob("outbox_harvester-*.dist-info/METADATA")
+    project_urls = re.findall(r"^Project-URL: [^,]+, (.+)$", metadata.read_text(), re.MULTILINE)
+    assert sorted(project_urls) == sorted(PROJECT["urls"].values())
+    for url in project_urls:
+        linked_file(url)
+    # The otel extra works in the image: the publish span's module imports.
+    otel = [str(venv / "bin" / "python"), "-c", "import harvester.otel"]
+    subprocess.run(otel, capture_output=True, env=env, cwd=tmp_path, check=True, timeout=60)

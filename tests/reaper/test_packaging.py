@@ -1,27 +1,37 @@
-"""The wheel: PEP 639 license metadata, the LICENSE file, the one-source version, the package data, and
-``reaper migrate`` run from the installed wheel.
+"""The wheel: PEP 639 license metadata, the LICENSE file, the one-source version, the package data,
+``reaper migrate`` run from the installed wheel; every imported third-party module declared; the project's
+URLs and ``reaper --help``'s links on files of the repository; the wheel on each Python it claims.
 
 The wheel is built from a copy of the checkout (``tests.support.build_wheel``).
 """
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import os
+import re
+import shutil
 import subprocess
 import sys
+import tomllib
 import zipfile
 from email.message import Message
 from email.parser import HeaderParser
+from importlib.metadata import packages_distributions
 from pathlib import Path
 
 import psycopg
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 from psycopg import sql
 
 import harvester
+from harvester.daemon import cli
 from harvester.postgres.schema.identifiers import TableName
 from harvester.postgres.schema.migrations import applied
+from tests.reaper.test_docs import anchors
 from tests.support import ROOT, Services, build_wheel
 
 # sha256 of https://www.apache.org/licenses/LICENSE-2.0.txt (also Debian's /usr/share/common-licenses/Apache-2.0).
@@ -110,3 +120,152 @@ def test_reaper_migrate_runs_from_the_installed_wheel(
     table = TableName(schema, "outbox")
     assert applied(pg, table) == [p.stem for p in MIGRATIONS]
     assert pg.execute(sql.SQL("SELECT count(*) FROM {}").format(table.ident)).fetchone() == (0,)
+
+
+PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+REPOSITORY = PROJECT["urls"]["Repository"]
+
+
+def linked_file(url: str) -> Path:
+    """The file of this checkout a URL of the project's names (``<repository>/blob/main/<path>[#anchor]``),
+    its anchor checked too; the repository itself and its issues are the checkout's root."""
+    assert url.startswith(REPOSITORY), f"{url} is not under {REPOSITORY}"
+    rest = url.removeprefix(REPOSITORY)
+    if rest in ("", "/issues"):
+        return ROOT
+    path, _, anchor = rest.removeprefix("/blob/main/").partition("#")
+    assert rest.startswith("/blob/main/") and (ROOT / path).is_file(), f"{url}: no {path} in the repository"
+    assert not anchor or anchor in anchors(ROOT / path), f"{url}: no heading #{anchor} in {path}"
+    return ROOT / path
+
+
+def urls(text: str) -> list[str]:
+    return re.findall(r"https?://[^\s)'\"]+", text)
+
+
+def all_help(parser: argparse.ArgumentParser) -> str:
+    """The help of ``parser`` and of every subcommand under it."""
+    texts = [parser.format_help()]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            texts += [all_help(sub) for sub in action.choices.values()]
+    return "\n".join(texts)
+
+
+@pytest.mark.unit
+def test_project_urls_and_the_help_links_are_files_of_the_repository() -> None:
+    assert set(PROJECT["urls"]) == {"Homepage", "Repository", "Documentation", "Changelog", "Issues"}
+    for url in PROJECT["urls"].values():
+        linked_file(url)
+    assert cli.DOCS.startswith(REPOSITORY)
+    links = urls(all_help(cli._parser()))
+    assert {linked_file(u).name for u in links} >= {"reaper.md", "security.md", "writers.md"}
+
+
+IMPORT = re.compile(
+    r"^[ \t]*(?:from[ \t]+(\w[\w.]*)[ \t]+import\b|import[ \t]+(\w[\w.]*)(?:[ \t]+as[ \t]+\w+)?[ \t]*$)", re.M
+)
+
+
+def imported_modules(top: str) -> dict[str, list[str]]:
+    """{top-level third-party module: files importing it} under ``top`` (import statements read by a
+    pattern, not parsed: parsing every file takes seconds)."""
+    files = list((ROOT / top).rglob("*.py"))
+    local = {p.stem for p in files} | {"harvester", "leader", "tests", "bench", "examples", "__future__"}
+    found: dict[str, list[str]] = {}
+    for path in files:
+        for match in IMPORT.finditer(path.read_text()):
+            root = (match.group(1) or match.group(2)).split(".")[0]
+            if root not in sys.stdlib_module_names and root not in local:
+                found.setdefault(root, []).append(str(path.relative_to(ROOT)))
+    return found
+
+
+@pytest.mark.unit
+def test_every_imported_third_party_module_is_declared() -> None:
+    """The package's imports are in its dependencies or an extra other than dev; the tests', benches' and
+    examples' in those or dev. A module only some dependency brings along (numpy with pyarrow) is not
+    declared: an upgrade of that dependency could drop it."""
+    declared: dict[str, set[str]] = {"": {canonicalize_name(Requirement(r).name) for r in PROJECT["dependencies"]}}
+    for extra, requirements in PROJECT["optional-dependencies"].items():
+        declared[extra] = {canonicalize_name(Requirement(r).name) for r in requirements}
+    shipped = set().union(*(names for extra, names in declared.items() if extra != "dev"))
+    everything = set().union(*declared.values())
+    providers = packages_distributions()
+    missing = []
+    for top, allowed in (("harvester", shipped), ("leader", shipped), ("tests", everything), ("bench", everything),
+                         ("examples", everything)):  # fmt: skip
+        for module, files in imported_modules(top).items():
+            dists = {canonicalize_name(d) for d in providers.get(module, [module])}
+            if not dists & allowed:
+                missing.append(f"{module} ({', '.join(sorted(dists))}) imported by {files[0]}")
+    assert not missing
+
+
+# The Pythons the wheel is run on besides the suite's own (3.11): pyproject.toml's classifiers name these.
+TESTED_PYTHONS = ("3.12", "3.13")
+LOCK = ROOT / "requirements.lock"
+
+
+@pytest.mark.unit
+def test_python_classifiers_are_the_versions_tested() -> None:
+    prefix = "Programming Language :: Python :: 3."
+    claimed = {
+        c.removeprefix("Programming Language :: Python :: ") for c in PROJECT["classifiers"] if c.startswith(prefix)
+    }
+    assert claimed == {f"{sys.version_info.major}.{sys.version_info.minor}", *TESTED_PYTHONS}
+
+
+def interpreter(version: str) -> str:
+    """pyenv's ``python<version>``, else the one on PATH (not pyenv's shim, which runs only the versions a
+    directory selects)."""
+    pyenv = sorted(Path.home().glob(f".pyenv/versions/{version}.*/bin/python{version}"))
+    on_path = shutil.which(f"python{version}")
+    found = str(pyenv[-1]) if pyenv else on_path if on_path and "/shims/" not in on_path else None
+    assert found, f"python{version} is not installed (pyenv install {version}): pyproject.toml claims it"
+    return found
+
+
+def locked_venv(version: str) -> Path:
+    """A virtualenv of Python ``version`` holding requirements.lock's pins, made once per lock and Python
+    under the local services' cache (as deploy/local/services.sh keeps its downloads): the download is
+    what costs, the check below takes seconds."""
+    cache = Path(os.environ.get("HARVESTER_CACHE_DIR") or Path.home() / ".cache" / "outbox-harvester")
+    digest = hashlib.sha256(LOCK.read_bytes()).hexdigest()[:12]
+    venv = cache / f"venv-python{version}-{digest}"
+    if not (venv / "complete").exists():
+        shutil.rmtree(venv, ignore_errors=True)
+        subprocess.run([interpreter(version), "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+        install = [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "-q"]
+        done = subprocess.run(
+            [*install, "--require-hashes", "-r", str(LOCK)], capture_output=True, text=True, timeout=280, check=False
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        (venv / "complete").touch()
+    return venv
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("version", TESTED_PYTHONS)
+def test_the_wheel_checks_a_configuration_on_each_python_it_claims(
+    wheel: zipfile.ZipFile, version: str, services: Services, tmp_path: Path
+) -> None:
+    """The wheel, beside the locked dependencies of that Python (their compiled parts: libpq, librdkafka,
+    pydantic-core), runs ``reaper check`` against the real services."""
+    venv, site = locked_venv(version), tmp_path / "site"
+    install = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", str(site)]
+    subprocess.run([*install, str(wheel.filename)], check=True, capture_output=True, timeout=120)
+    config = tmp_path / "reaper.yaml"
+    config.write_text(
+        f"harvest:\n  dataSource: {services.pg_dsn}\n  outboxTable: absent_outbox\n"
+        f"  baseKafkaConfig:\n    bootstrap.servers: {services.bootstrap}\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REAPER_")} | {"PYTHONPATH": str(site)}
+    python = str(venv / "bin" / "python")
+    done = subprocess.run(
+        [python, "-m", "harvester.daemon.cli", "check", "-f", str(config)],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr  # 1: the outbox table is absent, all else in place
+    assert "postgres: reachable" in done.stdout and "kafka: reachable" in done.stdout, done.stdout
+    assert "problem: outbox table absent_outbox does not exist" in done.stdout

@@ -116,9 +116,9 @@ def restricted_role(box: s.Outbox, tmp: Path) -> str:
     return role
 
 
-def test_a_refused_transactional_id_is_named(secure: None, tmp_path: Path) -> None:
+def test_a_refused_transactional_id_ends_run_with_one_line(secure: None, tmp_path: Path) -> None:
     """Asking whether the principal may use the transactional id would fence the leader, so check
-    cannot; run says which ACL is missing when its term starts, and keeps the records."""
+    cannot; run stops when its term starts (exit 1) with one line naming the ACL, and keeps the records."""
     harvest = {"delivery": "exactly_once"}
     made = s.outbox(tmp_path, harvest)
     group = f"outbox-harvester.{made.table}"
@@ -128,19 +128,11 @@ def test_a_refused_transactional_id_is_named(secure: None, tmp_path: Path) -> No
     kafka = s.kafka_config(user, s.PASSWORD)
     config = s.write(tmp_path / "reaper.yaml", made.table, s.pg_dsn(made.runtime, s.PASSWORD), kafka, harvest)
     s.stash(made.table, 3, topic)
-    log = tmp_path / "run.log"
-    proc = s.reaper_process(config, log)
-    wanted = f"Kafka ACL missing: may not WRITE transactional id {group}.harvester"
-    try:
-        deadline = time.monotonic() + 60
-        while wanted not in log.read_text():
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.3)
-    finally:
-        proc.terminate()
-        proc.wait(60)
+    (ran,) = s.reapers(["run", "-f", str(config)])
+    wanted = f"reaper: error: Kafka ACL missing: may not WRITE transactional id {group}.harvester: allow WRITE"
+    assert ran.returncode == 1 and ran.stderr.splitlines()[-1].startswith(wanted), ran.stderr[-3000:]
     assert s.backlog(made.table) == 3
-    assert s.PASSWORD not in log.read_text()
+    assert s.PASSWORD not in ran.stdout + ran.stderr
 
 
 def test_a_refused_output_topic_is_named_in_the_dead_letters(box: s.Outbox, tmp_path: Path) -> None:
@@ -165,3 +157,25 @@ def test_a_refused_output_topic_is_named_in_the_dead_letters(box: s.Outbox, tmp_
         proc.terminate()
         proc.wait(60)
     assert all(f"Kafka ACL missing: allow WRITE on topic {topic}" in e for e in errors), errors
+
+
+def test_a_producer_refused_a_producer_id_ends_run_with_one_line(box: s.Outbox, tmp_path: Path) -> None:
+    """A producer principal (``producerKafkaConfig``) that may WRITE no topic is refused a producer id
+    (Kafka's fatal ``Cluster authorization failed``): run stops with one line naming the ACL (exit 1)
+    instead of a dead delivery thread and records in flight for good; the records stay in the outbox."""
+    group = f"outbox-harvester.{box.table}"
+    topic = f"out_{box.schema}"
+    user = s.principal(acls(group, topic, exactly_once=False))
+    writer = s.principal([])  # nothing at all
+    kafka = s.kafka_config(user, s.PASSWORD)
+    harvest = {"producerKafkaConfig": {"sasl.username": writer, "sasl.password": s.PASSWORD}}
+    config = s.write(tmp_path / "reaper.yaml", box.table, s.pg_dsn(box.runtime, s.PASSWORD), kafka, harvest)
+    before = s.backlog(box.table)
+    s.stash(box.table, 3, topic)
+    (ran,) = s.reapers(["run", "-f", str(config)])
+    wanted = "reaper: error: Kafka refused the producer: "
+    last = ran.stderr.splitlines()[-1] if ran.stderr else ""
+    assert ran.returncode == 1 and last.startswith(wanted), ran.stderr[-3000:]
+    assert "allow WRITE on the output topics" in last and "Traceback" not in ran.stderr
+    assert s.backlog(box.table) == before + 3
+    assert s.PASSWORD not in ran.stdout + ran.stderr

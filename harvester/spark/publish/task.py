@@ -18,11 +18,11 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from confluent_kafka import KafkaError, Message, Producer
+from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
 from harvester.core.records import Failure
 from harvester.kafka.enqueue import enqueue
-from harvester.kafka.publisher import DeliveryError, delivery_settings, producer_config
+from harvester.kafka.publisher import DeliveryError, delivery_settings, producer_config, refusal
 
 _FLUSH_WAIT = 1.0  # seconds per flush call while records are outstanding
 
@@ -101,8 +101,21 @@ class _Round:
 
 
 def publish(kafka: Mapping[str, str], records: Iterable[Record], max_attempts: int, epoch_header: str) -> list[Refusal]:
-    """Publish ``records`` (one shard's, in id order); return those refused after their attempts."""
-    client = producer(kafka)
+    """Publish ``records`` (one shard's, in id order); return those refused after their attempts.
+    A producer that failed for good (Kafka refused it a producer id: no WRITE on any topic) fails
+    the task with one line naming the ACL, and is dropped, so that Spark's retry starts another."""
+    try:
+        return _publish(producer(kafka), records, max_attempts, epoch_header)
+    except KafkaException as exc:
+        error: KafkaError = exc.args[0]
+        if not error.fatal():
+            raise
+        with _lock:
+            _producers.pop(tuple(sorted(kafka.items())), None)
+        raise RuntimeError(str(refusal(error))) from None
+
+
+def _publish(client: Producer, records: Iterable[Record], max_attempts: int, epoch_header: str) -> list[Refusal]:
     pending = list(records)
     delivered_last: dict[str | None, int] = {}  # key -> its highest id delivered
     first: dict[int, datetime] = {}

@@ -1,0 +1,94 @@
+"""The Spark sink and drain through the secure services, in a local-mode session: a writer role made
+of ``reaper grants --spark-sink`` writes a DataFrame into the outbox with ``format("outbox")``, and
+``readStream.format("outbox")`` into ``writeStream.format("outbox-publish")`` drains it as the
+reaper's least-privileged role and principal: the CA, the SCRAM credentials and the TLS settings go
+in the options (``dsn`` and ``kafka.*``), as docs/spark.md says."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import psycopg
+import pytest
+from psycopg import sql
+from pyspark.sql import SparkSession
+
+from harvester.spark import register
+from tests.secure import services as s
+from tests.secure.test_drain import acls
+from tests.support import read_messages, run_reaper, text, unique
+
+
+def writer(config: Path) -> str:
+    """A role of ``reaper grants --spark-sink``'s output and nothing more."""
+    role = unique("wr")
+    script = run_reaper("grants", "--spark-sink", "--role", role, "-f", str(config))
+    assert script.returncode == 0, script.stderr
+    with psycopg.connect(s.pg_dsn(), autocommit=True) as conn:
+        conn.execute(script.stdout.encode())
+        conn.execute(sql.SQL("ALTER ROLE {} PASSWORD {}").format(sql.Identifier(role), s.PASSWORD))
+    return role
+
+
+@pytest.mark.timeout(900)  # a JVM and Python workers: minutes on a loaded machine (11 at load average 50)
+def test_spark_writes_and_drains_least_privileged(secure: None, tmp_path: Path) -> None:
+    box = s.outbox(tmp_path, {})
+    group = f"outbox-harvester.{box.table}"
+    topic = f"out_{box.schema}"
+    s.create_topics([topic, f"{group}.neli"], partitions=2)
+    user = s.principal(acls(group, topic, exactly_once=False))
+    role = writer(tmp_path / "grants.yaml")
+    kafka = {f"kafka.{k}": str(v) for k, v in s.kafka_config(user, s.PASSWORD).items()}
+
+    os.environ["PYSPARK_PYTHON"] = sys.executable  # Python workers import harvester and psycopg
+    spark = (
+        SparkSession.builder.master("local[2]")
+        .appName("harvester-secure")
+        .config("spark.ui.enabled", "false")
+        .config("spark.sql.shuffle.partitions", "2")
+        .config("spark.driver.memory", "1g")
+        # A Python runner connects back within this (15 s by default, missed on a loaded machine).
+        .config("spark.python.authenticate.socketTimeout", "120s")
+        .getOrCreate()
+    )
+    try:
+        spark.sparkContext.setLogLevel("ERROR")
+        register(spark)
+        rows = spark.range(1, 201, numPartitions=2).selectExpr("concat('k', id % 7) AS key", "concat('v', id) AS value")
+        rows.write.format("outbox").mode("append").option("dsn", s.pg_dsn(role, s.PASSWORD)).option(
+            "table", box.table
+        ).option("topic", topic).option("orderColumn", "value").save()
+        assert s.backlog(box.table) == 200
+
+        runtime = s.pg_dsn(box.runtime, s.PASSWORD)
+        records = (
+            spark.readStream.format("outbox")
+            .option("dsn", runtime)
+            .option("table", box.table)
+            .options(**kafka)  # joins the leader group as the principal
+            .load()
+        )
+        query = (
+            records.writeStream.format("outbox-publish")
+            .option("dsn", runtime)
+            .option("table", box.table)
+            .options(**kafka)
+            .option("checkpointLocation", str(tmp_path / "cp"))
+            .trigger(availableNow=True)
+            .start()
+        )
+        query.awaitTermination(180)
+        assert query.exception() is None
+    finally:
+        spark.stop()
+    assert s.backlog(box.table) == 0
+    security = s.kafka_config()
+    got = read_messages(security.pop("bootstrap.servers"), [topic], 200, **security)
+    assert sorted(int(text(m.value())[1:]) for m in got) == list(range(1, 201))
+    with psycopg.connect(s.pg_dsn(), autocommit=True) as conn:
+        letters = conn.execute(
+            sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(box.schema, "outbox_dead_letter"))
+        )
+        assert letters.fetchone() == (0,)
