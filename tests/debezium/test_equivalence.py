@@ -152,20 +152,20 @@ def test_the_reaper_publishes_what_debeziums_event_router_publishes(
     setup = harvest.log_setup
     name = f"{schema}_dbz"
     with psycopg.connect(logical_dsn, autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(schema)))
-        conn.execute(sql.SQL(DDL).format(table.ident))
-        # reaper migrate's work for this layout: fence and dead-letter tables, publication, slot.
-        ensure(conn, table, "fence")
-        ensure(conn, table, "dead_letter", value_type="BYTEA")
-        logical.create(conn, setup)
-        config = {
-            **connector_config(name, logical_dsn, table, event_router(dbz + "${routedByValue}")),
-            "extended.headers.enabled": "false",  # the connector's __debezium.context.* headers: not EventRouter's
-        }
-        with streaming_connector(conn, connect, name, config):
-            committed = write(conn, table)
-            debezium = read_messages(services.bootstrap, topics[:3], committed, timeout=120)
         try:
+            conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(schema)))
+            conn.execute(sql.SQL(DDL).format(table.ident))
+            # reaper migrate's work for this layout: fence and dead-letter tables, publication, slot.
+            ensure(conn, table, "fence")
+            ensure(conn, table, "dead_letter", value_type="BYTEA")
+            logical.create(conn, setup)
+            config = {
+                **connector_config(name, logical_dsn, table, event_router(dbz + "${routedByValue}")),
+                "extended.headers.enabled": "false",  # the connector's __debezium.context.* headers: not EventRouter's
+            }
+            with streaming_connector(conn, connect, name, config):
+                committed = write(conn, table)
+                debezium = read_messages(services.bootstrap, topics[:3], committed, timeout=120)
             with harvesters(lambda: harvest) as make:
                 make()
                 reaper = read_messages(services.bootstrap, topics[3:], committed, timeout=120)
@@ -175,7 +175,7 @@ def test_the_reaper_publishes_what_debeziums_event_router_publishes(
         finally:
             drop_harvester_slot(conn, setup.slot)
             conn.execute(sql.SQL("DROP PUBLICATION IF EXISTS {}").format(sql.Identifier(setup.publication)))
-            conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(schema)))
+            conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
             delete_topics(services.bootstrap, topics)
     assert committed == 43
     assert len(debezium) == len(reaper) == committed

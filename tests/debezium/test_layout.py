@@ -67,21 +67,20 @@ def test_insert_then_delete_and_rows_that_stay(
 
     create_topics(services.bootstrap, [f"{schema}.Order"], 3)
     with psycopg.connect(logical_dsn, autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(schema)))
-        conn.execute(
-            sql.SQL(
-                "CREATE TABLE {} (id UUID PRIMARY KEY DEFAULT gen_random_uuid(), aggregatetype VARCHAR(255) NOT NULL,"
-                f" aggregateid VARCHAR(255), type VARCHAR(255) NOT NULL, payload {payload}, tracingspancontext TEXT)"
-            ).format(config.table.ident)
-        )
-        migrated = run_reaper("migrate", "-f", str(tmp_path / "reaper.yaml"))
-        assert migrated.returncode == 0, migrated.stderr
-        assert "outbox table (layout debezium)" in migrated.stdout, migrated.stdout
-        insert = sql.SQL(
-            "INSERT INTO {} (aggregatetype, aggregateid, type, payload, tracingspancontext)"
-            " VALUES (%s, %s, 'T', %s, %s)"
-        ).format(config.table.ident)
         try:
+            conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(schema)))
+            columns = (
+                "id UUID PRIMARY KEY DEFAULT gen_random_uuid(), aggregatetype VARCHAR(255) NOT NULL,"
+                f" aggregateid VARCHAR(255), type VARCHAR(255) NOT NULL, payload {payload}, tracingspancontext TEXT"
+            )
+            conn.execute(sql.SQL("CREATE TABLE {} (" + columns + ")").format(config.table.ident))
+            migrated = run_reaper("migrate", "-f", str(tmp_path / "reaper.yaml"))
+            assert migrated.returncode == 0, migrated.stderr
+            assert "outbox table (layout debezium)" in migrated.stdout, migrated.stdout
+            insert = sql.SQL(
+                "INSERT INTO {} (aggregatetype, aggregateid, type, payload, tracingspancontext)"
+                " VALUES (%s, %s, 'T', %s, %s)"
+            ).format(config.table.ident)
             with harvesters(lambda: config) as make:
                 make()
                 with conn.transaction(), conn.cursor() as cur:  # insert-then-delete
@@ -114,5 +113,5 @@ def test_insert_then_delete_and_rows_that_stay(
         finally:
             drop_slot(conn, config.slot)
             conn.execute(sql.SQL("DROP PUBLICATION IF EXISTS {}").format(sql.Identifier(config.publication)))
-            conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(schema)))
+            conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
             delete_topics(services.bootstrap, [f"{schema}.Order"])
