@@ -33,6 +33,7 @@ def remote(connect_server: ConnectServer, shipped: list[Path]) -> Iterator[Remot
     Connect equivalent of ``--py-files``), both sources registered."""
     # The Connect class itself, not ``pyspark.sql.SparkSession.builder.remote``, which would switch
     # this whole process (and the local-mode session the other tests share) to Connect mode.
+    connect_server.wait()
     session = RemoteSparkSession.builder.remote(connect_server.url).getOrCreate()
     for path in shipped:
         session.addArtifacts(str(path), pyfile=True)

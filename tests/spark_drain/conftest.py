@@ -21,6 +21,7 @@ from harvester.core.identity import Identity
 from harvester.postgres.identifiers import TableName
 from harvester.spark import register
 from tests.dedup.kafka import consumer, ends, read_to
+from tests.spark.cluster import PYTHON_PATIENCE
 from tests.support import Services, consumed_headers
 
 
@@ -35,6 +36,7 @@ def spark() -> Iterator[SparkSession]:
         .config("spark.sql.shuffle.partitions", "2")
         .config("spark.sql.streaming.stopTimeout", "10s")
         .config("spark.driver.memory", "1g")
+        .config(*PYTHON_PATIENCE)
         .config("spark.jars.packages", KAFKA_PACKAGE)
         .getOrCreate()
     )
