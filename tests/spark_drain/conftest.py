@@ -85,9 +85,11 @@ def drained(spark: SparkSession, services: Services, outbox: TableName) -> Drain
 
 
 def to_kafka(stream: DataFrame, services: Services, checkpoint: Path) -> Any:
-    """Start delivering ``stream`` through Spark's Kafka sink until the outbox is drained."""
+    """Start delivering ``stream`` through Spark's Kafka sink until the outbox is drained, each record
+    to the partition the drain names (a reaper's; null, Spark's choice, when the source was given no
+    brokers)."""
     return (
-        stream.selectExpr("topic", "key", "value", "headers")
+        stream.selectExpr("topic", "key", "value", "headers", "partition")
         .writeStream.format("kafka")
         .option("kafka.bootstrap.servers", services.bootstrap)
         .option("checkpointLocation", str(checkpoint))
