@@ -61,7 +61,12 @@ def needs(harvest: HarvesterConfig) -> list[Need]:
     if harvest.log_messages:
         return found
     rights: tuple[str, ...]
-    if harvest.source == "log":
+    if harvest.layout == "debezium" and not harvest.log_retention:
+        what, rights = "Debezium's layout, read from the slot; the reaper deletes none of its rows", ("SELECT",)
+    elif harvest.layout == "debezium":
+        what = "Debezium's layout, read from the slot; delivered rows that stay deleted in bulk"
+        rights = ("SELECT", "DELETE")
+    elif harvest.source == "log":
         what, rights = "read the rows the slot names, delete them once delivered", ("SELECT", "DELETE")
     else:
         what, rights = "mark (read), purge (delete), count failed attempts (update)", ("SELECT", "UPDATE", "DELETE")
