@@ -5,6 +5,8 @@ The schema's owner (the role that runs ``reaper migrate``) creates every table, 
 the slot; the runtime role only reads, deletes and updates rows under the fence, and writes dead
 letters. What each statement is for is said beside it, so that a reviewer can check the list
 against the code (``harvester/postgres/table/statements.py``, ``fencing.py``, ``migrations.ensure``).
+``--spark-sink`` prints instead the grants of an application's role that writes into the outbox
+through Spark's ``format("outbox")`` (``harvester/spark/store.py``).
 """
 
 from __future__ import annotations
