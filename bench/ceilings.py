@@ -7,8 +7,11 @@
   the commit, as the relays are;
 - the produce-only ceiling: one librdkafka producer with the harvester's producer settings
   (``producer_config``, the bench's compression) sending the same records (keys, 100-byte values,
-  partitions), a delivery callback per record (as the harvester has), timed from
-  its first ``produce`` to the last acknowledgement.
+  partitions, the three identity headers a reaper adds), a delivery callback per record (as the
+  harvester has), timed from its first ``produce`` to the last acknowledgement. Its process runs
+  alone too, to weigh producer-side levers without a database:
+  ``python bench/ceilings.py TOPIC RECORDS KEYS '{"linger.ms": 5}' '{"headers": true, "callbacks": true}'``
+  prints [records/s, CPU s].
 
 Each comes with the CPU it cost per 1,000 records: the client (``pg_recvlogical``; the producing
 process), PostgreSQL (for the decode ceiling all of it: its WAL sender exits with ``pg_recvlogical``,
@@ -37,6 +40,7 @@ from peer_services import BOOTSTRAP, PARTITIONS, MissingError, drop_slot
 from psycopg import sql
 
 from harvester import TableName
+from harvester.core.identity import IdentityHeaders, Stamp
 from harvester.kafka.publisher import producer_config
 from harvester.postgres.log import logical
 from harvester.postgres.log.logical import LogSetup
@@ -153,8 +157,12 @@ def produce_ceiling(conn: psycopg.Connection[Any], records: int, keys: int) -> C
     return Ceiling(rate, cpu * scale, None, None, (after.broker - before.broker) * scale)
 
 
-def _produce(topic: str, records: int, keys: int, overrides: dict[str, str]) -> tuple[float, float]:
-    """(records/s from the first produce to the last acknowledgement, CPU s of this process then)."""
+def _produce(
+    topic: str, records: int, keys: int, overrides: dict[str, str], headers: bool = True, callbacks: bool = True
+) -> tuple[float, float]:
+    """(records/s from the first produce to the last acknowledgement, CPU s of this process then).
+    ``headers``: each record carries the three identity headers a reaper adds (id, epoch, producer);
+    ``callbacks``: a delivery callback per record (without, all must be out of the queue at the end)."""
     producer = Producer(producer_config({"bootstrap.servers": BOOTSTRAP}, overrides))
     acked = 0
 
@@ -164,21 +172,25 @@ def _produce(topic: str, records: int, keys: int, overrides: dict[str, str]) -> 
 
     value = VALUE.encode()
     key_bytes = [f"key{k}".encode() for k in range(keys)]
+    stamp = Stamp.of(IdentityHeaders(), 1, b"profile")
+    extra: dict[str, Any] = {"on_delivery": on_delivery} if callbacks else {}
     started, cpu = time.time(), time.process_time()  # process-wide: librdkafka's threads included
     for i in range(records):
         while True:
             try:
-                producer.produce(topic, value=value, key=key_bytes[i % keys], on_delivery=on_delivery)
+                carried: list[tuple[str, str | bytes | None]] | None = [*stamp.headers(i)] if headers else None
+                producer.produce(topic, value=value, key=key_bytes[i % keys], headers=carried, **extra)
                 break
             except BufferError:
                 producer.poll(0.01)
         producer.poll(0)
-    producer.flush(120)
+    left = producer.flush(120)
     finished, cpu = time.time(), time.process_time() - cpu
-    if acked != records:
+    if (acked if callbacks else records - left) != records:
         raise SystemExit(f"produce-only ceiling: {acked} of {records} records acknowledged")
     return records / (finished - started), cpu
 
 
-if __name__ == "__main__":  # the produce-only ceiling's process: TOPIC RECORDS KEYS PRODUCER-JSON
-    print(json.dumps(_produce(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4]))))
+if __name__ == "__main__":  # the produce-only ceiling's process: TOPIC RECORDS KEYS PRODUCER-JSON [OPTIONS-JSON]
+    options = json.loads(sys.argv[5]) if len(sys.argv) > 5 else {}
+    print(json.dumps(_produce(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4]), **options)))
