@@ -22,10 +22,23 @@ from typing import Any
 BEGIN, END = "<!-- peers-table -->", "<!-- /peers-table -->"
 # The relays the README compares, in its order: the default-limits row of each source.
 ROWS = ("debezium", "mark-purge", "log", "log-retention", "tableless")
+# The README's words for each source (the bench's labels name its limits, not the source).
+SOURCES = {
+    "debezium": "Debezium + EventRouter",
+    "mark_purge": "harvester, mark-purge/reset",
+    "log": "harvester, log source",
+    "retain": "harvester, log source, retention window",
+    "messages": "harvester, table-less outbox",
+}
 
 
 def _num(value: float | None, digits: int) -> str:
     return "-" if value is None else f"{value:,.{digits}f}"
+
+
+def label(relay: dict[str, Any]) -> str:
+    name = SOURCES.get(relay["source"], relay["label"])
+    return f"{name}, tuned" if relay["tuned"] else name
 
 
 def render(run: dict[str, Any]) -> str:
@@ -34,10 +47,11 @@ def render(run: dict[str, Any]) -> str:
         raise ValueError(f"unknown bench JSON version {run.get('version')!r} (this renderer reads version 1)")
     workload, machine, versions = run["workload"], run["machine"], run["versions"]
     summary, steady, relays = run["summary"], run.get("steady", {}), run["relays"]
+    then = f", then a steady {workload['steady_rate']:,} records/s" if steady else ""
+    rounds = f"{workload['rounds']} round{'s' if workload['rounds'] != 1 else ''}"
     lines = [
-        f"Burst of {workload['records']:,} records into an idle outbox, then a steady {workload['steady_rate']:,}"
-        " records/s; medians of"
-        f" {workload['rounds']} round{'s' if workload['rounds'] != 1 else ''}. CPU is seconds per 1,000 records.",
+        f"Burst of {workload['records']:,} records into an idle outbox{then}; medians of {rounds}."
+        " CPU is seconds per 1,000 records.",
         "",
         "| relay | records/s | vs Debezium (range) | CPU: relay | PostgreSQL | broker | steady p50 / p99 ms |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
@@ -47,7 +61,7 @@ def render(run: dict[str, Any]) -> str:
         latency = steady.get(name)
         steady_ms = "-" if latency is None else f"{latency['p50_ms']:.1f} / {latency['p99_ms']:.1f}"
         lines.append(
-            f"| {relays[name]['label']} | {_num(row['rate'], 0)}"
+            f"| {label(relays[name])} | {_num(row['rate'], 0)}"
             f" | {ratio['median']:.2f}x ({ratio['min']:.2f}-{ratio['max']:.2f})"
             f" | {_num(row['cpu_relay'], 3)} | {_num(row['cpu_postgres'], 3)} | {_num(row['cpu_broker'], 3)}"
             f" | {steady_ms} |"
