@@ -1,15 +1,17 @@
-"""The Spark drain (``readStream.format("outbox")`` into Spark's Kafka sink) next to the reaper's drain
-of the same backlog, in the same run.
+"""The Spark drain (``readStream.format("outbox")`` into the project's sink, ``outbox-publish``, or
+Spark's Kafka sink) next to the reaper's drain of the same backlog, in the same run.
 
     .venv/bin/python bench/spark_drain.py [--records 1000000] [--keys 1000] [--shards 1,2,4]
-                                          [--max-records 10000]
+                                          [--max-records 10000] [--sink outbox-publish|kafka] [--rounds 2]
 
-For each number of shards S: the reaper's drain as ``bench/shards.py`` runs it (one ``reaper run``
-process leading the S shards, default limits; a backlog COPied in one transaction, timed from its
-commit to the empty table), then the Spark drain of an equal backlog in a fresh outbox: a
-``Trigger.AvailableNow`` query in ``local[*]`` (one input partition per shard), timed from the
-query's start to its end (the outbox empty; the Spark session is started once, before the first
-run). Prints records/s of each and the Spark drain's ratio to the reaper's.
+For each round and number of shards S: the reaper's drain as ``bench/shards.py`` runs it (one
+``reaper run`` process leading the S shards, default limits; a backlog COPied in one transaction,
+timed from its commit to the empty table), then the Spark drain of an equal backlog in a fresh
+outbox: a ``Trigger.AvailableNow`` query in ``local[*]`` (one input partition per shard), timed from
+the query's start to its end (the outbox empty; the Spark session is started once, before the first
+run). Spark's Kafka sink gets the rows as they come, ``partition`` included (null: the source is not
+in a leader group here, so no reaper places keys beside it). Prints records/s of each and the Spark
+drain's ratio to the reaper's.
 """
 
 from __future__ import annotations
@@ -54,7 +56,13 @@ def session() -> SparkSession:
 
 
 def spark_drain(
-    spark: SparkSession, conn: psycopg.Connection[Any], shards: int, records: int, keys: int, max_records: int
+    spark: SparkSession,
+    conn: psycopg.Connection[Any],
+    shards: int,
+    records: int,
+    keys: int,
+    max_records: int,
+    sink: str,
 ) -> float:
     """Records/s of a Spark drain of a ``records`` backlog over ``shards`` shards."""
     table = TableName(f"sparkbench_{uuid.uuid4().hex[:8]}", "outbox")
@@ -65,15 +73,15 @@ def spark_drain(
     conn.execute(sql.SQL("VACUUM ANALYZE {}").format(table.ident))
     with tempfile.TemporaryDirectory() as tmp:
         started = time.perf_counter()
+        outbox = {"dsn": DSN, "table": table.qualified}
+        rows = (
+            spark.readStream.format("outbox").options(**outbox, shards=shards, maxRecordsPerTrigger=max_records).load()
+        )
+        if sink == "kafka":  # Spark's Kafka sink takes these columns only
+            rows = rows.selectExpr("topic", "key", "value", "headers", "partition")
         query = (
-            spark.readStream.format("outbox")
-            .option("dsn", DSN)
-            .option("table", table.qualified)
-            .option("shards", shards)
-            .option("maxRecordsPerTrigger", max_records)
-            .load()
-            .selectExpr("topic", "key", "value", "headers")
-            .writeStream.format("kafka")
+            rows.writeStream.format(sink)
+            .options(**(outbox if sink == "outbox-publish" else {}))  # where dead letters go
             .option("kafka.bootstrap.servers", BOOTSTRAP)
             .option("checkpointLocation", str(Path(tmp) / "cp"))
             .trigger(availableNow=True)
@@ -97,18 +105,26 @@ def main() -> None:
     p.add_argument("--keys", type=int, default=1000)
     p.add_argument("--shards", default="1,2,4", help="comma-separated numbers of shards")
     p.add_argument("--max-records", type=int, default=10_000, help="the Spark drain's maxRecordsPerTrigger")
+    p.add_argument("--sink", choices=("outbox-publish", "kafka"), default="outbox-publish")
+    p.add_argument("--rounds", type=int, default=2, help="runs of every number of shards")
     args = p.parse_args()
     spark = session()
     print(
         f"workload: backlogs of {args.records} records, {args.keys} keys; reaper default limits; Spark local[*],"
-        f" maxRecordsPerTrigger {args.max_records}; {os.cpu_count()} cores; load average {os.getloadavg()[0]:.1f}"
+        f" sink {args.sink}, maxRecordsPerTrigger {args.max_records}; {os.cpu_count()} cores;"
+        f" load average {os.getloadavg()[0]:.1f}"
     )
-    print("shards  reaper records/s  Spark records/s  Spark / reaper")
+    print("round  shards  reaper records/s  Spark records/s  Spark / reaper  load")
     with psycopg.connect(DSN, autocommit=True) as conn:
-        for shards in (int(n) for n in args.shards.split(",")):
-            reaper = reaper_drain(conn, shards, 1, 1, args.records, args.keys).rate  # one process, one worker
-            spark_rate = spark_drain(spark, conn, shards, args.records, args.keys, args.max_records)
-            print(f"{shards:6d}  {reaper:16.0f}  {spark_rate:15.0f}  {spark_rate / reaper:13.2f}", flush=True)
+        for round_ in range(1, args.rounds + 1):
+            for shards in (int(n) for n in args.shards.split(",")):
+                reaper = reaper_drain(conn, shards, 1, 1, args.records, args.keys).rate  # one process, one worker
+                rate = spark_drain(spark, conn, shards, args.records, args.keys, args.max_records, args.sink)
+                print(
+                    f"{round_:5d}  {shards:6d}  {reaper:16.0f}  {rate:15.0f}  {rate / reaper:14.2f}"
+                    f"  {os.getloadavg()[0]:4.1f}",
+                    flush=True,
+                )
     spark.stop()
 
 

@@ -31,6 +31,7 @@ from harvester.kafka.process_publisher import ProcessPublisher, runs_in_child
 from harvester.kafka.publisher import KafkaPublisher, producer_config
 from harvester.kafka.topics import ensure_checkpoints
 from harvester.kafka.transactions import KafkaTransactionalPublisher
+from harvester.postgres.log.event_router_store import RetainingRouterStore, RouterStore
 from harvester.postgres.log.message_store import MessageStore
 from harvester.postgres.log.recovery import SlotRecoveries
 from harvester.postgres.log.retention import RetainingLogStore
@@ -63,6 +64,15 @@ def source(config: HarvesterConfig) -> Source:
         case "log" if config.log_messages:
             messages = MessageStore(dsn, config.log_setup, **options)
             return Source(messages, messages)
+        case "log" if config.event_router is not None:  # layout debezium
+            router: RouterStore
+            if config.log_retention:
+                retention = config.log_retention.total_seconds()
+                setup, layout = config.log_setup, config.event_router
+                router = RetainingRouterStore(dsn, setup, layout, retention=retention, **options)
+            else:
+                router = RouterStore(dsn, config.log_setup, config.event_router, **options)
+            return Source(router, router)
         case "log" if config.log_retention:
             retaining = RetainingLogStore(dsn, config.log_setup, config.log_retention.total_seconds(), **options)
             return Source(retaining, retaining, (SlotRecoveries(retaining),))

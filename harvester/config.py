@@ -26,6 +26,7 @@ from pydantic import (
 )
 
 from harvester.core.limits import BOTH_SPELLINGS, Duration, Limits
+from harvester.event_router import EventRouter
 from harvester.postgres.log.logical import LogSetup
 from harvester.postgres.schema.identifiers import TableName
 from harvester.postgres.schema.message_format import default_prefix
@@ -149,6 +150,16 @@ class HarvesterConfig(BaseModel):
         description="With source log and at_least_once: run the Kafka producer in a child process, so that a "
         "second core publishes while the harvester's reads the slot (false: in the harvester's process).",
     )
+    layout: Literal["goharvest", "debezium"] = Field(
+        default="goharvest",
+        description="goharvest: the kafka_* columns (reaper migrate's table); debezium: the table Debezium's "
+        "outbox EventRouter reads, mapped and routed by eventRouter (docs/migrating.md).",
+    )
+    event_router: EventRouter | None = Field(
+        default=None,
+        description="With layout debezium: EventRouter's options by its own names (table.field.event.key, "
+        "route.by.field, route.topic.replacement, ...), as a connector's transforms.<name>.* properties.",
+    )
     limits: Limits = Field(default_factory=Limits)
 
     @field_validator("log_slot", "log_publication")
@@ -183,7 +194,34 @@ class HarvesterConfig(BaseModel):
             raise ValueError("logPrefix must not be empty")
         if self.source == "log" and self.dead_letter_policy == "hold_key":
             raise ValueError("source 'log' does not support deadLetterPolicy 'hold_key': use release")
+        return self._debezium()
+
+    def _debezium(self) -> HarvesterConfig:
+        if self.layout != "debezium":
+            if self.event_router is not None:
+                raise ValueError("eventRouter needs layout 'debezium'")
+            return self
+        if self.source != "log" or self.log_messages:
+            raise ValueError("layout 'debezium' is read by source 'log' over its table (mark_purge cannot read it yet)")
         return self
+
+    @model_validator(mode="before")
+    @classmethod
+    def _debezium_defaults(cls, data: Any) -> Any:
+        """Layout debezium: EventRouter's defaults, and Java's partitioner unless one is set."""
+        if not isinstance(data, dict) or data.get("layout") != "debezium":
+            return data
+        data = dict(data)
+        if data.get("eventRouter", data.get("event_router")) is None:
+            data["event_router"] = EventRouter()
+        kafka = {**(data.get("baseKafkaConfig") or data.get("base_kafka_config") or {})}
+        spelling = "producerKafkaConfig" if "producerKafkaConfig" in data else "producer_kafka_config"
+        producer = dict(data.get(spelling) or {})
+        if isinstance(kafka, dict) and "partitioner" not in {**kafka, **producer}:
+            # Kafka Connect's producer places a key by murmur2, as Java clients do (librdkafka's default
+            # is crc32): the same key, the same partition as Debezium's.
+            data[spelling] = {**producer, "partitioner": "murmur2_random"}
+        return data
 
     @property
     def slot(self) -> str:
@@ -206,7 +244,8 @@ class HarvesterConfig(BaseModel):
     @property
     def log_setup(self) -> LogSetup:
         """The names the log source reads through (its store, ``reaper migrate`` and ``reaper check``)."""
-        return LogSetup(self.table, self.slot, self.publication, self.prefix, self.log_accept_loss_on_failover)
+        every = self.event_router is not None
+        return LogSetup(self.table, self.slot, self.publication, self.prefix, self.log_accept_loss_on_failover, every)
 
     @field_validator("leader_topic")
     @classmethod

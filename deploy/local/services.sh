@@ -38,8 +38,8 @@
 # PostgreSQL with ssl=on and only `hostssl ... scram-sha-256` over TCP (the superuser `harvester`,
 # password local-dev-secret; `postgres` over the Unix socket only); Kafka whose only client listener is
 # SASL_SSL (SCRAM-SHA-512) on localhost, with KRaft's StandardAuthorizer and
-# allow.everyone.if.no.acl.found=false (super user `admin`, password local-admin-secret). Kafka takes
-# 10-20 s more to start than the plain broker did, PostgreSQL about as long as before.
+# allow.everyone.if.no.acl.found=false (super user `admin`, password local-admin-secret). Both start at
+# once, after the certificates; the broker is ready when its log says it started.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -345,21 +345,27 @@ logger.state.level = warn
 LOG
 }
 
+# A cluster id as Kafka's `StorageTool random-uuid` makes it (a random UUID in URL-safe base64, not
+# starting with '-'), without starting a JVM for it.
+kafka_cluster_id() {
+  local id
+  while :; do
+    id=$(head -c 16 /dev/urandom | base64 | tr '+/' '-_' | tr -d '=')
+    case "$id" in -*) ;; *) printf '%s' "$id"; return 0 ;; esac
+  done
+}
+
 kafka_java() { java -Xms256m -Xmx"$KAFKA_HEAP" -XX:+UseG1GC -Dlog4j2.configurationFile="$KAFKA_DIR/log4j2.properties" -cp "$KAFKA_LIBS/*" "$@"; }
 
+# Whether the broker answers. The secure broker says so in its log (a single KRaft node serves
+# requests once it logged "Kafka Server started"), read from byte $1 on, this start's part: cheaper
+# than a client's JVM per attempt, which took as long as the broker's own start on a loaded machine.
 kafka_ready() {
-  local admin=()
   if [ "$SECURE" = 1 ]; then
-    cat >"$KAFKA_DIR/admin.properties" <<PROPS
-security.protocol=SASL_SSL
-sasl.mechanism=SCRAM-SHA-512
-sasl.jaas.config=org.apache.kafka.common.security.scram.ScramLoginModule required username="$KAFKA_ADMIN" password="$KAFKA_ADMIN_PASSWORD";
-ssl.truststore.type=PEM
-ssl.truststore.location=$TLS/ca.crt
-PROPS
-    admin=(--command-config "$KAFKA_DIR/admin.properties")
+    grep -q "Kafka Server started" < <(tail -c +"$(($1 + 1))" "$KAFKA_LOG")  # no pipe: pipefail and grep -q
+    return
   fi
-  kafka_java org.apache.kafka.tools.TopicCommand --bootstrap-server "$KAFKA_HOST:$KAFKA_PORT" "${admin[@]}" --list >/dev/null 2>&1
+  kafka_java org.apache.kafka.tools.TopicCommand --bootstrap-server "$KAFKA_HOST:$KAFKA_PORT" --list >/dev/null 2>&1
 }
 
 kafka_start() {
@@ -370,17 +376,18 @@ kafka_start() {
   fi
   kafka_config
   if [ ! -f "$KAFKA_DIR/data/meta.properties" ]; then
-    local cluster_id; cluster_id=$(kafka_java kafka.tools.StorageTool random-uuid 2>/dev/null | tail -n 1)
+    local cluster_id; cluster_id=$(kafka_cluster_id)
     local scram=()  # the super user's SCRAM credential, in the metadata from the start
     [ "$SECURE" = 1 ] && scram=(--add-scram "SCRAM-SHA-512=[name=$KAFKA_ADMIN,password=$KAFKA_ADMIN_PASSWORD]")
     kafka_java kafka.tools.StorageTool format -t "$cluster_id" -c "$KAFKA_DIR/server.properties" "${scram[@]}" >"$KAFKA_DIR/format.log" 2>&1 ||
       { tail -n 20 "$KAFKA_DIR/format.log" >&2; die "formatting Kafka storage failed"; }
   fi
+  local logged=0; [ -f "$KAFKA_LOG" ] && logged=$(stat -c %s "$KAFKA_LOG")
   nohup java -Xms256m -Xmx"$KAFKA_HEAP" -XX:+UseG1GC -Dlog4j2.configurationFile="$KAFKA_DIR/log4j2.properties" \
     -cp "$KAFKA_LIBS/*" kafka.Kafka "$KAFKA_DIR/server.properties" >>"$KAFKA_LOG" 2>&1 </dev/null &
   echo $! >"$KAFKA_PID"
   local deadline=$((SECONDS + 90))
-  until port_open "$KAFKA_PORT" && kafka_ready; do
+  until port_open "$KAFKA_PORT" && kafka_ready "$logged"; do
     if ! kafka_running; then
       tail -n 30 "$KAFKA_LOG" >&2; rm -f "$KAFKA_PID"; die "Kafka exited during start-up (log: $KAFKA_LOG)"
     fi
@@ -444,8 +451,22 @@ secure() {  # run this script's $1 with start-secure's directory and ports
     bash "${BASH_SOURCE[0]}" "$1"
 }
 
+# Both secure services at once (each waits for itself; the certificates they share come first): the
+# start takes the longer of the two instead of their sum.
+secure_start() {
+  kafka_resolve
+  secure tls
+  secure start-postgres & local pg=$!
+  secure start-kafka & local kafka=$!
+  local rc=0
+  wait "$pg" || rc=1
+  wait "$kafka" || rc=1
+  return $rc
+}
+
 case "${1:-}" in
-  start-secure) secure start ;;
+  start-secure) secure_start ;;
+  tls) [ "$SECURE" = 1 ] || die "tls: run through start-secure"; tls_make ;;
   stop-secure) secure stop ;;
   status-secure) secure status ;;
   start) pg_start; kafka_start ;;

@@ -138,6 +138,13 @@ def _check_postgres(settings: ReaperSettings, timeout: float) -> list[str]:
                 f" no table needed; migrations applied: {', '.join(applied) or 'none'}"
             )
             return _check_log_source(conn, settings) + access.pg_problems(conn, settings)
+        if settings.harvest.event_router is not None:  # layout debezium
+            from harvester.postgres.log.event_router_store import missing_columns
+
+            unusable = missing_columns(conn, table, settings.harvest.event_router)
+            columns_named = ", ".join(settings.harvest.event_router.columns)
+            print(f"outbox table {table} (layout debezium): {'not usable' if unusable else 'present'}; {columns_named}")
+            return unusable + _check_log_source(conn, settings) + access.pg_problems(conn, settings)
         try:
             columns = catalog.read(conn, table)
         except catalog.OutboxMissingError:

@@ -11,6 +11,7 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import harvester
@@ -24,7 +25,7 @@ from harvester.daemon.settings import ReaperSettings, SettingsError, secret_valu
 if TYPE_CHECKING:
     import psycopg
 
-COMMANDS = ("run", "migrate", "check", "status", "dlq", "grants")
+COMMANDS = ("run", "migrate", "check", "status", "dlq", "grants", "convert-debezium")
 
 # The documentation's home: pyproject.toml's [project.urls] name the same pages. A wheel carries no
 # docs/, so the help links there (tests/reaper/test_packaging.py maps each link onto a file of the repository).
@@ -44,6 +45,7 @@ Typical first use:
   reaper run     -f reaper.yaml    # harvest until SIGTERM/SIGINT
   reaper status  -f reaper.yaml    # who leads, the group's members, backlog, in flight, dead letters
   reaper grants  -f reaper.yaml    # the SQL giving the runtime role only what it needs
+  reaper convert-debezium connector.json > reaper.yaml   # from Debezium's outbox router
 
 goharvest's command line works: reaper -f reaper.yaml; so does its reaper.yaml, but for a leader topic
 that is one of Kafka's internal topics. Every difference:
@@ -167,6 +169,15 @@ def _parser() -> argparse.ArgumentParser:
         help="the grants of a role that writes into the outbox through Spark's format('outbox') instead",
     )
     dlq.add_parser(sub, common)
+    convert = sub.add_parser(
+        "convert-debezium",
+        help="print the reaper.yaml that reads what a Debezium outbox connector reads",
+        description="Read a Debezium PostgreSQL connector's JSON configuration (as its REST API takes it) "
+        "with an EventRouter transform and print a reaper.yaml with layout: debezium, the transform's "
+        "options under eventRouter, unchanged (docs/migrating.md). Exit 2 with one line naming an option "
+        "that has no counterpart.",
+    )
+    convert.add_argument("connector", metavar="CONNECTOR.json", help="the connector's JSON file ('-': stdin)")
     return parser
 
 
@@ -181,6 +192,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     args = parser.parse_args(args_list)
+    if args.command == "convert-debezium":
+        return _convert_debezium(args.connector)
     try:
         settings = load(args.file)
         port_file = None
@@ -243,6 +256,18 @@ def _grants(settings: ReaperSettings, role: str | None, spark_sink: bool) -> int
     return 0
 
 
+def _convert_debezium(path: str) -> int:
+    from harvester.event_router import EventRouterError, converted_yaml
+
+    try:
+        text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
+        print(converted_yaml(text), end="")
+    except (OSError, EventRouterError) as exc:
+        print(f"reaper: convert-debezium: {one_line(str(exc))}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def _workers(value: str) -> int:
     try:
         count = int(value)
@@ -261,7 +286,7 @@ def _migrate(settings: ReaperSettings) -> int:
     from harvester.postgres.schema.widen import widen
 
     table, shards = settings.harvest.table, settings.harvest.shards
-    if settings.harvest.log_messages:
+    if settings.harvest.log_messages or settings.harvest.layout == "debezium":
         return _migrate_tableless(settings)
     with connect_pg(settings, 10) as conn:
         try:
@@ -291,7 +316,8 @@ def _migrate(settings: ReaperSettings) -> int:
 
 
 def _migrate_tableless(settings: ReaperSettings) -> int:
-    """A table-less outbox: its fence and dead-letter tables (no outbox table), publication and slot."""
+    """A table-less outbox, or a table of Debezium's layout (the application's, left as it is): the
+    fence and dead-letter tables, the publication and the slot."""
     import psycopg
 
     from harvester.postgres.schema.migrations import ensure
@@ -303,7 +329,8 @@ def _migrate_tableless(settings: ReaperSettings) -> int:
             created = _log_source(conn, settings)
         except psycopg.Error as exc:
             raise FailError(f"migrating {table} failed: {pg_reason(exc)}", code=1) from None
-    print(f"table-less outbox {table}: " + (f"applied {', '.join(applied)}" if applied else "up to date"))
+    what = "outbox table (layout debezium)" if settings.harvest.layout == "debezium" else "table-less outbox"
+    print(f"{what} {table}: " + (f"applied {', '.join(applied)}" if applied else "up to date"))
     for name in created:
         print(f"log source: created {name}")
     return 0

@@ -5,6 +5,8 @@ The schema's owner (the role that runs ``reaper migrate``) creates every table, 
 the slot; the runtime role only reads, deletes and updates rows under the fence, and writes dead
 letters. What each statement is for is said beside it, so that a reviewer can check the list
 against the code (``harvester/postgres/table/statements.py``, ``fencing.py``, ``migrations.ensure``).
+``--spark-sink`` prints instead the grants of an application's role that writes into the outbox
+through Spark's ``format("outbox")`` (``harvester/spark/store.py``).
 """
 
 from __future__ import annotations
@@ -59,7 +61,12 @@ def needs(harvest: HarvesterConfig) -> list[Need]:
     if harvest.log_messages:
         return found
     rights: tuple[str, ...]
-    if harvest.source == "log":
+    if harvest.layout == "debezium" and not harvest.log_retention:
+        what, rights = "Debezium's layout, read from the slot; the reaper deletes none of its rows", ("SELECT",)
+    elif harvest.layout == "debezium":
+        what = "Debezium's layout, read from the slot; delivered rows that stay deleted in bulk"
+        rights = ("SELECT", "DELETE")
+    elif harvest.source == "log":
         what, rights = "read the rows the slot names, delete them once delivered", ("SELECT", "DELETE")
     else:
         what, rights = "mark (read), purge (delete), count failed attempts (update)", ("SELECT", "UPDATE", "DELETE")

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from pyspark.sql import SparkSession
 
+from harvester.spark.drain import kafka_sink
 from harvester.spark.plan import SinkConfigError
 from harvester.spark.publish import OutboxPublishDataSource
 from harvester.spark.source import OutboxDataSource, OutboxStreamWriter, OutboxWriter, StagedPartition
@@ -31,6 +32,8 @@ __all__ = [
 
 def register(spark: SparkSession | RemoteSparkSession) -> None:
     """Make ``format("outbox")`` and ``format("outbox-publish")`` available in ``spark``, a classic or
-    a Spark Connect session (Python data sources are registered per session)."""
+    a Spark Connect session (Python data sources are registered per session), and make Spark's
+    Kafka sink refuse the drain's rows without their ``partition`` column (``drain/kafka_sink.py``)."""
+    kafka_sink.install()
     spark.dataSource.register(OutboxDataSource)
     spark.dataSource.register(OutboxPublishDataSource)

@@ -49,6 +49,11 @@ class HarvesterGroup:
             shards=s.shards,
             source=s.source,
             **({"log_messages": True} if s.log_messages else {}),
+            **(
+                {"layout": "debezium", "event_router": {"route.topic.replacement": "${routedByValue}"}}
+                if s.layout == "debezium"
+                else {}
+            ),
             **({"log_retention": f"{int(s.log_retention * 1000)}ms"} if s.log_retention else {}),
             **(ACCEPT_LOSS_ON_FAILOVER if s.log_messages else {}),
             # The large transactions' records past about 100 (of large_txn) are spilled, under every fault.

@@ -65,7 +65,9 @@ class Tables:
         outbox = TableName(schema, "outbox")
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(schema)))
-            if settings.log_messages:
+            if settings.layout == "debezium":  # the application's table, as Debezium's outbox users have it
+                conn.execute(sql.SQL(DEBEZIUM_DDL).format(outbox.ident))
+            if settings.log_messages or settings.layout == "debezium":
                 ensure(conn, outbox, "fence")
                 ensure(conn, outbox, "dead_letter", value_type="BYTEA")
             else:
@@ -79,7 +81,9 @@ class Tables:
                     "at TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp(), PRIMARY KEY (key, seq))"
                 ).format(ledger.ident)
             )
-        trail = audit.install(dsn, outbox, shards=settings.shards, outbox=not settings.log_messages)
+        # A Debezium outbox's rows are deleted by the writers, never by a harvester (no retention).
+        rows = not settings.log_messages and settings.layout != "debezium"
+        trail = audit.install(dsn, outbox, shards=settings.shards, outbox=rows)
         return cls(outbox, ledger, trail, positioned(settings))
 
     @property
@@ -133,16 +137,23 @@ class Tables:
                 time.sleep(0.1)
 
 
+# Debezium's outbox layout with EventRouter's default column names (tests/chaos/writers.py writes it).
+DEBEZIUM_DDL = """CREATE TABLE {} (id UUID PRIMARY KEY DEFAULT gen_random_uuid(), aggregatetype TEXT NOT NULL,
+  aggregateid TEXT NOT NULL, type TEXT NOT NULL, payload TEXT)"""
+
+
 def log_setup(outbox: TableName, settings: ChaosSettings) -> logical.LogSetup:
     """The log source's slot, publication and (table-less) message prefix for the run's outbox."""
-    config = HarvesterConfig(outbox_table=outbox.qualified, source="log", log_messages=settings.log_messages)
-    return logical.LogSetup(outbox, config.slot, config.publication, config.prefix)
+    config = HarvesterConfig(
+        outbox_table=outbox.qualified, source="log", log_messages=settings.log_messages, layout=settings.layout
+    )
+    return config.log_setup
 
 
 def positioned(settings: ChaosSettings) -> bool:
     """Whether the log source stores how far it is done in the fence row instead of deleting rows
-    as it goes: a table-less outbox, or a table with a retention window."""
-    return settings.log_messages or settings.log_retention > 0
+    as it goes: a table-less outbox, a table with a retention window, Debezium's layout."""
+    return settings.log_messages or settings.log_retention > 0 or settings.layout == "debezium"
 
 
 def wal_end(dsn: str) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import get_args
+from typing import Literal, get_args
 
 from harvester import HarvesterConfig
 
@@ -37,6 +37,9 @@ class ChaosSettings:
     source: str = "mark_purge"  # HarvesterConfig.source
     log_messages: bool = False  # HarvesterConfig.log_messages: a table-less outbox (source log)
     log_retention: float = 0.0  # HarvesterConfig.log_retention in seconds (source log, a table)
+    # HarvesterConfig.layout: "debezium" writes Debezium's outbox layout, each row deleted in the
+    # transaction that inserted it (source log)
+    layout: Literal["goharvest", "debezium"] = "goharvest"
     keys: int = 3000
     hot_keys: int = 4
     writers: int = 4
@@ -66,4 +69,6 @@ class ChaosSettings:
         """The log source's variant, as the summary names it ("" for the others)."""
         if self.log_messages:
             return " (table-less)"
+        if self.layout == "debezium":
+            return " (Debezium's layout, insert-then-delete)"
         return f" (retention {self.log_retention:g}s)" if self.log_retention else ""

@@ -51,6 +51,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "log": {"source": "log", "large_every": 10.0},  # the log source gets transactions it streams too
     "retention": {"source": "log", "log_retention": 2.0, **SMALL},
     "table-less": {"source": "log", "log_messages": True, **SMALL},
+    # Debezium's outbox layout, its rows deleted as they are inserted (docs/migrating.md): one run,
+    # at least once (tests/debezium/test_layout.py covers exactly once without faults).
+    "debezium": {"source": "log", "layout": "debezium", **SMALL},
 }
 
 
@@ -76,7 +79,8 @@ def chaos_services() -> Iterator[tuple[PrivatePostgres, PrivateKafka]]:
         (mode, shards, variant)
         for mode in delivery_modes()
         for shards, variant in ((1, "mark_purge"), (4, "mark_purge"), (1, "log"), (1, "retention"), (1, "table-less"))
-    ],
+    ]
+    + [("at_least_once", 1, "debezium")],
 )
 def test_chaos(chaos_services: tuple[PrivatePostgres, PrivateKafka], delivery: str, shards: int, variant: str) -> None:
     seed = int(os.environ.get("CHAOS_SEED") or random.SystemRandom().randrange(1 << 31))

@@ -13,6 +13,7 @@ import psycopg
 from psycopg import errors, sql
 
 from harvester import MessageStasher, OutboxRecord, Stasher
+from harvester.postgres.schema.identifiers import TableName
 from tests.chaos.services import Tables
 from tests.chaos.settings import ChaosSettings
 
@@ -76,7 +77,11 @@ class Writers:
     def _run(self, writer: int, normal: list[str], hot: list[str]) -> None:
         s = self._settings
         rng = random.Random(f"{s.seed}/writer/{writer}")
-        stasher = MessageStasher(self._tables.outbox) if s.log_messages else Stasher(self._tables.outbox)
+        stasher: Stasher | MessageStasher | DebeziumWriter
+        if s.layout == "debezium":
+            stasher = DebeziumWriter(self._tables.outbox)
+        else:
+            stasher = MessageStasher(self._tables.outbox) if s.log_messages else Stasher(self._tables.outbox)
         seqs = dict.fromkeys(normal + hot, 0)
         rate = s.records_per_second / s.writers
         conn: psycopg.Connection[Any] | None = None
@@ -107,7 +112,7 @@ class Writers:
     def _commit(
         self,
         conn: psycopg.Connection[Any] | None,
-        stasher: Stasher | MessageStasher,
+        stasher: Stasher | MessageStasher | DebeziumWriter,
         batch: list[tuple[str, int]],
     ) -> psycopg.Connection[Any]:
         """Commit ``batch`` exactly once, whatever happens to the connection; return the connection."""
@@ -141,3 +146,21 @@ class Writers:
                 with self._lock:
                     self.retries += 1
                 time.sleep(min(1.0, 0.1 * attempt))
+
+
+class DebeziumWriter:
+    """Writes records as the Quarkus and Spring outbox extensions do into Debezium's layout: each row
+    inserted (EventRouter's default columns; the topic in aggregatetype, routed unchanged) and
+    deleted in the same transaction, so it exists only in the log."""
+
+    def __init__(self, outbox: TableName) -> None:
+        self._insert = sql.SQL(
+            "INSERT INTO {} (aggregatetype, aggregateid, payload, type)"
+            " SELECT t, k, v, 'chaos' FROM unnest(%s::text[], %s::text[], %s::text[]) AS u(t, k, v) RETURNING id"
+        ).format(outbox.ident)
+        self._delete = sql.SQL("DELETE FROM {} WHERE id = ANY(%s)").format(outbox.ident)
+
+    def stash(self, conn: psycopg.Connection[Any], records: Sequence[OutboxRecord]) -> None:
+        columns = ([r.topic for r in records], [r.key for r in records], [str(r.value) for r in records])
+        ids = [row[0] for row in conn.execute(self._insert, columns)]
+        conn.execute(self._delete, (ids,))

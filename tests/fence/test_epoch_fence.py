@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import uuid
 from collections.abc import Callable
@@ -15,6 +16,7 @@ from harvester.core.at_least_once import at_least_once
 from harvester.core.events import Event, LeaderFenced
 from harvester.core.metrics import HarvesterMetrics
 from harvester.core.protocols import DeliveryCallback, FencedError
+from harvester.core.records import Failure
 from harvester.kafka.publisher import KafkaPublisher, producer_config
 from harvester.postgres.schema.identifiers import TableName
 from tests.engine.workload import insert, wait_until
@@ -47,6 +49,49 @@ def test_older_epoch_cannot_mark_or_purge(services: Services, outbox: TableName)
     finally:
         old.close()
         new.close()
+
+
+def test_a_zombie_that_keeps_its_connection_changes_no_row_the_new_leader_owns(
+    services: Services, outbox: TableName
+) -> None:
+    """A leader cut from its group, not from PostgreSQL (its elector stalled: nobody told it) goes on
+    with its batch in flight after a newer leader took the fence and marked the same rows: its purge
+    (ids far apart and a dense range: two statements), checkpointed purge, failure count and dead
+    letter each change nothing, and the rows stay until the new leader purges them after publishing."""
+    insert(services.pg_dsn, outbox, [("t", f"k{i % 3}", f"v{i}") for i in range(12)])
+    zombie = PostgresStore.open(services.pg_dsn, outbox, application_name="zombie")
+    heir = PostgresStore.open(services.pg_dsn, outbox)
+    try:
+        zombie_id, heir_id = uuid.uuid4(), uuid.uuid4()
+        zombie.acquire(zombie_id)
+        batch = [r.id for r in zombie.mark(zombie_id, 12)]
+        assert len(batch) == 12
+        heir.acquire(heir_id)
+        assert [r.id for r in heir.mark(heir_id, 12)] == batch  # the new leader's batch now
+
+        def failures(ids: list[int]) -> list[Failure]:
+            return [Failure(i, "k", "poison", "refused", 1, None) for i in ids]
+
+        acts: dict[str, Callable[[], None]] = {
+            "purge of ids far apart": lambda: zombie.purge([batch[0], batch[11]]),
+            "purge of a dense range": lambda: zombie.purge(batch[1:5]),
+            "checkpointed purge": lambda: zombie.purge_checkpointed(batch[5:7], 10**9),
+            "failure count": lambda: zombie.fail(failures(batch[7:9])),
+            "dead letter": lambda: zombie.dead_letter(failures(batch[9:11]), zombie_id),
+        }
+        changed = []
+        for name, act in acts.items():
+            before = snapshot(services.pg_dsn, outbox)
+            with contextlib.suppress(FencedError):  # it may learn it is fenced; it must change nothing
+                act()
+            if snapshot(services.pg_dsn, outbox) != before:
+                changed.append(name)
+        assert changed == []
+        heir.purge(batch)  # published by the new leader: every row was still there for it
+        assert snapshot(services.pg_dsn, outbox) == []
+    finally:
+        zombie.close()
+        heir.close()
 
 
 def test_bump_waits_for_a_running_statement_and_fences_the_next(services: Services, outbox: TableName) -> None:

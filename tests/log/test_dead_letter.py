@@ -2,23 +2,29 @@
 the record goes to the dead-letter table with its reason, alone (the next record of its key, which
 shared its batch, is delivered), counts as done for the slot (which moves on past it), is attempted
 exactly as many times as its dead letter says and never after, nothing else stalls, and
-``reaper dlq replay`` delivers it once its cause is fixed."""
+``reaper dlq replay`` delivers it once its cause is fixed. The store alone shows the bookkeeping
+under it: a dead letter counts as done for the slot and for the next term."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
 from pathlib import Path
+from uuid import uuid4
 
 import pytest
 import structlog
 import yaml
 
+from harvester import HarvesterConfig
+from harvester.core.records import Failure
+from harvester.postgres.log.logical import LogSetup
+from harvester.postgres.log.store import LogStore
 from harvester.postgres.schema.identifiers import TableName
 from tests.deadletter.test_poison import FAST, dead_letters
 from tests.engine.workload import check, insert, wait_drained, wait_until
 from tests.log.conftest import slot_position
-from tests.log.test_log_source import COMMITTED, DELIVERY, at_or_after, lsn
+from tests.log.test_log_source import COMMITTED, DELIVERY, at_or_after, lsn, mark_all
 from tests.support import HarvesterFactory, Services, read_messages, run_reaper, set_topic_config, text
 
 pytestmark = pytest.mark.integration
@@ -75,3 +81,47 @@ def test_a_poison_record_is_dead_lettered_the_slot_moves_past_it_and_replay_deli
     values = [text(m.value()) for m in read_messages(services.bootstrap, [small], len(follower) + 1, **COMMITTED)]
     assert values == [*followed, big]
     assert dead_letters(logical_dsn, log_outbox) == {}
+
+
+@pytest.mark.parametrize("delivery", ["purge", "purge_checkpointed"])
+def test_a_dead_lettered_record_is_done_for_the_slot_and_the_next_term(
+    logical_dsn: str, log_outbox: TableName, delivery: str
+) -> None:
+    """The store alone (each delivery mode's purge): a record dead-lettered amid delivered ones of
+    its transaction counts as done, so the slot moves past that transaction, and the next term
+    (a restart) hands out only what came after it."""
+    config = HarvesterConfig(outbox_table=log_outbox.qualified)
+    setup = LogSetup(log_outbox, config.slot, config.publication)
+    insert(logical_dsn, log_outbox, [("t", "a", "a:0"), ("t", "p", "poison"), ("t", "b", "b:0")])
+    after_poison = lsn(logical_dsn)
+    store, leader = LogStore(logical_dsn, setup), uuid4()
+    try:
+        store.prepare()
+        store.acquire(leader)
+        records = mark_all(store, leader, 3)
+        [poison] = [r for r in records if r.key == "p"]
+        delivered = [r.id for r in records if r is not poison]
+        if delivery == "purge":
+            store.purge(delivered)
+        else:
+            store.purge_checkpointed(delivered, 1)
+        store.dead_letter([Failure(poison.id, "p", "msg_size_too_large", "refused", 2, None)], leader)
+        assert dead_letters(logical_dsn, log_outbox) == {poison.id: ("msg_size_too_large", 2)}
+
+        def moved() -> bool:
+            """Confirmed by the next (idle) marks."""
+            return not store.mark(leader, 10) and at_or_after(
+                logical_dsn, slot_position(logical_dsn, log_outbox), after_poison
+            )
+
+        assert wait_until(moved, timeout=15)
+    finally:
+        store.close()
+    insert(logical_dsn, log_outbox, [("t", "p", "p:1")])
+    store, leader = LogStore(logical_dsn, setup), uuid4()
+    try:
+        store.prepare()
+        store.acquire(leader)
+        assert [r.value for r in mark_all(store, leader, 1)] == [b"p:1"]
+    finally:
+        store.close()

@@ -39,6 +39,9 @@ WORKER_CORES, WORKER_MEMORY = 3 * EXECUTOR_CORES, "2g"
 # Every JVM here runs seconds of work: the C1 compiler alone and the serial collector start them far
 # cheaper than the defaults (C2 and parallel GC threads), which matters on two shared cores.
 JAVA_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
+# A Python worker or a data source's Python runner that has not connected back to its JVM within
+# Spark's 15 s fails the query (CANNOT_OPEN_SOCKET), which a load average of 30 on two cores causes.
+PYTHON_PATIENCE = ("spark.python.authenticate.socketTimeout", "120s")
 
 
 def base_port() -> int:
@@ -129,7 +132,9 @@ class StandaloneCluster:
         return subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def start(self) -> None:
-        """Start the master and every worker; return once all workers have registered."""
+        """Start the master and every worker, without waiting for them: their JVMs boot while the
+        caller does other work (builds what it ships, submits a driver, which waits for executors
+        itself); :meth:`wait_for_workers` waits."""
         (self.root / "logs").mkdir(parents=True, exist_ok=True)
         # The master's REST submission server would take a fixed port (6066) outside the range.
         self.properties.write_text("spark.master.rest.enabled false\n")
@@ -139,10 +144,14 @@ class StandaloneCluster:
             *("--port", str(self.port + MASTER), "--webui-port", str(self.port + MASTER_UI)),
         )
         for index in range(len(self.workers)):
-            self.start_worker(index)
+            self._start_worker(index)
 
     def start_worker(self, index: int) -> None:
-        """Start worker ``index`` (again, after :meth:`kill_worker`) and wait until it has registered."""
+        """Start worker ``index`` again, after :meth:`kill_worker`, and wait until it has registered."""
+        self._start_worker(index)
+        self.wait_for_workers(sum(w is not None for w in self.workers))
+
+    def _start_worker(self, index: int) -> None:
         port = self.port + WORKERS + 2 * index
         self.workers[index] = self._daemon(
             f"worker-{index}",
@@ -150,7 +159,6 @@ class StandaloneCluster:
             *("--port", str(port), "--webui-port", str(port + 1), "--cores", str(WORKER_CORES)),
             *("--memory", WORKER_MEMORY, "--work-dir", str(self.root / f"work-{index}"), self.url),
         )
-        self.wait_for_workers(sum(w is not None for w in self.workers))
 
     def alive_workers(self) -> int:
         """How many workers the master counts as alive (0 while it is not answering yet)."""
@@ -160,13 +168,17 @@ class StandaloneCluster:
         except OSError:
             return 0
 
+    def check(self) -> None:
+        """Raise if a daemon (not one a test killed) has exited."""
+        for process in [self.master, *self.workers]:
+            if process is not None and process.poll() is not None:
+                raise RuntimeError(f"a Spark daemon exited early; see {self.root / 'logs'}")
+
     def wait_for_workers(self, count: int, timeout: float = 180.0) -> None:
         """Wait until exactly ``count`` workers are alive."""
         deadline = time.monotonic() + timeout
         while self.alive_workers() != count:
-            for process in [self.master, *self.workers]:
-                if process is not None and process.poll() is not None:
-                    raise RuntimeError(f"a Spark daemon exited early; see {self.root / 'logs'}")
+            self.check()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{count} Spark workers did not register; see {self.root / 'logs'}")
             time.sleep(0.5)
@@ -227,6 +239,7 @@ def app_conf(port: int) -> dict[str, str]:
         "spark.executor.memory": EXECUTOR_MEMORY,
         "spark.driver.extraJavaOptions": JAVA_OPTIONS,
         "spark.executor.extraJavaOptions": JAVA_OPTIONS,
+        PYTHON_PATIENCE[0]: PYTHON_PATIENCE[1],
     }
 
 
@@ -290,8 +303,8 @@ class ConnectServer:
         self.url = f"sc://127.0.0.1:{self.port}"
         self.process: subprocess.Popen[bytes] | None = None
 
-    def start(self, timeout: float = 180.0) -> None:
-        """Start the server; return once it accepts connections."""
+    def launch(self) -> None:
+        """Start the server without waiting for it (see :meth:`wait`)."""
         (self.root / "logs").mkdir(parents=True, exist_ok=True)
         conf = {
             **app_conf(self.base),
@@ -310,6 +323,10 @@ class ConnectServer:
         ]
         log = (self.root / "logs" / "connect.out").open("ab")
         self.process = subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait(self, timeout: float = 180.0) -> None:
+        """Return once the launched server accepts connections."""
+        assert self.process is not None
         deadline = time.monotonic() + timeout
         while True:
             try:

@@ -18,7 +18,8 @@ from examples.spark_pipeline import KAFKA_PACKAGE
 from harvester.postgres.schema.identifiers import TableName
 from harvester.spark import register
 from tests.spark import faults
-from tests.spark.cluster import ConnectServer, StandaloneCluster, base_port, packed_environment
+from tests.spark.cluster import PYTHON_PATIENCE, ConnectServer, StandaloneCluster, base_port, packed_environment
+from tests.spark.drivers import SharedDriver
 from tests.support import ROOT, Services, build_wheel
 
 
@@ -36,6 +37,7 @@ def spark() -> Iterator[SparkSession]:
         .config("spark.default.parallelism", "2")
         .config("spark.sql.streaming.stopTimeout", "10s")
         .config("spark.driver.memory", "1g")
+        .config(*PYTHON_PATIENCE)
         # The example pipeline's Kafka source; loaded here so that its test shares this session.
         .config("spark.jars.packages", KAFKA_PACKAGE)
         .getOrCreate()
@@ -55,15 +57,43 @@ def sink(services: Services, outbox: TableName) -> dict[str, str]:
     return {"dsn": services.pg_dsn, "table": outbox.qualified}
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _boot_early(request: pytest.FixtureRequest) -> None:
+    """Start the JVMs that the selected tests will need (the cluster with the shared driver, the
+    Connect server) before the first of these tests runs, without waiting for them: each takes tens
+    of seconds to boot on two loaded cores, and they boot while the local-mode tests run."""
+    wanted = {name for item in request.session.items for name in getattr(item, "fixturenames", ())}
+    for name in ("connect_server", "driver"):  # the one that blocks (building the wheel) last
+        if name in wanted:
+            request.getfixturevalue(name)
+
+
 @pytest.fixture(scope="session")
 def spark_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StandaloneCluster]:
-    """A master and two workers from pyspark's distribution, on loopback; stopped at the end."""
+    """A master and two workers from pyspark's distribution, on loopback, booting (see
+    :meth:`StandaloneCluster.start`); stopped at the end."""
     cluster = StandaloneCluster(tmp_path_factory.mktemp("spark-cluster"), base_port())
     try:
         cluster.start()
         yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def driver(
+    spark_cluster: StandaloneCluster, shipped: list[Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[SharedDriver]:
+    """The tests' shared driver on the cluster, shipped the ``--py-files`` way; returned while it boots
+    (its first scenario waits for it)."""
+    # Both workers first (they boot while the wheel is built): an application that registers while
+    # only one is there takes both of its executors on that one.
+    spark_cluster.wait_for_workers(len(spark_cluster.workers))
+    shared = SharedDriver(spark_cluster, shipped, tmp_path_factory.mktemp("driver"))
+    try:
+        yield shared
+    finally:
+        shared.stop()
 
 
 @pytest.fixture(scope="session")
@@ -90,10 +120,11 @@ def packed_env(tmp_path_factory: pytest.TempPathFactory, shipped: list[Path]) ->
 
 @pytest.fixture(scope="session")
 def connect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ConnectServer]:
-    """A Spark Connect server in local mode, on loopback; stopped at the end."""
+    """A Spark Connect server in local mode, on loopback, booting (see :meth:`ConnectServer.wait`);
+    stopped at the end."""
     server = ConnectServer(tmp_path_factory.mktemp("spark-connect"), base_port())
     try:
-        server.start()
+        server.launch()
         yield server
     finally:
         server.stop()

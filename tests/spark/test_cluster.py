@@ -4,10 +4,8 @@ shipped to the executors with ``--py-files``, executors in JVMs and Python worke
 from __future__ import annotations
 
 import json
-import subprocess
-import time
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,12 +14,12 @@ import pytest
 import yaml
 from psycopg import sql
 
-from examples.spark_pipeline import KAFKA_PACKAGE
 from harvester.core.identity import Identity
 from harvester.postgres.schema.identifiers import TableName
 from harvester.postgres.schema.migrations import dead_letter_table, migrate
 from harvester.spark.store import SinkTables, clean_stale
-from tests.spark.cluster import StandaloneCluster, executor_of, kill_tree, spark_submit
+from tests.spark.cluster import EXECUTOR_CORES, StandaloneCluster, executor_of, kill_tree
+from tests.spark.drivers import LOST_ROWS, Driver, SharedDriver
 from tests.spark.test_batch import leftovers, records, wait_for_stragglers
 from tests.spark.test_stream import PER_FILE, write_inputs
 from tests.spark_drain.conftest import deduplicated, preload, remaining
@@ -41,123 +39,11 @@ from tests.support import (
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 Conn = psycopg.Connection[tuple[object, ...]]
-JOB = Path(__file__).with_name("cluster_job.py")
-DRIVER_SECONDS = 480.0
 # Micro-batches of the streaming test: 0 commits, 1 fails, 2 commits and the driver dies; each costs
 # seconds on a cluster, so there are no more.
 FILES = 3
-LOST_ROWS = 8_000  # four partitions of two Arrow batches each
-DRAIN_RECORDS = 2_000  # ten micro-batches of 200 (100 per shard); shard 0's third is held
+DRAIN_RECORDS = 1_000  # five micro-batches of 200 (100 per shard); shard 0's third is held
 PUBLISH_RECORDS = 600  # three micro-batches of 200, a third of them to a topic that does not exist
-
-
-class Driver:
-    """One ``spark-submit`` of ``cluster_job.py`` to the test cluster."""
-
-    def __init__(
-        self,
-        cluster: StandaloneCluster,
-        shipped: list[Path],
-        scenario: str,
-        config: dict[str, Any],
-        env: dict[str, str] | None = None,
-        conf: dict[str, str] | None = None,
-        cwd: Path | None = None,
-    ) -> None:
-        self.log = Path(config["result"]).with_suffix(".log")
-        self.result = Path(config["result"])
-        settings = {
-            **cluster.driver_conf(),
-            "spark.task.maxFailures": "2",  # as the local session's local[2,2]
-            # Two Arrow batches per partition of the executor-loss write, with few rows.
-            "spark.sql.execution.arrow.maxRecordsPerBatch": str(LOST_ROWS // 8),
-            **(conf or {}),
-        }
-        self.process = spark_submit(
-            {**cluster.env, **(env or {})},
-            cluster.url,
-            JOB,
-            [scenario, json.dumps(config)],
-            shipped,
-            settings,
-            self.log,
-            cwd,
-        )
-
-    def failure(self) -> str:
-        """The end of the driver's output, for an assertion message."""
-        return self.log.read_text(errors="replace")[-4000:]
-
-    def finish(self) -> dict[str, Any]:
-        """Wait for the driver to succeed; return its result."""
-        try:
-            code = self.process.wait(timeout=DRIVER_SECONDS)
-        except subprocess.TimeoutExpired:
-            kill_tree(self.process.pid)
-            raise AssertionError(f"the driver did not finish:\n{self.failure()}") from None
-        assert code == 0, self.failure()
-        result: dict[str, Any] = json.loads(self.result.read_text())
-        return result
-
-    def wait_for(self, done: Callable[[], bool]) -> None:
-        """Wait until ``done()`` while the driver runs."""
-        deadline = time.monotonic() + DRIVER_SECONDS
-        while not done():
-            assert self.process.poll() is None, f"the driver exited early:\n{self.failure()}"
-            assert time.monotonic() < deadline, f"timed out:\n{self.failure()}"
-            time.sleep(0.2)
-
-    def kill(self) -> None:
-        """SIGKILL the driver (spark-submit's JVM and the Python driver under it), as a crash would."""
-        kill_tree(self.process.pid)
-        self.process.wait()
-
-
-class SharedDriver:
-    """The long-lived ``serve`` driver that runs the scenarios of every test that does not kill its
-    driver: one driver JVM and one executor per worker for all of them."""
-
-    def __init__(self, cluster: StandaloneCluster, shipped: list[Path], root: Path) -> None:
-        self.inbox = root / "inbox"
-        self.inbox.mkdir()
-        settings = {"inbox": str(self.inbox), "result": str(root / "serve.json")}
-        # Spark's Kafka sink, for the drain's scenario (resolved from Maven Central, as users do).
-        self.driver = Driver(cluster, shipped, "serve", settings, conf={"spark.jars.packages": KAFKA_PACKAGE})
-
-    def start(self, scenario: str, config: dict[str, Any]) -> Path:
-        """Hand ``scenario`` to the driver; return where its result will be."""
-        request = self.inbox / unique("job")
-        request.with_suffix(".part").write_text(json.dumps({"scenario": scenario, "config": config}))
-        request.with_suffix(".part").rename(request.with_suffix(".json"))
-        return request.with_suffix(".result")
-
-    def finish(self, result: Path) -> dict[str, Any]:
-        """Wait for a scenario's result; fail if the scenario raised."""
-        self.driver.wait_for(result.exists)
-        done: dict[str, Any] = json.loads(result.read_text())
-        assert "error" not in done, done["error"]
-        return done
-
-    def run(self, scenario: str, config: dict[str, Any]) -> dict[str, Any]:
-        """Run ``scenario`` and return its result."""
-        return self.finish(self.start(scenario, config))
-
-    def stop(self) -> None:
-        """Let the driver finish."""
-        (self.inbox / "stop").touch()
-        self.driver.finish()
-
-
-@pytest.fixture(scope="module")
-def driver(
-    spark_cluster: StandaloneCluster, shipped: list[Path], tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[SharedDriver]:
-    """The tests' shared driver on the cluster, shipped the ``--py-files`` way."""
-    shared = SharedDriver(spark_cluster, shipped, tmp_path_factory.mktemp("driver"))
-    try:
-        yield shared
-    finally:
-        shared.stop()
 
 
 def config(services: Services, tmp_path: Path, **more: Any) -> dict[str, Any]:
@@ -253,7 +139,8 @@ def test_stream_resumes_exactly_once_after_the_driver_is_killed(
         "stream",
         {**settings, "phase": "crash"},
         env={"PYSPARK_DRIVER_PYTHON": str(env / "bin" / "python"), "PYSPARK_PYTHON": "./environment/bin/python"},
-        conf={"spark.archives": f"{archive}#environment"},
+        # One executor: it proves the archive's path as two would, and boots one JVM fewer.
+        conf={"spark.archives": f"{archive}#environment", "spark.cores.max": str(EXECUTOR_CORES)},
         cwd=env.parent,  # where ./environment is the environment, for the driver's own Python processes
     )
     crashing.wait_for(lambda: any(faults.glob("commitAfter-b2-*")))
@@ -294,7 +181,7 @@ def test_executor_lost_mid_write_commits_every_row_once_and_nothing_of_the_lost_
     try:
         # The four first attempts hold, two per executor: one in the middle of its staging COPY,
         # one after its staging transaction committed.
-        driver.driver.wait_for(lambda: len(list(faults.glob("hold-*"))) == 4)
+        driver.wait_for(result, lambda: len(list(faults.glob("hold-*"))) == 4)
         held = {p.name: spark_cluster.worker_of(int(p.name.rsplit("-", 1)[1])) for p in faults.glob("hold-*")}
         victim = held[min(held)]  # the worker of an "after" attempt, whose staged rows are committed
         lost = {name.split("-")[2] for name, worker in held.items() if worker == victim}  # e.g. p2a0
@@ -371,14 +258,14 @@ def test_drain_loses_an_executor_mid_batch_and_delivers_every_record_once_throug
     result = driver.start("drain", settings)
     try:
         # Shard 0's task of its third batch holds halfway through its records, on one executor...
-        driver.driver.wait_for(lambda: any(faults.glob("hold-read-*")))
+        driver.wait_for(result, lambda: any(faults.glob("hold-read-*")))
         (held,) = faults.glob("hold-read-*")
         executor = executor_of(int(held.name.rsplit("-", 1)[1]))
         assert executor is not None, held
         lost = held_batch(checkpoint, shard=0, batch=3)
         assert len(remaining(pg, outbox)) < len(ids)  # batches before it were delivered and purged
         # ... and some of them are in Kafka already: the batch is being written.
-        driver.driver.wait_for(lambda: any(i in lost for got in delivered(services, topic).values() for i in got))
+        driver.wait_for(result, lambda: any(i in lost for got in delivered(services, topic).values() for i in got))
         # The executor's JVM and its Python workers; its worker starts the application another one.
         kill_tree(executor)
         driver.finish(result)

@@ -13,6 +13,7 @@ from pyspark.sql.connect.session import SparkSession as RemoteSparkSession
 
 from harvester.postgres.schema.identifiers import TableName
 from harvester.spark import register
+from harvester.spark.drain.kafka_sink import KafkaPartitionError
 from harvester.spark.store import SinkTables
 from tests.spark import faults
 from tests.spark.cluster import ConnectServer
@@ -33,6 +34,7 @@ def remote(connect_server: ConnectServer, shipped: list[Path]) -> Iterator[Remot
     Connect equivalent of ``--py-files``), both sources registered."""
     # The Connect class itself, not ``pyspark.sql.SparkSession.builder.remote``, which would switch
     # this whole process (and the local-mode session the other tests share) to Connect mode.
+    connect_server.wait()
     session = RemoteSparkSession.builder.remote(connect_server.url).getOrCreate()
     for path in shipped:
         session.addArtifacts(str(path), pyfile=True)
@@ -76,3 +78,18 @@ def test_streaming_write_over_connect_resumes_exactly_once(
     ).fetchall()
     assert committed == [(b, PER_FILE) for b in range(3)]
     assert leftovers(pg, outbox) == (0, 0)
+
+
+def test_spark_kafka_sink_over_connect_refuses_the_drain_without_its_partition_column(
+    remote: RemoteSparkSession, sink: dict[str, str], tmp_path: Path
+) -> None:
+    writer = (
+        remote.readStream.format("outbox")
+        .options(**sink)
+        .load()
+        .selectExpr("topic", "key", "value", "headers")
+        .writeStream.format("kafka")
+        .option("checkpointLocation", str(tmp_path / "cp"))
+    )
+    with pytest.raises(KafkaPartitionError, match="without its 'partition' column"):
+        writer.start()  # refused in the client: no query reaches the server

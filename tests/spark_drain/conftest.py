@@ -21,6 +21,7 @@ from harvester.core.identity import Identity
 from harvester.postgres.schema.identifiers import TableName
 from harvester.spark import register
 from tests.dedup.kafka import consumer, ends, read_to
+from tests.spark.cluster import PYTHON_PATIENCE
 from tests.support import Services, consumed_headers
 
 
@@ -35,6 +36,7 @@ def spark() -> Iterator[SparkSession]:
         .config("spark.sql.shuffle.partitions", "2")
         .config("spark.sql.streaming.stopTimeout", "10s")
         .config("spark.driver.memory", "1g")
+        .config(*PYTHON_PATIENCE)
         .config("spark.jars.packages", KAFKA_PACKAGE)
         .getOrCreate()
     )
@@ -83,9 +85,11 @@ def drained(spark: SparkSession, services: Services, outbox: TableName) -> Drain
 
 
 def to_kafka(stream: DataFrame, services: Services, checkpoint: Path) -> Any:
-    """Start delivering ``stream`` through Spark's Kafka sink until the outbox is drained."""
+    """Start delivering ``stream`` through Spark's Kafka sink until the outbox is drained, each record
+    to the partition the drain names (a reaper's; null, Spark's choice, when the source was given no
+    brokers)."""
     return (
-        stream.selectExpr("topic", "key", "value", "headers")
+        stream.selectExpr("topic", "key", "value", "headers", "partition")
         .writeStream.format("kafka")
         .option("kafka.bootstrap.servers", services.bootstrap)
         .option("checkpointLocation", str(checkpoint))

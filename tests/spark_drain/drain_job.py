@@ -1,5 +1,5 @@
-"""A Spark driver of its own for the driver-kill test: drains an outbox into Kafka through Spark's
-Kafka sink from a checkpoint, until killed.
+"""A Spark driver of its own for the driver-kill test: drains an outbox into Kafka through the
+project's sink, ``outbox-publish``, from a checkpoint, until killed.
 
     python -m tests.spark_drain.drain_job '<json: dsn, table, shards, max_records, bootstrap, checkpoint>'
 """
@@ -12,9 +12,8 @@ import sys
 
 from pyspark.sql import SparkSession
 
-from examples.spark_pipeline import KAFKA_PACKAGE
 from harvester.spark import register
-from tests.spark.cluster import JAVA_OPTIONS
+from tests.spark.cluster import JAVA_OPTIONS, PYTHON_PATIENCE
 
 
 def main() -> None:
@@ -25,23 +24,20 @@ def main() -> None:
         .appName("drain-job")
         .config("spark.ui.enabled", "false")
         .config("spark.sql.shuffle.partitions", "2")
-        .config("spark.jars.packages", KAFKA_PACKAGE)
         .config("spark.driver.extraJavaOptions", JAVA_OPTIONS)  # it runs for seconds: start it cheaply
+        .config(*PYTHON_PATIENCE)
         .getOrCreate()
     )
     spark.sparkContext.setLogLevel("ERROR")
     register(spark)
+    outbox = {"dsn": spec["dsn"], "table": spec["table"]}
     writer = (
         spark.readStream.format("outbox")
-        .option("dsn", spec["dsn"])
-        .option("table", spec["table"])
-        .option("shards", spec["shards"])
-        .option("maxRecordsPerTrigger", spec["max_records"])
+        .options(**outbox, shards=spec["shards"], maxRecordsPerTrigger=spec["max_records"])
         .load()
-        .selectExpr("topic", "key", "value", "headers")
-        .writeStream.format("kafka")
+        .writeStream.format("outbox-publish")
+        .options(**outbox, checkpointLocation=spec["checkpoint"])
         .option("kafka.bootstrap.servers", spec["bootstrap"])
-        .option("checkpointLocation", spec["checkpoint"])
     )
     query = writer.trigger(processingTime="200 milliseconds").start()
     print("started", flush=True)

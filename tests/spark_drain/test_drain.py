@@ -19,6 +19,7 @@ from pyspark.sql.streaming.query import StreamingQuery
 from harvester.core.identity import Identity
 from harvester.postgres.schema.identifiers import TableName
 from harvester.postgres.schema.migrations import dead_letter_table
+from harvester.spark.drain.kafka_sink import ACCEPT_OPTION, KafkaPartitionError
 from tests.spark_drain.conftest import Drain, deduplicated, preload, remaining, to_kafka
 from tests.support import Services, consumed_headers, delete_topics, read_messages, text, unique
 
@@ -154,7 +155,7 @@ def test_a_second_copy_of_the_query_fences_the_first(
     ids = preload(pg, outbox, topic, 600, keys=10)
     first = (
         drained(maxRecordsPerTrigger="50")
-        .selectExpr("topic", "key", "value", "headers")
+        .selectExpr("topic", "key", "value", "headers", "partition")
         .writeStream.format("kafka")
         .option("kafka.bootstrap.servers", services.bootstrap)
         .option("checkpointLocation", str(tmp_path / "first"))
@@ -175,3 +176,20 @@ def test_a_second_copy_of_the_query_fences_the_first(
     messages = read_messages(services.bootstrap, [topic], len(ids))
     by_key = delivered(messages)
     assert sorted(set(i for got in by_key.values() for i in got)) == ids
+
+
+def test_spark_kafka_sink_without_the_partition_column_is_refused_unless_acknowledged(
+    services: Services, drained: Drain, tmp_path: Path
+) -> None:
+    writer = (
+        drained()
+        .selectExpr("topic", "key", "value", "headers")
+        .writeStream.format("kafka")
+        .option("kafka.bootstrap.servers", services.bootstrap)
+        .option("checkpointLocation", str(tmp_path / "cp"))
+    )
+    with pytest.raises(KafkaPartitionError, match="without its 'partition' column") as refused:
+        writer.start()
+    assert "\n" not in str(refused.value)  # one line
+    query = writer.option(ACCEPT_OPTION, "true").start()  # Spark's placement, knowingly
+    query.stop()

@@ -1,8 +1,10 @@
 """The drain's driver killed mid-run (SIGKILL of the whole driver: Python, its JVM and the source's
 Python runner) and restarted from the checkpoint: nothing lost, per-key order, and the only
 duplicates are records of the batch that was unfinished when it died, none of which passes the
-de-duplicating reader. The restart runs in the tests' own Spark session, which the other drain
-tests have started already: one JVM start fewer."""
+de-duplicating reader. Both drivers publish through ``outbox-publish``, whose tasks need no JVM
+package: the killed driver's JVM starts without resolving Spark's Kafka connector. The restart runs
+in the tests' own Spark session, which the other drain tests have started already: one JVM start
+fewer."""
 
 from __future__ import annotations
 
@@ -22,10 +24,14 @@ import pytest
 from harvester.core.identity import Identity
 from harvester.postgres.schema.identifiers import TableName
 from tests.engine.workload import wait_until
-from tests.spark_drain.conftest import Drain, deduplicated, preload, remaining, to_kafka
+from tests.spark_drain.conftest import Drain, deduplicated, preload, remaining
 from tests.support import ROOT, Services, consumed_headers, end_offsets, read_messages, text
 
 pytestmark = pytest.mark.integration
+
+# Killed once two batches are purged: the unfinished batch is the third or a later one, of BATCH
+# records over 30 keys (several per key, which the reader must drop as copies).
+RECORDS, BATCH = 1000, 100
 
 
 def drain_job(spec: dict[str, Any]) -> subprocess.Popen[str]:
@@ -65,28 +71,39 @@ def test_a_killed_driver_restarted_from_its_checkpoint_repeats_only_the_unfinish
     tmp_path: Path,
 ) -> None:
     topic = topics(partitions=2)
-    ids = preload(pg, outbox, topic, 2000, keys=30)
+    ids = preload(pg, outbox, topic, RECORDS, keys=30)
     spec = {
         "dsn": services.pg_dsn,
         "table": outbox.qualified,
         "shards": 2,
-        "max_records": 200,
+        "max_records": BATCH,
         "bootstrap": services.bootstrap,
         "checkpoint": str(tmp_path / "cp"),
     }
     first = drain_job(spec)
     try:
         # Mid-run: some batches purged, most of the outbox left.
-        assert wait_until(lambda: len(remaining(pg, outbox)) <= len(ids) - 400 or first.poll() is not None, 300)
-        assert first.poll() is None, first.communicate()[0][-3000:]
+        mid_run = wait_until(
+            lambda: len(remaining(pg, outbox)) <= len(ids) - 2 * BATCH or first.poll() is not None, 300
+        )
+        alive = first.poll() is None
     finally:
         os.killpg(first.pid, signal.SIGKILL)
-        first.communicate()
+        output = first.communicate()[0]
+    assert mid_run and alive, output[-3000:]
     repeated = unfinished(tmp_path / "cp")
     assert remaining(pg, outbox)  # killed before the end
 
-    # Larger batches after the replay: they only shorten the drain of the rest.
-    to_kafka(drained(shards="2", maxRecordsPerTrigger="1000"), services, tmp_path / "cp").awaitTermination()
+    # One batch after the replay: it only shortens the drain of the rest.
+    (
+        drained(shards="2", maxRecordsPerTrigger=str(RECORDS))
+        .writeStream.format("outbox-publish")
+        .options(dsn=services.pg_dsn, table=outbox.qualified, checkpointLocation=str(tmp_path / "cp"))
+        .option("kafka.bootstrap.servers", services.bootstrap)
+        .trigger(availableNow=True)
+        .start()
+        .awaitTermination()
+    )
     assert remaining(pg, outbox) == []
 
     total = end_offsets(services.bootstrap, topic, partitions=2)

@@ -34,6 +34,9 @@ class LogSetup:
     prefix: str | None = None  # the table-less outbox's message prefix (None: the table's inserts)
     # A table-less outbox runs though a failover would lose its records (logAcceptLossOnFailover).
     accept_loss: bool = False
+    # Another layout's table (Debezium's): every column is published (its reader picks those it
+    # names, an optional one too); else the kafka_* ones.
+    every_column: bool = False
 
 
 def missing(conn: psycopg.Connection[Any], setup: LogSetup) -> list[str]:
@@ -55,7 +58,8 @@ def missing(conn: psycopg.Connection[Any], setup: LogSetup) -> list[str]:
         problems.append("the log source needs PostgreSQL 14 or later (pgoutput's binary and messages options)")
     if setup.prefix is not None:
         return problems + _messages_missing(conn, setup)
-    problems += _unreadable(conn, setup.table)
+    if not setup.every_column:  # another layout's types are checked as the stream names them
+        problems += _unreadable(conn, setup.table)
     row = conn.execute(
         "SELECT p.pubinsert, EXISTS (SELECT FROM pg_publication_rel r WHERE r.prpubid = p.oid"
         " AND r.prrelid = to_regclass(%s)) OR p.puballtables FROM pg_publication p WHERE p.pubname = %s",
@@ -117,7 +121,7 @@ def create(conn: psycopg.Connection[Any], setup: LogSetup) -> list[str]:
     elif exists is None:
         # PostgreSQL 15+ publishes only the columns a record needs: less to decode and to send.
         columns: sql.Composable = sql.SQL("")
-        if conn.info.server_version >= 150000:
+        if conn.info.server_version >= 150000 and not setup.every_column:
             columns = sql.SQL(" ({})").format(sql.SQL(", ").join(map(sql.Identifier, PUBLISHED)))
         conn.execute(
             sql.SQL("CREATE PUBLICATION {} FOR TABLE {}{} WITH (publish = 'insert')").format(

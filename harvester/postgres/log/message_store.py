@@ -58,9 +58,8 @@ class MessageStore(PositionedLogStore):
     _recoverable = False  # its records exist only in the log: a lost slot stops the leader
 
     def __init__(self, dsn: str, setup: LogSetup, **options: Any) -> None:
-        assert setup.prefix is not None
         super().__init__(dsn, setup, **options)
-        self._prefix = setup.prefix.encode("utf-8")
+        self._prefix = (setup.prefix or "").encode("utf-8")  # none: a subclass reads a table's inserts
         self._content: dict[int, MarkedRecord] = {}  # handed out, not done: what a dead letter keeps
         # The last transaction's commit time as a datetime, shared by its records (mark thread only).
         self._created: tuple[Transaction | None, datetime] = (None, _EPOCH_2000)

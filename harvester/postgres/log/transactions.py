@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from heapq import heappop, heappush
 from uuid import UUID
@@ -109,8 +109,18 @@ class Transactions:
     with the outbox's prefix). What the transactions hold in memory is counted in ``budget``'s
     ``received`` (spill.py); once it is over, a transaction past its floor spills its next messages."""
 
-    def __init__(self, kind: bytes, match: bytes, at: int, oid: int = 0, budget: Budget | None = None) -> None:
+    def __init__(
+        self,
+        kind: bytes,
+        match: bytes,
+        at: int,
+        oid: int = 0,
+        budget: Budget | None = None,
+        columns_of: Callable[[pgoutput.Relation], Columns] = Columns,
+    ) -> None:
+        """``columns_of``: how the outbox's Relation message is read (another layout's reader)."""
         self._kind, self._match, self._at, self._end = kind, match, at, at + len(match)
+        self._columns_of = columns_of
         self._budget = budget or Budget()
         self._oid = oid  # the outbox table's oid, whose Relation messages name its columns (0: none)
         self.columns: Columns | None = None  # from the outbox's latest Relation message
@@ -295,7 +305,7 @@ class Transactions:
                 if txn is not None:
                     spill_at = self._spill_at = budget.room(txn.in_memory)
             elif isinstance(message, pgoutput.Relation) and message.oid == oid:
-                self.columns = Columns(message)
+                self.columns = self._columns_of(message)
                 if txn is not None:
                     txn.columns = self.columns
             elif isinstance(message, pgoutput.Commit):
