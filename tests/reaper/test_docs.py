@@ -85,9 +85,19 @@ def test_readme_first_screen() -> None:
     assert blocks[1][1].startswith("pip install ")
     first_screen = readme[: readme.index("\n## ")]
     assert "./dev.sh" not in first_screen.replace(blocks[0][1], "")  # no third newcomer command
-    for heading in ("## Why this and not goharvest", "## Guarantees", "## Limits", "## Supported versions"):
+    for heading in ("## Why this and not goharvest", "## Terms", "## Guarantees", "## Limits", "## Supported versions"):
         assert heading in readme
     assert "(CHANGELOG.md)" in readme
+    decision = readme[readme.index("## Why this and not goharvest") : readme.index("<!-- peers-table -->")]
+    for row in ("server settings", "runtime", "throughput", "exactly-once", "Spark"):
+        assert f"\n| {row}" in decision, row
+    terms = readme[readme.index("## Terms") : readme.index("## Guarantees")]
+    for word in ("Stasher", "Leader", "NELI", "Mark-purge/reset", "Fence, epoch", "Identity headers", "Shard", "Slot"):
+        assert f"**{word}**" in terms, word
+    assert "<!-- /peers-table -->" in readme  # bench/render_table.py --readme rewrites the block
+    assert "`reaper status`" in readme
+    limits = readme[readme.index("## Limits") : readme.index("## Supported versions")]
+    assert "**The log source**" in limits and "planned" not in limits
 
 
 def test_readme_python_snippets_define_every_name(tmp_path: Path) -> None:
