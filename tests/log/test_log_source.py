@@ -25,7 +25,6 @@ from harvester.postgres.log.store import LogStore
 from harvester.postgres.schema.identifiers import TableName
 from harvester.postgres.table.store import PostgresStore
 from tests.engine.workload import check, insert, wait_drained, wait_until, writing
-from tests.fence.test_zombie import install_audit
 from tests.log.conftest import slot_position, stored_done
 from tests.proc.processes import HarvesterProcess, harvester_spec
 from tests.support import HarvesterFactory, Services, read_messages, unique
@@ -212,6 +211,22 @@ def test_a_fenced_reader_moves_neither_the_slot_nor_the_table(logical_dsn: str, 
     finally:
         old.close()
         new.close()
+
+
+def install_audit(dsn: str, table: TableName) -> TableName:
+    """Record which connection (application_name) updated or deleted which outbox row, and when."""
+    audit = TableName(table.schema, "audit")
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL(
+                "CREATE TABLE {a} (app TEXT, op TEXT, id BIGINT, at TIMESTAMPTZ DEFAULT clock_timestamp());"
+                "CREATE FUNCTION {f}() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+                "INSERT INTO {a} (app, op, id) VALUES (current_setting('application_name'), TG_OP, OLD.id); "
+                "RETURN NULL; END $$;"
+                "CREATE TRIGGER audit AFTER UPDATE OR DELETE ON {t} FOR EACH ROW EXECUTE FUNCTION {f}();"
+            ).format(a=audit.ident, f=TableName(table.schema, "audit_fn").ident, t=table.ident)
+        )
+    return audit
 
 
 def deleted_by(dsn: str, audit: TableName, name: str, after: float = 0.0) -> int:
