@@ -46,7 +46,7 @@ from harvester.postgres.log import logical
 from harvester.postgres.log.logical import LogSetup
 from harvester.postgres.schema import migrations
 
-# How the burst is written (peers.copy_burst): (commit wall time, the writing backend's CPU s).
+# How the burst is written (peer_bursts.copy_burst): (commit wall time, the writing backend's CPU s).
 CopyBurst = Callable[[psycopg.Connection[Any], TableName, str, int, int], tuple[float, float]]
 
 
@@ -79,7 +79,7 @@ def pg_recvlogical() -> str:
 def decode_ceiling(conn: psycopg.Connection[Any], dsn: str, records: int, keys: int, copy: CopyBurst) -> Ceiling:
     """The decode ceiling over a fresh outbox set up as the log source's (its publication and slot
     made before the COPY); ``copy(conn, table, topic, records, keys)`` writes the burst and returns
-    (commit wall time, the writing backend's CPU s), as peers.copy_burst."""
+    (commit wall time, the writing backend's CPU s), as peer_bursts.copy_burst."""
     table = fresh_outbox(conn)
     assert table.schema is not None  # fresh_outbox's
     setup = LogSetup(table, f"{table.schema}_slot", f"{table.schema}_pub", None)

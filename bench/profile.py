@@ -6,7 +6,7 @@ outbox and drained, then the top entries by self and by cumulative samples are p
         [--all-threads] [--out /tmp/profile-log.txt]
 
 ``--source`` is ``log`` (the log source, default limits) or ``mark_purge`` (the polling source).
-Needs py-spy (``pip install py-spy``; not a dependency of the project) and the local services
+Needs py-spy (in the dev extra) and the local services
 (``HARVESTER_TEST_PG_DSN``, with ``wal_level=logical`` for the log source; ``HARVESTER_TEST_KAFKA``).
 The relay runs as bench/peers.py runs it in-process (``peer_relays.harvester_relay``); this process
 writes the burst and waits for it, so the profile holds the relay alone from just before the COPY

@@ -120,7 +120,9 @@ def _parser() -> argparse.ArgumentParser:
         "and rows; the tables holding copies of its rows (dead letters, the Spark sink's staging) are widened "
         "to its column types when narrower. A schema named in harvest.outboxTable that does not exist is "
         "created (and reported); with source: log, the publication and the replication slot are created "
-        "when absent.",
+        "when absent. A table-less outbox (logMessages) or layout: debezium has no table of the reaper's: "
+        "the application's table is left as it is, and only the fence and dead-letter tables, the "
+        "publication and the slot are made.",
     )
     check = sub.add_parser(
         "check",
@@ -174,8 +176,9 @@ def _parser() -> argparse.ArgumentParser:
         help="print the reaper.yaml that reads what a Debezium outbox connector reads",
         description="Read a Debezium PostgreSQL connector's JSON configuration (as its REST API takes it) "
         "with an EventRouter transform and print a reaper.yaml with layout: debezium, the transform's "
-        "options under eventRouter, unchanged (docs/migrating.md). Exit 2 with one line naming an option "
-        "that has no counterpart.",
+        "options under eventRouter, unchanged. Exit 2 with one line naming an option "
+        "that has no counterpart. How to hand a running outbox over: "
+        f"{DOCS}/migrating.md#from-debeziums-outbox-router",
     )
     convert.add_argument("connector", metavar="CONNECTOR.json", help="the connector's JSON file ('-': stdin)")
     return parser

@@ -1,5 +1,5 @@
 """A slot the server invalidated (``max_slot_wal_keep_size`` exceeded while nobody read it:
-``wal_status = 'lost'``), recovered from the table like a dropped one (log_recovery.py): with
+``wal_status = 'lost'``), recovered from the table like a dropped one (harvester/postgres/log/recovery.py): with
 per-batch deletes and with a retention window, nothing lost, every key in order, and the new slot
 streamed after. A private server: the setting would invalidate other tests' slots on the shared one."""
 

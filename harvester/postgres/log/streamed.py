@@ -22,7 +22,7 @@ form: each in-progress transaction gets one (:data:`Decoder`), which sees its ch
 they come (until they spill) and returns what to keep instead of a change, or
 None to keep the change; a change it fails on is kept as it came (whoever reads it later meets the
 error there). The log source decodes its inserts so, while the transaction is still being written,
-rather than after its commit, when the drain waits for them (docs/log-source.md, "Decoding a
+rather than after its commit, when the drain waits for them (docs/benchmarks.md, "Decoding a
 streamed transaction as it comes").
 Reference: PostgreSQL's "Logical Replication Message Formats" (Stream Start, Stream Stop, Stream
 Commit, Stream Abort).

@@ -33,7 +33,7 @@ _IDS = "ANY((SELECT %s::bigint[])::bigint[])"
 # array is a constant of the plan, which PostgreSQL (15 and later) hashes once per statement, so
 # each row the mark reads past costs one lookup. Behind a sub-select the array was the result of an
 # InitPlan, compared with each row id by id: a mark skipping 3,000 ids took about 65 ms on the
-# server instead of about 2 (docs/sharding.md). What the planner now sees of the ids cannot lead it
+# server instead of about 2 (docs/benchmarks.md#sharding). What the planner now sees of the ids cannot lead it
 # away from the index walk: with sorts off, only an index gives the mark's order.
 _SKIP = "ALL(%s::bigint[])"
 # A purge of ids close together (a burst's acknowledgements: consecutive ids, some still in flight)
@@ -66,7 +66,7 @@ def id_array(ids: Iterable[int]) -> str:
     ids a mark skips. psycopg dumps a Python list id by id in Python, about 0.8 µs an id; the text
     costs about a quarter of that. It counts because a mark sends every id its shard has handed out
     and not settled: about 700 per mark with one shard, about 3,000 with four in one process (each
-    shard marks ahead behind its fewer keys), 5 times the ids per record (docs/sharding.md)."""
+    shard marks ahead behind its fewer keys), 5 times the ids per record (docs/benchmarks.md#sharding)."""
     return "{" + ",".join(map(str, ids)) + "}"
 
 
