@@ -1,4 +1,4 @@
-"""The connections of a :class:`~harvester.postgres.table.store.PostgresStore`: one per thread that uses
+"""The connections of a store (:class:`Connections`): one per thread that uses
 the store (marking, purging, listening), so the mark loop and the purge/reset pipeline never wait
 on each other's round trips. A broken connection is dropped and re-opened on the next call; a
 failure becomes a :class:`StoreError` with libpq's or the server's reason, never a value or a DSN.
@@ -17,7 +17,7 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 
 from harvester.core.protocols import StoreError, StoreUnreachableError
-from harvester.postgres.deadline import Deadlines, limit_statements
+from harvester.postgres.deadline import Deadlines, limit_statements, tcp_settings
 
 
 def dsn_options(dsn: str) -> str:
@@ -28,33 +28,46 @@ def dsn_options(dsn: str) -> str:
         return ""
 
 
-class PooledConnections:
-    """A connection per thread, each opened on first use and re-opened once broken. The store sets
-    these attributes in its constructor."""
+class Connections:
+    """A connection per thread, each opened on first use and re-opened once broken, every statement
+    under the client-side deadline of ``statement_timeout`` (0: none). ``options`` are the server
+    options of every session, after the DSN's own."""
 
-    _dsn: str
-    _app: str  # application_name
-    _options: str  # the server options of every session
-    _local: threading.local
-    _lock: threading.Lock  # guards _connections
-    _connections: list[psycopg.Connection[Any]]
-    _tcp: dict[str, Any]  # libpq's TCP settings (deadline.tcp_settings)
-    _server_limit: float  # the server's statement_timeout in seconds (0: left alone)
-    _deadlines: Deadlines
+    def __init__(self, dsn: str, *, application_name: str, options: str = "", statement_timeout: float = 0.0) -> None:
+        own = dsn_options(dsn)
+        self.dsn = dsn
+        self.application_name = application_name
+        self.options = " ".join(filter(None, [own, options]))
+        # A stalled path (no answer, no reset) is noticed within statement_timeout: the server
+        # cancels a statement that runs longer, TCP gives up on unacknowledged data and on a silent
+        # peer (keepalives), and the client-side deadline ends a statement the path holds up.
+        self._deadlines = Deadlines(statement_timeout)
+        self._tcp = tcp_settings(dsn, statement_timeout)
+        # The server's limit in seconds, unless off or the DSN's options set one of their own (0: left alone).
+        self.server_limit = statement_timeout if statement_timeout > 0 and "statement_timeout" not in own else 0
+        self._local = threading.local()
+        self._lock = threading.Lock()  # guards _connections
+        self._connections: list[psycopg.Connection[Any]] = []
 
-    def _connect(self) -> psycopg.Connection[Any]:
+    @property
+    def statement_timeout(self) -> float:
+        """The client-side deadline of a statement in seconds (0: none)."""
+        return self._deadlines.seconds
+
+    def connect(self) -> psycopg.Connection[Any]:
+        """A new connection, closed by :meth:`close` (or :meth:`forget`)."""
         started = time.monotonic()
         try:
             conn = psycopg.connect(
-                self._dsn,
+                self.dsn,
                 autocommit=True,
                 connect_timeout=5,
-                application_name=self._app,
-                options=self._options,
+                application_name=self.application_name,
+                options=self.options,
                 **self._tcp,
             )
-            if self._server_limit:
-                limit_statements(conn, self._server_limit)
+            if self.server_limit:
+                limit_statements(conn, self.server_limit)
         except psycopg.Error as exc:
             # libpq's reason (wrong password, port or database, ...), first line only: later lines
             # repeat it for other addresses or add hints. libpq may quote a malformed DSN's text;
@@ -66,28 +79,31 @@ class PooledConnections:
             self._connections.append(conn)
         return conn
 
-    def _conn(self) -> psycopg.Connection[Any]:
+    def conn(self) -> psycopg.Connection[Any]:
+        """The calling thread's connection."""
         conn: psycopg.Connection[Any] | None = getattr(self._local, "conn", None)
         if conn is None or conn.closed or conn.broken:
             if conn is not None:
-                self._forget(conn)
-            conn = self._connect()
+                self.forget(conn)
+            conn = self.connect()
             self._local.conn = conn
         return conn
 
-    def _forget(self, conn: psycopg.Connection[Any]) -> None:
+    def forget(self, conn: psycopg.Connection[Any]) -> None:
+        """Close ``conn``, one of these connections."""
         with self._lock:
             if conn in self._connections:
                 self._connections.remove(conn)
         conn.close()
 
-    def _execute(self, query: sql.Composed | str, params: Sequence[Any]) -> psycopg.Cursor[Any]:
-        conn = self._conn()
-        with self._guarded(conn):
+    def execute(self, query: sql.Composed | str, params: Sequence[Any]) -> psycopg.Cursor[Any]:
+        """Run ``query`` (prepared) on the calling thread's connection, under the deadline."""
+        conn = self.conn()
+        with self.guarded(conn):
             return conn.execute(query, params, prepare=True)
 
     @contextmanager
-    def _guarded(self, conn: psycopg.Connection[Any]) -> Iterator[None]:
+    def guarded(self, conn: psycopg.Connection[Any]) -> Iterator[None]:
         """Run statements on ``conn`` under the deadline; a failure becomes a :class:`StoreError`,
         one of the path dated from when the statements were sent."""
         started = time.monotonic()
@@ -97,26 +113,28 @@ class PooledConnections:
         except psycopg.Error as exc:
             # Out of the guard: the watchdog no longer touches the connection that is closed here.
             if expired.fired:
-                self._forget(conn)
+                self.forget(conn)
                 raise StoreUnreachableError(
                     f"no answer within statementTimeout ({self._deadlines.seconds:g} s): connection dropped",
                     since=started,
                 ) from exc
-            raise self._failed(conn, exc, started) from exc
+            raise self.failed(conn, exc, started) from exc
 
-    def _failed(self, conn: psycopg.Connection[Any], exc: psycopg.Error, started: float) -> StoreError:
+    def failed(self, conn: psycopg.Connection[Any], exc: psycopg.Error, started: float) -> StoreError:
         """The StoreError for ``exc``, raised by a statement on ``conn`` sent at ``started``."""
         if isinstance(exc, psycopg.OperationalError):
-            self._forget(conn)
+            self.forget(conn)
             return StoreUnreachableError(f"database error: {error_text(exc)}", since=started)
         return StoreError(f"statement failed: {error_text(exc)}")
 
-    def _run(self, query: sql.Composed | str, params: Sequence[Any]) -> list[tuple[Any, ...]]:
-        cur = self._execute(query, params)
+    def run(self, query: sql.Composed | str, params: Sequence[Any]) -> list[tuple[Any, ...]]:
+        """:meth:`execute`, then the rows it returned (none for a statement that returns none)."""
+        cur = self.execute(query, params)
         return cur.fetchall() if cur.description else []
 
-    def _close_connections(self) -> None:
-        """Close every connection opened so far."""
+    def close(self) -> None:
+        """Stop the deadline's watchdog and close every connection opened so far."""
+        self._deadlines.close()
         with self._lock:
             conns, self._connections = self._connections, []
         for conn in conns:

@@ -25,7 +25,7 @@ def test_a_connection_lost_while_preparing_fails_the_start_as_unreachable(
 ) -> None:
     store = PostgresStore(services.pg_dsn, outbox)
     try:
-        terminate(services.pg_dsn, store._conn().info.backend_pid)
+        terminate(services.pg_dsn, store.db.conn().info.backend_pid)
         with pytest.raises(StoreUnreachableError, match="57P01"):
             store.prepare()
         store.prepare()  # on a new connection

@@ -453,7 +453,7 @@ def test_a_connection_lost_while_checking_the_slot_fails_the_start_as_unreachabl
     try:
         PostgresStore.prepare(store)  # the outbox's checks pass; the slot's come next
         with psycopg.connect(logical_dsn, autocommit=True) as admin:
-            admin.execute("SELECT pg_terminate_backend(%s, 5000)", (store._conn().info.backend_pid,))
+            admin.execute("SELECT pg_terminate_backend(%s, 5000)", (store.db.conn().info.backend_pid,))
         with pytest.raises(StoreUnreachableError, match="57P01"):
             store.prepare()
         store.prepare()

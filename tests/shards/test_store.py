@@ -139,7 +139,7 @@ def test_the_mark_query_reads_only_its_shards_index_entries(
     try:
         epoch = store.acquire(uuid.uuid4())
         shard, limit = 1, 100
-        conn = store._conn()  # the store's own connection, with its planner settings
+        conn = store.db.conn()  # the store's own connection, with its planner settings
         explain = sql.SQL("EXPLAIN (ANALYZE, FORMAT JSON) ") + store._ready().statements.mark
         # The shard's first ids are handed out: the walk passes over them, each looked up in the
         # skipped ids once they are a constant of the plan (hashed), not an InitPlan's result.

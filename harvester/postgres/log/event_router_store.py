@@ -59,7 +59,7 @@ class RouterStore(MessageStore):
     def _read_columns(self, conn: psycopg.Connection[Any]) -> OutboxColumns:
         """The table must have the columns EventRouter reads (their types are checked as the
         stream names them); records hold bytes, as Kafka does."""
-        problems = missing_columns(conn, self._table, self._router)
+        problems = missing_columns(conn, self.table, self._router)
         if problems:
             raise StoreError(problems[0])
         return _COLUMNS

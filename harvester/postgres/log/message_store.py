@@ -64,6 +64,7 @@ class MessageStore(PositionedLogStore):
         # The last transaction's commit time as a datetime, shared by its records (mark thread only).
         self._created: tuple[Transaction | None, datetime] = (None, _EPOCH_2000)
         self._risk_checked = False
+        self._bytes_dead_letters = False  # its dead-letter table, whose values are bytes, is ensured
 
     def prepare(self) -> Any:
         """As the log store's, and once, at the first: refuse to run where a failover would lose
@@ -72,7 +73,7 @@ class MessageStore(PositionedLogStore):
         columns = super().prepare()
         if not self._risk_checked:
             try:
-                risk = logical.failover_risk(self._conn(), self._setup)
+                risk = logical.failover_risk(self.db.conn(), self._setup)
             except psycopg.Error as exc:
                 raise StoreError(f"checking the slot's failover failed: {error_text(exc)}") from exc
             if risk is not None:
@@ -142,12 +143,12 @@ class MessageStore(PositionedLogStore):
         """Write the records into the dead-letter table (one fenced statement); they count as done."""
         if not failures:
             return
-        if not self._dead_letter_ready:
+        if not self._bytes_dead_letters:
             try:
-                migrations.ensure(self._conn(), self._table, "dead_letter", value_type="BYTEA")
+                migrations.ensure(self.db.conn(), self.table, "dead_letter", value_type="BYTEA")
             except psycopg.Error as exc:
                 raise StoreError(f"creating the dead-letter table failed: {error_text(exc)}") from exc
-            self._dead_letter_ready = True
+            self._bytes_dead_letters = True
         rows: list[Any] = []
         for f in failures:
             with self._state:
@@ -169,13 +170,13 @@ class MessageStore(PositionedLogStore):
                 " AS v(id, ct, topic, key, value, hk, hv, reason, err, attempts, first)"
                 " WHERE EXISTS (SELECT 1 FROM fence) ON CONFLICT (id) DO NOTHING"
             ).format(
-                f=migrations.fence_table(self._table).ident,
-                d=migrations.dead_letter_table(self._table).ident,
+                f=migrations.fence_table(self.table).ident,
+                d=migrations.dead_letter_table(self.table).ident,
                 values=values,
             )
-            cur = self._execute(statement, (*self._fence, self._epoch, self._epoch, leader_id, *rows))
+            cur = self.db.execute(statement, (*self.fence.guard, self.fence.epoch, leader_id, *rows))
             if cur.rowcount < len(rows) // 11:
-                self._check_epoch()
+                self.fence.check_epoch()
         self._done([f.id for f in failures], purged=False)
 
     def _drop_kept(self, ids: Sequence[int]) -> None:

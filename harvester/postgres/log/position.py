@@ -31,7 +31,7 @@ class PositionedLogStore(LogStore):
 
     def __init__(self, dsn: str, setup: LogSetup, **options: Any) -> None:
         super().__init__(dsn, setup, **options)
-        self._fence_row = migrations.fence_table(self._table).ident
+        self._fence_row = migrations.fence_table(self.table).ident
         self._store_done = self._store_statement()
         self._stored = sql.SQL(
             "SELECT log_lsn, log_partial_lsn, log_partial_count FROM {} WHERE outbox_table = %s AND shard = %s"
@@ -63,7 +63,7 @@ class PositionedLogStore(LogStore):
     def acquire(self, leader_id: UUID) -> int:
         """As :meth:`LogStore.acquire`; the term skips what an earlier one stored done."""
         epoch = super().acquire(leader_id)
-        row = self._run(self._stored, self._fence)[0]
+        row = self.db.run(self._stored, self.fence.key)[0]
         done, partial = int(row[0]), (int(row[1]), int(row[2]))
         with self._state:
             self._txns.new_term(done, partial)
@@ -155,8 +155,8 @@ class PositionedLogStore(LogStore):
         """Store the position done (and the checkpoint ``position``) under the fence. A ``partial``
         of (0, 0) past the stored end drops the stored done prefix: store the current one where it
         may still hold."""
-        cur = self._execute(self._store_done, (lsn, *partial, position, *self._fence, self._epoch))
+        cur = self.db.execute(self._store_done, (lsn, *partial, position, *self.fence.key, self.fence.epoch))
         if cur.rowcount == 0:
-            raise FencedError(f"fenced: epoch {self._epoch} superseded")
+            raise FencedError(f"fenced: epoch {self.fence.epoch} superseded")
         with self._state:
             self._position = max(self._position, (lsn, partial))

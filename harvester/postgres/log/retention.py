@@ -72,7 +72,7 @@ class RetainingLogStore(PositionedLogStore):
             "WITH fence AS (SELECT 1 FROM {f} WHERE outbox_table = %s AND shard = %s AND epoch = %s FOR SHARE),"
             " s AS (SELECT txid_snapshot_xmax(txid_current_snapshot()) AS top)"
             " DELETE FROM {t} USING s WHERE EXISTS (SELECT 1 FROM fence) AND " + _OLDER
-        ).format(f=self._fence_row, t=self._table.ident)
+        ).format(f=self._fence_row, t=self.table.ident)
 
     def _also_set(self) -> str:
         """The cut moves on with the position: the pending one becomes the delivered one once the
@@ -114,22 +114,22 @@ class RetainingLogStore(PositionedLogStore):
             self._delete_older(cut)
 
     def _delivered_cut(self) -> int:
-        rows = self._run(self._delivered, self._fence)
+        rows = self.db.run(self._delivered, self.fence.key)
         return int(rows[0][0]) if rows else 0
 
     def _delete_older(self, cut: int) -> int:
         """Delete (fenced) the rows whose inserting transaction is older than ``cut``."""
-        cur = self._execute(self._sweep_rows, (*self._fence, self._epoch, cut))
+        cur = self.db.execute(self._sweep_rows, (*self.fence.guard, cut))
         if cur.rowcount == 0:
-            self._check_epoch()
+            self.fence.check_epoch()
         return cur.rowcount
 
     def close(self) -> None:
         """A leader that stops cleanly deletes what it knows delivered, window or not: the rows
         older than its final cut, or else than the latest delivered cut."""
-        if self._epoch:
+        if self.fence.epoch:
             try:
-                now = self._run(_NOW, ())[0]
+                now = self.db.run(_NOW, ())[0]
                 with self._state:
                     partial = self._partial()
                 # The pending cut becomes the delivered one if reached.
@@ -153,4 +153,4 @@ class RetainingLogStore(PositionedLogStore):
             return 0
         with self._state:
             xids = self._txns.unsettled_xids()
-        return int(self._run(_LOWEST, (xmin, xids))[0][0])
+        return int(self.db.run(_LOWEST, (xmin, xids))[0][0])

@@ -27,7 +27,6 @@ import psycopg
 import structlog
 from psycopg import sql
 
-from harvester.core.identity import Stamp
 from harvester.core.protocols import FencedError, SourceSample, StoreError
 from harvester.core.records import Failure, MarkedRecord
 from harvester.postgres.log import logical, pgoutput
@@ -95,14 +94,13 @@ class LogStore(PostgresStore):
         ``spill_directory`` (None: the system's temporary directory)."""
         # No vacuum while a backlog drains: it keeps the head of the id index clean for the mark
         # query, and this store reads no rows (its deletes find theirs by id); autovacuum suffices.
-        super().__init__(dsn, setup.table, **{**options, "vacuum_every": 0})
+        super().__init__(dsn, setup.table, **{**options, "vacuum_every": 0, "session_options": _SESSION})
         self._setup = setup
         # Shared by the streams and the received transactions.
         self._budget = Budget(transaction_memory, directory=spill_directory)
-        self._options = f"{self._options} {_SESSION}"
         self._slot = SlotStream(setup, self._take_over, self._stream_started, self._stream_decoder, self._budget)
         self._slot.conninfo = psycopg.conninfo.make_conninfo(
-            dsn, connect_timeout=5, application_name=self._app, options=self._options
+            dsn, connect_timeout=5, application_name=self.db.application_name, options=self.db.options
         )
         self._outbox_oid = 0  # the table's oid, whose inserts the stream decoder decodes (0 until prepared)
         self._state = threading.Lock()  # guards everything below (mark and completion threads)
@@ -129,42 +127,42 @@ class LogStore(PostgresStore):
         """As :meth:`PostgresStore.prepare`, and check that the slot and publication can be read."""
         columns = super().prepare()
         if self._takeover is None:
-            conn, started = self._conn(), time.monotonic()
+            conn, started = self.db.conn(), time.monotonic()
             try:
                 problems = logical.missing(conn, self._setup)
             except psycopg.OperationalError as exc:
-                raise self._failed(conn, exc, started) from exc
+                raise self.db.failed(conn, exc, started) from exc
             except psycopg.Error as exc:
                 raise StoreError(f"checking the log source failed: {exc.sqlstate or type(exc).__name__}") from exc
             absent = f"replication slot {self._setup.slot} does not exist"
             if any(p.startswith(absent) for p in problems):
                 if self._recoverable:  # a lost slot: the leader recovers it (recovery.py)
                     problems = [p for p in problems if not p.startswith(absent)]
-                elif self._run(self._ever_read, (self._table.qualified,)):
+                elif self.db.run(self._ever_read, (self.table.qualified,)):
                     raise unrecoverable(absent)
             if problems:
                 raise StoreError(f"log source: {problems[0]}")
             self._txns = self._outbox_messages()
-            version = self._conn().info.server_version
+            version = self.db.conn().info.server_version
             if version >= 120000:
                 # A leader that reads nothing for this long (its in-flight window stuck while the
                 # database shuts down) lets its walsender go, so the shutdown can finish; the stream
                 # starts again on the next read.
-                options = f"{self._options} -c wal_sender_timeout={_SENDER_TIMEOUT}"
+                options = f"{self.db.options} -c wal_sender_timeout={_SENDER_TIMEOUT}"
                 self._slot.conninfo = psycopg.conninfo.make_conninfo(self._slot.conninfo, options=options)
-            self._takeover = logical.takeover(fence_table(self._table), version)
+            self._takeover = logical.takeover(fence_table(self.table), version)
         return columns
 
     @property
     def _ever_read(self) -> sql.Composed:
         """Whether a leader of the outbox ever stored a position read from its slot."""
-        return sql.SQL("SELECT FROM {} WHERE outbox_table = %s AND log_lsn > 0").format(fence_table(self._table).ident)
+        return sql.SQL("SELECT FROM {} WHERE outbox_table = %s AND log_lsn > 0").format(fence_table(self.table).ident)
 
     def _outbox_messages(self) -> Transactions:
         """The bookkeeping of the outbox's messages in the stream: Inserts naming its table."""
-        row = self._run("SELECT to_regclass(%s)::oid", (self._table.quoted,))
+        row = self.db.run("SELECT to_regclass(%s)::oid", (self.table.quoted,))
         oid = self._outbox_oid = int(row[0][0])
-        self._present = sql.SQL("SELECT id FROM {} WHERE id = ANY(%s::bigint[])").format(self._table.ident)
+        self._present = sql.SQL("SELECT id FROM {} WHERE id = ANY(%s::bigint[])").format(self.table.ident)
         return Transactions(b"I", oid.to_bytes(4, "big"), 1, oid, self._budget)
 
     @property
@@ -179,7 +177,7 @@ class LogStore(PostgresStore):
         epoch = super().acquire(leader_id)
         # A previous leader deleted rows only before this bump: only transactions that committed
         # before it can hold records it delivered.
-        row = self._run("SELECT pg_current_wal_lsn()::text", ())
+        row = self.db.run("SELECT pg_current_wal_lsn()::text", ())
         self._term_lsn = pgoutput.lsn_value(str(row[0][0]))
         lost: SlotLostError | None = None
         try:
@@ -199,9 +197,9 @@ class LogStore(PostgresStore):
     def _take_over(self) -> int:
         """Terminate the slot's other reader under the fence; the slot's confirmed position."""
         assert self._takeover is not None
-        found = self._run(self._takeover, (*self._fence, self._epoch, self._setup.slot))
+        found = self.db.run(self._takeover, (*self.fence.guard, self._setup.slot))
         if not found:
-            self._check_epoch()
+            self.fence.check_epoch()
             raise SlotLostError(f"replication slot {self._setup.slot} does not exist")
         if found[0][2]:
             raise SlotLostError(f"replication slot {self._setup.slot} was invalidated by the server (wal_status lost)")
@@ -211,10 +209,10 @@ class LogStore(PostgresStore):
 
     def _fenced_mark(self, statement: sql.Composed) -> int:
         """Run one of the recovery mark's statements under the fence; the mark."""
-        rows = self._run(statement, (*self._fence, self._epoch))
+        rows = self.db.run(statement, self.fence.guard)
         if not rows:
-            self._check_epoch()
-            raise FencedError(f"fenced: epoch {self._epoch} superseded")
+            self.fence.check_epoch()
+            raise FencedError(f"fenced: epoch {self.fence.epoch} superseded")
         return int(rows[0][0])
 
     def _recover(self, lost: str) -> None:
@@ -247,11 +245,11 @@ class LogStore(PostgresStore):
         if draining and time.monotonic() - harvest.progress < _DRAIN_QUIET_SECONDS:
             return []
         if harvest.head < 0:
-            conn = self._conn()
+            conn = self.db.conn()
             try:
                 created = logical.recreate(conn, self._setup)
             except psycopg.OperationalError as exc:
-                raise self._failed(conn, exc, time.monotonic()) from exc
+                raise self.db.failed(conn, exc, time.monotonic()) from exc
             except psycopg.Error as exc:
                 raise StoreError(f"creating the replication slot failed: {exc.sqlstate or type(exc).__name__}") from exc
             if created:  # a new slot: the head is read again after it (the first may have been lost too)
@@ -261,7 +259,7 @@ class LogStore(PostgresStore):
         batch = PostgresStore.mark(self, leader_id, limit) if harvest.head > 0 else []
         beyond = [r.id for r in batch if r.id > harvest.head]  # committed after the slot's start
         if beyond:
-            self._handed.settled(beyond)
+            PostgresStore.reset(self, beyond)  # not handed out here: the stream hands them out
         out = [r for r in batch if r.id <= harvest.head]
         with self._state:
             harvest.pending.update(r.id for r in out)
@@ -270,7 +268,7 @@ class LogStore(PostgresStore):
             return out
         self._fenced_mark(self._recovery.end)
         # The stream skips the rows the harvest deleted (_gone): of transactions that committed before now.
-        row = self._run("SELECT pg_current_wal_lsn()::text", ())
+        row = self.db.run("SELECT pg_current_wal_lsn()::text", ())
         self._term_lsn = pgoutput.lsn_value(str(row[0][0]))
         with self._state:
             self._harvest = None
@@ -359,7 +357,7 @@ class LogStore(PostgresStore):
                 taken = self._txns.take(leader_id, limit - len(out))
             if not taken:
                 break
-            if not visible(self._run, {txn for txn, _ in taken if not txn.visible}):
+            if not visible(self.db.run, {txn for txn, _ in taken if not txn.visible}):
                 with self._state:
                     self._txns.put_back(leader_id, taken)
                 break
@@ -367,7 +365,7 @@ class LogStore(PostgresStore):
         return out
 
     def _fresh(self, taken: Taken) -> list[MarkedRecord]:
-        stamp = Stamp.of(self._names, self._epoch, self._ready().producer)
+        stamp = self.stamp()
         records = self._records(taken)
         gone = self._gone(taken, records)
         out: list[MarkedRecord] = []
@@ -432,7 +430,7 @@ class LogStore(PostgresStore):
 
     def _existing(self, ids: list[int]) -> set[int]:
         assert self._present is not None
-        return {int(row[0]) for row in self._run(self._present, (ids,))}
+        return {int(row[0]) for row in self.db.run(self._present, (ids,))}
 
     def _confirm_idle(self) -> None:
         """Confirm how far the server decoded, all received being done: the slot moves past what
@@ -571,7 +569,7 @@ class LogStore(PostgresStore):
 
     def _advance_to(self, lsn: int) -> None:
         """Confirm ``lsn`` after checking, in a fenced statement, that the epoch is still ours."""
-        self._check_epoch()
+        self.fence.check_epoch()
         self._confirm(lsn)
 
     def _confirm(self, lsn: int) -> None:
@@ -603,7 +601,7 @@ class LogStore(PostgresStore):
         with self._state:
             received = self._txns.oldest_age() if leads else None
         try:
-            state = logical.slot_state(self._conn(), self._setup.slot)
+            state = logical.slot_state(self.db.conn(), self._setup.slot)
         except (psycopg.Error, StoreError):
             state = None
         return SourceSample(backlog, age, max(age or 0.0, received or 0.0), None if state is None else state[:2])

@@ -15,7 +15,7 @@ import psycopg
 from psycopg import sql
 
 from harvester.core.protocols import FencedError, ShardCountError
-from harvester.postgres.connections import PooledConnections
+from harvester.postgres.connections import Connections
 from harvester.postgres.schema.identifiers import TableName
 from harvester.postgres.schema.migrations import fence_table
 from harvester.postgres.schema.sharding import mismatch
@@ -53,58 +53,56 @@ class FenceStatements:
         )
 
 
-class Fenced(PooledConnections):
-    """A store's side of the fence. The store sets these attributes in its constructor."""
+class Fence:
+    """A store's side of the fence of shard ``shard`` of ``shards`` of ``table``, over the store's
+    connections: the epoch its changes run under and the checks around it. A fenced statement takes
+    :attr:`guard` as its first parameters."""
 
-    _table: TableName
-    _shard: int
-    _shards: int
-    _fence: tuple[str, int]  # the fence row's key: the first parameters of every guard
-    _fencing: FenceStatements
-    _epoch: int  # 0 before the first acquire
+    def __init__(self, db: Connections, table: TableName, shard: int = 0, shards: int = 1) -> None:
+        self._db = db
+        self.table = table
+        self.shard = shard
+        self.shards = shards
+        self.key = (table.qualified, shard)  # the fence row's key
+        self._statements = FenceStatements.build(table)
+        self.epoch = 0  # 0 before the first acquire
 
     @property
-    def epoch(self) -> int:
-        """The epoch this store's statements run under (0 before :meth:`acquire`)."""
-        return self._epoch
+    def guard(self) -> tuple[str, int, int]:
+        """The first parameters of every fenced statement: the fence row's key and the epoch."""
+        return (*self.key, self.epoch)
 
     def acquire(self, leader_id: UUID) -> int:
-        """Bump the fence epoch of this store's shard and run under the new epoch.
+        """Bump the fence epoch of this shard and run under the new epoch.
 
         Raises :class:`ShardCountError` when a shard's fence records another number of shards."""
-        q = self._table.qualified
-        conn = self._conn()
-        with self._guarded(conn), conn.transaction():
+        q = self.table.qualified
+        conn = self._db.conn()
+        with self._db.guarded(conn), conn.transaction():
             # One acquisition of the outbox at a time: each takes an epoch above all others.
             conn.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (f"harvester_fence {q}",))
-            self._check_shards(conn)
-            row = conn.execute(self._fencing.acquire, (q, self._shard, self._shards, leader_id, q)).fetchone()
+            self.check_shards(conn)
+            row = conn.execute(self._statements.acquire, (q, self.shard, self.shards, leader_id, q)).fetchone()
         assert row is not None
-        self._epoch = int(row[0])
-        return self._epoch
+        self.epoch = int(row[0])
+        return self.epoch
 
-    def join(self, epoch: int) -> None:
-        """Run under ``epoch``, a term another process of the same holder started, without bumping
-        it: the Spark drain's sink dead-letters on the driver apart from the source that took the
-        term. Its changes are refused once a newer term superseded that epoch."""
-        self._epoch = epoch
-
-    def _check_shards(self, conn: psycopg.Connection[Any]) -> None:
+    def check_shards(self, conn: psycopg.Connection[Any]) -> None:
         """Raise :class:`ShardCountError` when the outbox's fence records another number of shards."""
         other = sorted(
-            {int(r[0]) for r in conn.execute(self._fencing.recorded, (self._table.qualified,))} - {self._shards}
+            {int(r[0]) for r in conn.execute(self._statements.recorded, (self.table.qualified,))} - {self.shards}
         )
         if other:
-            raise ShardCountError(mismatch(self._table, self._shards, other[0]))
+            raise ShardCountError(mismatch(self.table, self.shards, other[0]))
 
-    def _check_epoch(self) -> None:
+    def check_epoch(self) -> None:
         """Raise :class:`FencedError` if a newer epoch superseded ours (called on short results only)."""
-        rows = self._run(self._fencing.epoch, self._fence)
+        rows = self._db.run(self._statements.epoch, self.key)
         current = int(rows[0][0]) if rows else 0
-        if current != self._epoch:
-            raise FencedError(f"fenced: epoch {self._epoch} superseded by {current}")
+        if current != self.epoch:
+            raise FencedError(f"fenced: epoch {self.epoch} superseded by {current}")
 
     def checkpoint_position(self) -> int:
         """Where exactly-once recovery starts reading the checkpoint topic."""
-        rows = self._run(self._fencing.checkpoint_position, self._fence)
+        rows = self._db.run(self._statements.checkpoint_position, self.key)
         return int(rows[0][0]) if rows else 0

@@ -15,7 +15,6 @@ by retrying.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,11 +27,11 @@ from psycopg import sql
 from harvester.core.identity import IdentityHeaders, Stamp
 from harvester.core.protocols import FencedError, ShardCountError, StoreError
 from harvester.core.records import Failure, MarkedRecord
-from harvester.postgres.connections import dsn_options, error_text
-from harvester.postgres.deadline import Deadlines, limit_statements, tcp_settings
+from harvester.postgres.connections import Connections, error_text
+from harvester.postgres.deadline import limit_statements
 from harvester.postgres.schema import catalog, migrations
 from harvester.postgres.schema.catalog import OutboxColumns, OutboxMissingError
-from harvester.postgres.schema.fencing import Fenced, FenceStatements
+from harvester.postgres.schema.fencing import Fence
 from harvester.postgres.schema.identifiers import TableName
 from harvester.postgres.schema.migrations import notify_channel
 from harvester.postgres.table.marks import HandedOut
@@ -53,10 +52,11 @@ class _Prepared:
     producer: bytes  # the identity headers' producer name
 
 
-class PostgresStore(Fenced):
+class PostgresStore:
     """The store roles of :mod:`harvester.core.protocols` over one outbox table, or over shard
     ``shard`` of its ``shards`` (:mod:`harvester.postgres.schema.sharding`): then it marks only that
-    shard's rows and runs under that shard's fence row."""
+    shard's rows and runs under that shard's fence row. Its connections (:attr:`db`) and its side of
+    the fence (:attr:`fence`) are parts of their own, which the log source's stores use too."""
 
     # A key's barrier drops once its record's purge committed: a re-mark after a crash repeats only
     # a key's last record (a concurrent re-mark would otherwise publish acknowledged records again).
@@ -75,39 +75,27 @@ class PostgresStore(Fenced):
         shard: int = 0,
         shards: int = 1,
         statement_timeout: float = 0.0,
+        session_options: str = "",
     ) -> None:
+        """``session_options``: server options of every session, after the planner's."""
         if not 0 <= shard < shards:
             raise ValueError(f"shard {shard} is not one of {shards} shards")
-        self._dsn = dsn
-        self._shard = shard
-        self._shards = shards
-        self._fence = (table.qualified, shard)
-        self._fencing = FenceStatements.build(table)
-        self._table = table
+        self.table = table
+        # The statements are prepared once and run thousands of times, each with a custom plan and
+        # without sorts (see PLANNER_OPTIONS), after the DSN's own options, if it has any.
+        options = " ".join(filter(None, [PLANNER_OPTIONS, session_options]))
+        self.db = Connections(
+            dsn, application_name=application_name, options=options, statement_timeout=statement_timeout
+        )
+        self.fence = Fence(self.db, table, shard, shards)
         self._names = identity or IdentityHeaders()
         self._producer_name = producer_name
         self._hold = hold_dead_letter_keys
-        self._app = application_name
-        # The statements are prepared once and run thousands of times, each with a custom plan and
-        # without sorts (see PLANNER_OPTIONS). Added to the DSN's own options, if it has any.
-        options = [dsn_options(dsn), PLANNER_OPTIONS]
-        self._options = " ".join(filter(None, options))
-        # A stalled path (no answer, no reset) is noticed within statement_timeout: the server
-        # cancels a statement that runs longer, TCP gives up on unacknowledged data and on a silent
-        # peer (keepalives), and the client-side deadline ends a statement the path holds up.
-        self._deadlines = Deadlines(statement_timeout)
-        self._tcp = tcp_settings(dsn, statement_timeout)
-        # The server's limit, unless off or the DSN's options set one of their own.
-        self._server_limit = statement_timeout if statement_timeout > 0 and "statement_timeout" not in options[0] else 0
-        connect = {"connect_timeout": 5, "application_name": application_name, "options": self._options}
+        connect = {"connect_timeout": 5, "application_name": application_name, "options": self.db.options}
         self._vacuum = Vacuumer(dsn, table, vacuum_every, connect)
-        self._epoch = 0
         self._handed = HandedOut()
         self._prepared: _Prepared | None = None
         self._dead_letter_ready = hold_dead_letter_keys  # prepare() ensures it then
-        self._local = threading.local()
-        self._lock = threading.Lock()
-        self._connections: list[psycopg.Connection[Any]] = []
         self._listening: psycopg.Connection[Any] | None = None
 
     # ------------------------------------------------------------------ set-up
@@ -135,49 +123,49 @@ class PostgresStore(Fenced):
         of shards."""
         if self._prepared is not None:
             return self._prepared.columns
-        conn, started = self._conn(), time.monotonic()
+        conn, started = self.db.conn(), time.monotonic()
         try:
-            if self._server_limit:
+            if self.db.server_limit:
                 limit_statements(conn, 0)  # migrations and an index build may take their time
             columns = self._read_columns(conn)
-            migrations.ensure(conn, self._table, "fence")
+            migrations.ensure(conn, self.table, "fence")
             if self._hold:
-                migrations.ensure(conn, self._table, "dead_letter")
-            self._check_shards(conn)
-            migrations.ensure_shard_index(conn, self._table, self._shards)
+                migrations.ensure(conn, self.table, "dead_letter")
+            self.fence.check_shards(conn)
+            migrations.ensure_shard_index(conn, self.table, self.fence.shards)
             producer = self._producer_name
             if producer is None:
                 row = conn.execute("SELECT system_identifier FROM pg_control_system()").fetchone()
-                producer = f"{row[0] if row else 0}/{self._table.qualified}"
-            if self._server_limit:
-                limit_statements(conn, self._server_limit)
+                producer = f"{row[0] if row else 0}/{self.table.qualified}"
+            if self.db.server_limit:
+                limit_statements(conn, self.db.server_limit)
         except psycopg.OperationalError as exc:  # a lost connection (a restart): retried, as any start
-            raise self._failed(conn, exc, started) from exc
+            raise self.db.failed(conn, exc, started) from exc
         except psycopg.Error as exc:
-            raise StoreError(f"preparing {self._table} failed: {error_text(exc)}") from exc
-        statements = Statements.build(self._table, columns, hold_dead_letter_keys=self._hold, shards=self._shards)
+            raise StoreError(f"preparing {self.table} failed: {error_text(exc)}") from exc
+        statements = Statements.build(self.table, columns, hold_dead_letter_keys=self._hold, shards=self.fence.shards)
         self._prepared = _Prepared(columns, statements, producer.encode("utf-8"))
         return columns
 
     def _read_columns(self, conn: psycopg.Connection[Any]) -> OutboxColumns:
         """The outbox table's shape."""
-        return catalog.read(conn, self._table)
+        return catalog.read(conn, self.table)
 
     def sibling(self, shard: int) -> PostgresStore:
         """A store of another shard of the same outbox, sharing what :meth:`prepare` learnt (so it
         needs no catalog query) but no connection."""
         prepared = self._ready()
         store = PostgresStore(
-            self._dsn,
-            self._table,
-            application_name=self._app,
+            self.db.dsn,
+            self.table,
+            application_name=self.db.application_name,
             identity=self._names,
             producer_name=self._producer_name,
             hold_dead_letter_keys=self._hold,
             vacuum_every=self._vacuum.every,
             shard=shard,
-            shards=self._shards,
-            statement_timeout=self._deadlines.seconds,
+            shards=self.fence.shards,
+            statement_timeout=self.db.statement_timeout,
         )
         store._prepared = prepared
         return store
@@ -185,7 +173,7 @@ class PostgresStore(Fenced):
     @property
     def shard(self) -> int:
         """The shard this store harvests (0 when the outbox is not sharded)."""
-        return self._shard
+        return self.fence.shard
 
     def _ready(self) -> _Prepared:
         prepared = self._prepared
@@ -200,12 +188,33 @@ class PostgresStore(Fenced):
 
     # ------------------------------------------------------------------ fenced changes
 
+    @property
+    def epoch(self) -> int:
+        """The epoch this store's statements run under (0 before :meth:`acquire`)."""
+        return self.fence.epoch
+
+    def acquire(self, leader_id: UUID) -> int:
+        """Bump the fence epoch of this store's shard and run under the new epoch.
+
+        Raises :class:`ShardCountError` when a shard's fence records another number of shards."""
+        return self.fence.acquire(leader_id)
+
+    def join(self, epoch: int) -> None:
+        """Run under ``epoch``, a term another process of the same holder started, without bumping
+        it: the Spark drain's sink dead-letters on the driver apart from the source that took the
+        term. Its changes are refused once a newer term superseded that epoch."""
+        self.fence.epoch = epoch
+
+    def checkpoint_position(self) -> int:
+        """Where exactly-once recovery starts reading the checkpoint topic."""
+        return self.fence.checkpoint_position()
+
     def purge_checkpointed(self, ids: Sequence[int], position: int) -> None:
         """Purge records of committed transactions and advance the checkpoint position, atomically."""
-        params = (*self._fence, self._epoch, id_array(ids), position, *self._fence)
-        cur = self._execute(self._ready().statements.purge_checkpointed, params)
+        params = (*self.fence.guard, id_array(ids), position, *self.fence.key)
+        cur = self.db.execute(self._ready().statements.purge_checkpointed, params)
         if cur.rowcount == 0:
-            raise FencedError(f"fenced: epoch {self._epoch} superseded")
+            raise FencedError(f"fenced: epoch {self.fence.epoch} superseded")
         self._handed.settled(ids)
         self._vacuum.purged(len(ids))
 
@@ -219,14 +228,14 @@ class PostgresStore(Fenced):
         """
         prepared = self._ready()
         kind = prepared.columns.limits.value_kind
-        stamp = Stamp.of(self._names, self._epoch, prepared.producer)
+        stamp = self.stamp()
         skip = self._handed.exclude(leader_id)
-        own = (self._shard, self._shard + 1) if self._shards > 1 else ()
-        rows = self._run(prepared.statements.mark, (*self._fence, self._epoch, *own, id_array(skip), limit))
+        own = (self.fence.shard, self.fence.shard + 1) if self.fence.shards > 1 else ()
+        rows = self.db.run(prepared.statements.mark, (*self.fence.guard, *own, id_array(skip), limit))
         if not rows:
-            self._check_epoch()
+            self.fence.check_epoch()
             return []
-        if self._shards > 1:
+        if self.fence.shards > 1:
             rows.sort(key=lambda r: r[0])  # a sharded mark leaves the order to us (see statements)
         self._handed.add(leader_id, [r[0] for r in rows])
         out: list[MarkedRecord] = []
@@ -242,20 +251,24 @@ class PostgresStore(Fenced):
             )
         return out
 
+    def stamp(self) -> Stamp:
+        """The identity headers' stamp of the records handed out under the current epoch."""
+        return Stamp.of(self._names, self.fence.epoch, self._ready().producer)
+
     def pending(self, skip: Sequence[int], limit: int) -> list[Pending]:
         """Up to ``limit`` records of this store's shard that are not in ``skip``, by id: what
         :meth:`mark` would hand out, without reading their values (for a caller that tracks what it
         handed out itself, as the Spark drain does in its offsets). Raises :class:`FencedError` when
         a newer epoch superseded ours."""
-        own = (self._shard, self._shard + 1) if self._shards > 1 else ()
-        rows = self._run(self._ready().statements.pending, (*self._fence, self._epoch, *own, id_array(skip), limit))
+        own = (self.fence.shard, self.fence.shard + 1) if self.fence.shards > 1 else ()
+        rows = self.db.run(self._ready().statements.pending, (*self.fence.guard, *own, id_array(skip), limit))
         if not rows:
-            self._check_epoch()
+            self.fence.check_epoch()
         return sorted(Pending(int(r[0]), r[1], r[2], int(r[3])) for r in rows)
 
     def head_id(self) -> int:
         """The outbox's highest id (0 when it is empty)."""
-        rows = self._run(self._ready().statements.head, ())
+        rows = self.db.run(self._ready().statements.head, ())
         return int(rows[0][1]) if rows and rows[0][1] is not None else 0
 
     @property
@@ -271,16 +284,16 @@ class PostgresStore(Fenced):
         """Delete delivered records in one statement (idempotent)."""
         if not ids:
             return
-        statements, guard = self._ready().statements, (*self._fence, self._epoch)
+        statements, guard = self._ready().statements, self.fence.guard
         dense = dense_range(ids)
         if dense is not None:
-            cur = self._execute(statements.purge_range, (*guard, *dense, id_array(ids)))
+            cur = self.db.execute(statements.purge_range, (*guard, *dense, id_array(ids)))
         else:
-            cur = self._execute(statements.purge, (*guard, id_array(ids)))
+            cur = self.db.execute(statements.purge, (*guard, id_array(ids)))
         if cur.rowcount < len(ids):
             # Fenced, a retry of a purge that already committed, or rows a trigger kept: as with a
             # mark written into the rows, they stay marked until the leader id is refreshed.
-            self._check_epoch()
+            self.fence.check_epoch()
         else:
             self._handed.settled(ids)
         self._vacuum.purged(len(ids))
@@ -299,9 +312,9 @@ class PostgresStore(Fenced):
             self.reset([f.id for f in failures])
             return
         ids, errors = [f.id for f in failures], [f.error for f in failures]
-        cur = self._execute(statement, (*self._fence, self._epoch, ids, errors))
+        cur = self.db.execute(statement, (*self.fence.guard, ids, errors))
         if cur.rowcount < len(failures):
-            self._check_epoch()
+            self.fence.check_epoch()
         self._handed.settled(ids)
 
     def dead_letter(self, failures: Sequence[Failure], leader_id: UUID) -> None:
@@ -311,22 +324,22 @@ class PostgresStore(Fenced):
         if not failures:
             return
         if not self._dead_letter_ready:
-            conn = self._conn()
+            conn = self.db.conn()
             try:
-                migrations.ensure(conn, self._table, "dead_letter")
+                migrations.ensure(conn, self.table, "dead_letter")
             except psycopg.Error as exc:
                 why = error_text(exc)
                 raise StoreError(f"creating the dead-letter table failed: {why}") from exc
             self._dead_letter_ready = True
         ids = [f.id for f in failures]
         try:
-            cur = self._execute(
+            cur = self.db.execute(
                 statement,
                 (
-                    *self._fence,
-                    self._epoch,
+                    *self.fence.key,
+                    self.fence.epoch,
                     ids,
-                    self._epoch,
+                    self.fence.epoch,
                     leader_id,
                     ids,
                     [f.reason for f in failures],
@@ -341,12 +354,12 @@ class PostgresStore(Fenced):
                 raise StoreError(f"{exc} ({hint})") from exc
             raise
         if cur.rowcount < len(failures):
-            self._check_epoch()
+            self.fence.check_epoch()
         self._handed.settled(ids)
 
     def head(self) -> tuple[int, float | None]:
         """A cheap backlog sample: (max id - min id + 1, age in seconds of the oldest record)."""
-        lo, hi, age = self._run(self._ready().statements.head, ())[0]
+        lo, hi, age = self.db.run(self._ready().statements.head, ())[0]
         if lo is None:
             return 0, None
         return int(hi) - int(lo) + 1, float(age)
@@ -361,20 +374,19 @@ class PostgresStore(Fenced):
         """
         try:
             if self._listening is None or self._listening.closed or self._listening.broken:
-                conn = self._connect()
-                conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(notify_channel(self._table))))
+                conn = self.db.connect()
+                conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(notify_channel(self.table))))
                 self._listening = conn
             for _ in self._listening.notifies(timeout=timeout, stop_after=1):
                 return True
             return False
         except psycopg.Error as exc:
             if self._listening is not None:
-                self._forget(self._listening)
+                self.db.forget(self._listening)
                 self._listening = None
             raise StoreError(f"listen failed: {error_text(exc)}") from exc
 
     def close(self) -> None:
         """Close every connection this store opened."""
-        self._deadlines.close()
         self._vacuum.close()
-        self._close_connections()
+        self.db.close()
