@@ -347,7 +347,27 @@ LOG
 
 kafka_java() { java -Xms256m -Xmx"$KAFKA_HEAP" -XX:+UseG1GC -Dlog4j2.configurationFile="$KAFKA_DIR/log4j2.properties" -cp "$KAFKA_LIBS/*" "$@"; }
 
+# A metadata answer naming a broker. The Python of python_bin, when it has confluent_kafka (.venv's, made
+# by ./dev.sh setup before it starts the services), asks in about a second; else (exit 3) Kafka's own
+# TopicCommand, a JVM of its own, ~15 s per try on a loaded machine. start-secure keeps TopicCommand,
+# which also proves the super user's SCRAM login.
 kafka_ready() {
+  if [ "$SECURE" != 1 ]; then
+    local rc=0
+    "$(python_bin)" - "$KAFKA_HOST:$KAFKA_PORT" >/dev/null 2>&1 <<'PY' || rc=$?
+import sys
+try:
+    from confluent_kafka.admin import AdminClient
+except ImportError:
+    sys.exit(3)
+try:
+    metadata = AdminClient({"bootstrap.servers": sys.argv[1], "log_level": 0}).list_topics(timeout=5)
+except Exception:
+    sys.exit(1)
+sys.exit(0 if metadata.brokers else 1)
+PY
+    [ "$rc" != 3 ] && return "$rc"
+  fi
   local admin=()
   if [ "$SECURE" = 1 ]; then
     cat >"$KAFKA_DIR/admin.properties" <<PROPS
