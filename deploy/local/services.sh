@@ -347,10 +347,10 @@ LOG
 
 kafka_java() { java -Xms256m -Xmx"$KAFKA_HEAP" -XX:+UseG1GC -Dlog4j2.configurationFile="$KAFKA_DIR/log4j2.properties" -cp "$KAFKA_LIBS/*" "$@"; }
 
-# A metadata answer naming a broker. The Python of python_bin, when it has confluent_kafka (.venv's, made
-# by ./dev.sh setup before it starts the services), asks in about a second; else (exit 3) Kafka's own
-# TopicCommand, a JVM of its own, ~15 s per try on a loaded machine. start-secure keeps TopicCommand,
-# which also proves the super user's SCRAM login.
+# A metadata answer naming a broker, and its groups listed. The Python of python_bin, when it has
+# confluent_kafka (.venv's, made by ./dev.sh setup before it starts the services), asks in about a
+# second; else (exit 3) Kafka's own TopicCommand, a JVM of its own, ~15 s per try on a loaded machine.
+# start-secure keeps TopicCommand, which also proves the super user's SCRAM login.
 kafka_ready() {
   if [ "$SECURE" != 1 ]; then
     local rc=0
@@ -361,10 +361,15 @@ try:
 except ImportError:
     sys.exit(3)
 try:
-    metadata = AdminClient({"bootstrap.servers": sys.argv[1], "log_level": 0}).list_topics(timeout=5)
+    admin = AdminClient({"bootstrap.servers": sys.argv[1], "log_level": 0})
+    if not admin.list_topics(timeout=5).brokers:
+        sys.exit(1)
+    # A restarted broker answers metadata before it has loaded its consumer offsets; until then group
+    # requests fail with COORDINATOR_LOAD_IN_PROGRESS.
+    groups = admin.list_consumer_groups(request_timeout=5).result(timeout=10)
 except Exception:
     sys.exit(1)
-sys.exit(0 if metadata.brokers else 1)
+sys.exit(1 if groups.errors else 0)
 PY
     [ "$rc" != 3 ] && return "$rc"
   fi
