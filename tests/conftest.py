@@ -38,6 +38,7 @@ _GROUPS = (  # path prefix -> group, longest first
     ("tests/reaper/", "reaper"),
     ("tests/secure/", "secure"),  # deploy/local/services.sh start-secure's services, started once
     ("tests/compat/", "compat"),
+    ("tests/packaging/", "packaging"),  # out of the reaper group: its first run downloads a venv per Python
     ("tests/deadletter/test_poison.py", "private_kafka"),  # these use the private_kafka broker
     ("tests/engine/test_failures.py", "private_kafka"),
     ("tests/leader/test_failover.py", "private_kafka"),

@@ -358,13 +358,35 @@ kafka_cluster_id() {
 kafka_java() { java -Xms256m -Xmx"$KAFKA_HEAP" -XX:+UseG1GC -Dlog4j2.configurationFile="$KAFKA_DIR/log4j2.properties" -cp "$KAFKA_LIBS/*" "$@"; }
 
 # Whether the broker answers. The secure broker says so in its log (a single KRaft node serves
-# requests once it logged "Kafka Server started"), read from byte $1 on, this start's part: cheaper
-# than a client's JVM per attempt, which took as long as the broker's own start on a loaded machine.
+# requests once it logged "Kafka Server started"), read from byte $1 on, this start's part. The plain
+# one must answer a metadata request naming a broker and list its groups: the Python of python_bin,
+# when it has confluent_kafka (.venv's, made by ./dev.sh setup before it starts the services), asks in
+# about a second; else (exit 3) Kafka's own TopicCommand, a JVM of its own, ~15 s per try on a loaded
+# machine.
 kafka_ready() {
   if [ "$SECURE" = 1 ]; then
     grep -q "Kafka Server started" < <(tail -c +"$(($1 + 1))" "$KAFKA_LOG")  # no pipe: pipefail and grep -q
     return
   fi
+  local rc=0
+  "$(python_bin)" - "$KAFKA_HOST:$KAFKA_PORT" >/dev/null 2>&1 <<'PY' || rc=$?
+import sys
+try:
+    from confluent_kafka.admin import AdminClient
+except ImportError:
+    sys.exit(3)
+try:
+    admin = AdminClient({"bootstrap.servers": sys.argv[1], "log_level": 0})
+    if not admin.list_topics(timeout=5).brokers:
+        sys.exit(1)
+    # A restarted broker answers metadata before it has loaded its consumer offsets; until then group
+    # requests fail with COORDINATOR_LOAD_IN_PROGRESS.
+    groups = admin.list_consumer_groups(request_timeout=5).result(timeout=10)
+except Exception:
+    sys.exit(1)
+sys.exit(1 if groups.errors else 0)
+PY
+  [ "$rc" != 3 ] && return "$rc"
   kafka_java org.apache.kafka.tools.TopicCommand --bootstrap-server "$KAFKA_HOST:$KAFKA_PORT" --list >/dev/null 2>&1
 }
 

@@ -98,7 +98,7 @@ def run(settings: ReaperSettings, version: str, announce: Callable[[int | None],
             log.warning("connection_defaults", settings=defaults, hint=_SET_THEM, **where)
     waits: list[tuple[dict[str, Any], str | None]] = []  # each Kafka config, and why it was not reached
     unreachable: list[str | None] = []  # by section
-    for index, section in enumerate(sections):  # one wait per Kafka cluster, at most KAFKA_START_TIMEOUT
+    for index, section in enumerate(sections):  # one wait per Kafka cluster, at most startup.kafkaTimeout
         kafka = dict(section.harvest.base_kafka_config)
         known = [why for config, why in waits if config == kafka]
         if not known:
@@ -155,7 +155,7 @@ def _wait_for_kafka(section: ReaperSettings, index: int | None) -> str | None:
     None) that does not reach it ends the process: :class:`FailError`."""
     try:
         with in_section(index):
-            reach_kafka(section, KAFKA_START_TIMEOUT, say_waiting=True)
+            reach_kafka(section, section.startup.kafka_timeout.total_seconds(), say_waiting=True)
             access.at_start(section, _ACCESS_TIMEOUT)
     except FailError as exc:
         if index is None:
@@ -226,10 +226,6 @@ def listen(settings: ReaperSettings, registry: CollectorRegistry, liveness: Prob
             return server
     raise FailError(f"http.port: cannot listen on {http.host}:{http.port}: {error.strerror}") from None
 
-
-KAFKA_START_TIMEOUT = 30.0
-"""How long ``run`` waits for Kafka at start (librdkafka reconnects with back-off meanwhile): long
-enough for a sidecar started together with its broker, then exit 2 naming the cause."""
 
 _ACCESS_TIMEOUT = 10.0
 """Bound on each look-up of the ACLs and privileges at start."""

@@ -1,12 +1,13 @@
 """What a ``reaper.yaml`` holds: the pydantic models of its sections, validated.
 
-A file has up to four sections::
+A file has up to five sections::
 
     harvest:   # HarvesterConfig: goharvest's block, unchanged (camelCase) or in snake_case;
                # or a list of such blocks, one per outbox this reaper harvests
     logging:   # level (goharvest's names accepted), format
     http:      # the /metrics, /healthz and /readyz endpoint
     shutdown:  # how long a graceful stop may wait for in-flight acknowledgements
+    startup:   # how long run waits for Kafka at start
     workers:   # a number: reaper processes this one supervises (default 1: no supervisor)
 
 Reading them (the YAML file, ``REAPER_`` variables, secret references) is
@@ -91,13 +92,27 @@ class ShutdownSettings(BaseModel):
     )
 
 
+class StartupSettings(BaseModel):
+    """The ``startup:`` section."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kafka_timeout: Duration = Field(
+        default=timedelta(seconds=30),
+        gt=timedelta(0),
+        validation_alias=AliasChoices("kafka_timeout", "kafkaTimeout"),
+        description="How long run waits for each Kafka cluster at start (librdkafka reconnects meanwhile): "
+        "long enough for a sidecar started together with its broker, then exit 2 naming the cause.",
+    )
+
+
 class ReaperSettings(BaseModel):
     """Everything in ``reaper.yaml``.
 
     ``harvest`` is the first (often the only) harvest section; :attr:`harvests` lists them all. A
     file whose ``harvest:`` is a list is validated one section at a time (:func:`load`), as a
     settings object per section; :meth:`section` gives each back with the shared logging, http
-    and shutdown sections, so every per-outbox command works on one section at a time.
+    shutdown and startup sections, so every per-outbox command works on one section at a time.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -106,6 +121,7 @@ class ReaperSettings(BaseModel):
     logging: LoggingSettings = Field(default_factory=LoggingSettings)
     http: HttpSettings = Field(default_factory=HttpSettings)
     shutdown: ShutdownSettings = Field(default_factory=ShutdownSettings)
+    startup: StartupSettings = Field(default_factory=StartupSettings)
     workers: int = Field(
         default=1,
         ge=1,

@@ -127,6 +127,16 @@ def test_environment_overrides_win_over_the_file(tmp_path: Path) -> None:
     assert (s.logging.level, s.http.port, s.shutdown.timeout) == ("warn", 9191, timedelta(seconds=45))
 
 
+def test_startup_kafka_timeout_is_a_positive_duration() -> None:
+    assert load(environ={}).startup.kafka_timeout == timedelta(seconds=30)
+    assert load(environ={"REAPER_STARTUP__KAFKA_TIMEOUT": "8s"}).startup.kafka_timeout == timedelta(seconds=8)
+    for bad, why in (("0s", "greater than 0 seconds"), ("soon", "invalid duration 'soon'")):
+        with pytest.raises(SettingsError) as caught:
+            load(environ={"REAPER_STARTUP__KAFKA_TIMEOUT": bad})
+        assert str(caught.value).startswith("configuration: REAPER_STARTUP__KAFKA_TIMEOUT (startup.kafka_timeout): ")
+        assert why in str(caught.value) and "\n" not in str(caught.value)
+
+
 def test_secret_references_from_env_and_files(tmp_path: Path) -> None:
     secret = tmp_path / "pgpass"
     secret.write_text("file-S3cret\n")  # the trailing newline of secret files is not part of the secret
