@@ -62,7 +62,9 @@ def _boot_early(request: pytest.FixtureRequest) -> None:
     """Start the JVMs that the selected tests will need (the cluster with the shared driver, the
     Connect server) before the first of these tests runs, without waiting for them: each takes tens
     of seconds to boot on two loaded cores, and they boot while the local-mode tests run."""
-    wanted = {name for item in request.session.items for name in getattr(item, "fixturenames", ())}
+    here = Path(__file__).parent
+    mine = [item for item in request.session.items if here in item.path.parents]  # not a namesake elsewhere
+    wanted = {name for item in mine for name in getattr(item, "fixturenames", ())}
     for name in ("connect_server", "driver"):  # the one that blocks (building the wheel) last
         if name in wanted:
             request.getfixturevalue(name)

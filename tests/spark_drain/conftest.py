@@ -27,10 +27,12 @@ from tests.support import Services, consumed_headers
 
 @pytest.fixture(scope="session")
 def spark() -> Iterator[SparkSession]:
-    """``local[2]`` with Spark's Kafka sink (resolved from Maven Central by ``spark.jars.packages``)."""
+    """``local[2,2]`` with Spark's Kafka sink (resolved from Maven Central by ``spark.jars.packages``):
+    the master of tests/spark's session too, as whichever of the two fixtures runs first makes the
+    process's one session (``getOrCreate``), and tests/spark's retried-task tests need the retry."""
     os.environ["PYSPARK_PYTHON"] = sys.executable  # Python workers import harvester and psycopg
     session = (
-        SparkSession.builder.master("local[2]")
+        SparkSession.builder.master("local[2,2]")
         .appName("harvester-drain-tests")
         .config("spark.ui.enabled", "false")
         .config("spark.sql.shuffle.partitions", "2")
