@@ -27,7 +27,7 @@ from harvester.postgres.log.logical import LogSetup
 from harvester.postgres.log.message_store import _COLUMNS, _EPOCH_2000, MessageStore
 from harvester.postgres.log.records import Columns
 from harvester.postgres.log.retention import RetainingLogStore
-from harvester.postgres.log.store import decoded
+from harvester.postgres.log.store import decoded, stream_decoder
 from harvester.postgres.log.transactions import Taken, Transaction, Transactions, messages
 from harvester.postgres.schema.catalog import OutboxColumns
 from harvester.postgres.schema.identifiers import TableName
@@ -92,25 +92,8 @@ class RouterStore(MessageStore):
     def _stream_decoder(self) -> Callable[[bytes], MarkedRecord | None]:
         """As the log store's (:meth:`LogStore._stream_decoder`), with EventRouter's columns; the
         records' ``create_time``, the commit time, is set at hand-out."""
-        oid = self._outbox_oid
-        match = oid.to_bytes(4, "big")
-        columns: RouterColumns | None = None
-
-        def decode(change: bytes) -> MarkedRecord | None:
-            nonlocal columns
-            kind = change[0]
-            if kind == 0x49:  # Insert
-                if columns is None or not change.startswith(match, 1):
-                    return None
-                return router_record(change, columns)
-            if kind == 0x52:  # Relation
-                relation = pgoutput.parse(change)
-                if isinstance(relation, pgoutput.Relation) and relation.oid == oid:
-                    columns = None  # until it is read: columns the store cannot read raise here
-                    columns = RouterColumns(relation, self._router)
-            return None
-
-        return decode
+        router = self._router
+        return stream_decoder(self._outbox_oid, lambda relation: RouterColumns(relation, router), router_record)
 
 
 class RetainingRouterStore(RouterStore, RetainingLogStore):

@@ -20,7 +20,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 from uuid import UUID
 
 import psycopg
@@ -41,6 +41,8 @@ from harvester.postgres.log.transactions import Taken, Transaction, Transactions
 from harvester.postgres.log.visibility import INVISIBLE_RECHECK, visible
 from harvester.postgres.schema.migrations import fence_table
 from harvester.postgres.table.store import PostgresStore
+
+C = TypeVar("C")  # the columns a stream decoder reads inserts with
 
 # Messages one read takes from the stream at most (completions wait for the stream meanwhile).
 _READ_MESSAGES = 5_000
@@ -398,25 +400,7 @@ class LogStore(PostgresStore):
         while the transaction is written, takes that work off the drain after its commit. An insert
         it fails on stays bytes (streamed.py): decoded at hand-out, as any other, where the error
         surfaces."""
-        oid = self._outbox_oid
-        match = oid.to_bytes(4, "big")
-        columns: Columns | None = None
-
-        def decode(change: bytes) -> MarkedRecord | None:
-            nonlocal columns
-            kind = change[0]
-            if kind == 0x49:  # Insert
-                if columns is None or not change.startswith(match, 1):
-                    return None
-                return outbox_record(change, columns)
-            if kind == 0x52:  # Relation
-                relation = pgoutput.parse(change)
-                if isinstance(relation, pgoutput.Relation) and relation.oid == oid:
-                    columns = None  # until it is read: a layout the log source cannot read raises here
-                    columns = Columns(relation)
-            return None
-
-        return decode
+        return stream_decoder(self._outbox_oid, Columns, outbox_record)
 
     def _gone(self, taken: Taken, records: list[MarkedRecord]) -> set[int]:
         """The ids of ``records`` an earlier term delivered and deleted, as the table says (again,
@@ -621,3 +605,28 @@ def decoded(kept: Received) -> MarkedRecord:
     flight."""
     record = cast(MarkedRecord, kept)
     return record if record.stamp is None else replace(record, headers=list(record.headers), stamp=None)
+
+
+def stream_decoder(
+    oid: int, columns_of: Callable[[pgoutput.Relation], C], record: Callable[[bytes, C], MarkedRecord]
+) -> Callable[[bytes], MarkedRecord | None]:
+    """A streamed transaction's decoder for the table ``oid``: its inserts become ``record``s with the
+    columns ``columns_of`` reads from the transaction's latest Relation message of the table."""
+    match = oid.to_bytes(4, "big")
+    columns: C | None = None
+
+    def decode(change: bytes) -> MarkedRecord | None:
+        nonlocal columns
+        kind = change[0]
+        if kind == 0x49:  # Insert
+            if columns is None or not change.startswith(match, 1):
+                return None
+            return record(change, columns)
+        if kind == 0x52:  # Relation
+            relation = pgoutput.parse(change)
+            if isinstance(relation, pgoutput.Relation) and relation.oid == oid:
+                columns = None  # until it is read: a layout the store cannot read raises here
+                columns = columns_of(relation)
+        return None
+
+    return decode
