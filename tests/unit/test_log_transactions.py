@@ -99,6 +99,23 @@ def test_a_restarted_stream_skips_what_came_before() -> None:
     assert txns.waiting == 4  # nothing twice
 
 
+def test_a_transaction_a_restarted_stream_sends_again_is_skipped_across_reads() -> None:
+    """However the reads cut what a restarted stream sends before the half-received transaction, none
+    of it is the open one's: a skipped transaction's Commit taken for the open one's moved the term's
+    received end back, and every transaction after it came in again (exactly once, duplicates)."""
+    txns, leader = outbox(), uuid4()
+    txns.start_pass(leader)
+    txns.receive([begin(60), relation(), insert(0), commit(60, 79), begin(80), insert(1), commit(80, 99)])
+    txns.receive([begin(100), relation(), insert(2)])
+    hand_out(txns, leader, [0, 1, 2])
+    txns.stream_started()
+    txns.receive([begin(60), relation(), insert(0)])
+    txns.receive([commit(60, 79), begin(80), insert(1)])
+    txns.receive([commit(80, 99), begin(100), relation(), insert(2), insert(3), commit(100, 120)])
+    assert [(t.commit_lsn, len(t.inserts), t.end_lsn) for t in txns.kept] == [(60, 1, 79), (80, 1, 99), (100, 2, 120)]
+    assert txns.waiting == 1  # record 3: nothing twice
+
+
 def test_a_half_received_transaction_the_stream_skips_holds_the_slot() -> None:
     """Cannot happen with a slot not confirmed past it; should it, nothing moves past it."""
     txns, leader = outbox(), uuid4()

@@ -138,6 +138,9 @@ class Transactions:
         self._recovered: set[int] = set()
         self._settled_upto = 0  # the end of the last transaction this term forgot as settled
         self._open: Transaction | None = None  # the transaction being received (kept already)
+        # The stream is sending a transaction this term received before (skipped): its messages may
+        # span reads, and none of them belongs to the open one (a restarted stream sends those before it).
+        self._skipping = False
         # How much it may hold before it spills: the budget's room for it as of its Begin (the
         # walsender sends nothing else until its Commit, so what the others hold can only shrink
         # meanwhile), and at least the floor. Computed once: a message only compares.
@@ -162,6 +165,7 @@ class Transactions:
         self._settled_upto = 0
         self._open = None
         self._skip = 0
+        self._skipping = False
         self._partial = partial
 
     def follow_durable(self) -> None:
@@ -171,6 +175,7 @@ class Transactions:
     def stream_started(self) -> None:
         """A new stream begins at a transaction boundary: a half-received transaction comes again
         from its Begin, and the inserts received before are skipped."""
+        self._skipping = False
         if self._open is not None:
             self._skip = self._open.size
 
@@ -258,7 +263,8 @@ class Transactions:
         decoder kept of an outbox message (streamed.py), counted by its stream: at a Begin, the
         count a stream handed over at its commit is taken into the transaction's."""
         kind, match, at, oid, budget = self._kind[0], self._match, self._at, self._oid, self._budget
-        txn, buffer, spill_at = self._open, self._buffer, self._spill_at
+        txn = None if self._skipping else self._open
+        buffer, spill_at = self._buffer, self._spill_at
         for data in messages:
             if type(data) is not bytes or data[0] == kind:
                 if txn is not None and (type(data) is not bytes or data.startswith(match, at)):
@@ -297,6 +303,7 @@ class Transactions:
             message = pgoutput.parse(data)
             if isinstance(message, pgoutput.Begin):
                 txn = self._begin(message)
+                self._skipping = txn is None
                 if budget.handed:  # a streamed one's: its stream's count passes to the memory it is in
                     if txn is not None:  # else received before: its messages are skipped
                         txn.in_memory += budget.handed
@@ -312,7 +319,7 @@ class Transactions:
                 if txn is not None:
                     txn.end_lsn = self._received_upto = message.end_lsn
                     self._open, self._skip = None, 0
-                txn = None
+                txn, self._skipping = None, False
 
     def _begin(self, message: pgoutput.Begin) -> Transaction | None:
         """The transaction a Begin opens, kept (and open until its Commit); None when this term
