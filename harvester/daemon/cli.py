@@ -174,11 +174,12 @@ def _parser() -> argparse.ArgumentParser:
     convert = sub.add_parser(
         "convert-debezium",
         help="print the reaper.yaml that reads what a Debezium outbox connector reads",
-        description="Read a Debezium PostgreSQL connector's JSON configuration (as its REST API takes it) "
-        "with an EventRouter transform and print a reaper.yaml with layout: debezium, the transform's "
-        "options under eventRouter, unchanged. Exit 2 with one line naming an option "
-        "that has no counterpart. How to hand a running outbox over: "
-        f"{DOCS}/migrating.md#from-debeziums-outbox-router",
+        description="Read a Debezium PostgreSQL connector's JSON configuration (as its REST API takes it)\n"
+        "with an EventRouter transform and print a reaper.yaml with layout: debezium, the transform's\n"
+        "options under eventRouter, unchanged. Exit 2 with one line naming an option that has no\n"
+        "counterpart.",
+        epilog=f"How to hand a running outbox over: {DOCS}/migrating.md#from-debeziums-outbox-router",
+        formatter_class=argparse.RawDescriptionHelpFormatter,  # the link unbroken
     )
     convert.add_argument("connector", metavar="CONNECTOR.json", help="the connector's JSON file ('-': stdin)")
     return parser

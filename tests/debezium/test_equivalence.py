@@ -42,7 +42,7 @@ from tests.support import (
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 # Kafka Connect as bench/peers.py runs it (bench/ holds its modules at its top).
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.append(str(ROOT / "bench"))  # after the standard library: a bench module must not shadow one
 from debezium_connect import ConnectWorker, connector_config, resolve_jars, streaming_connector  # noqa: E402
 
 PARTITIONS = 4

@@ -2,7 +2,7 @@
 process of its own, with the log source's producer process) while a burst is COPied into its idle
 outbox and drained, then the top entries by self and by cumulative samples are printed.
 
-    python bench/profile.py [--source log] [--records 200000] [--keys 1000] [--rate 100] [--top 25]
+    python bench/pyspy_profile.py [--source log] [--records 200000] [--keys 1000] [--rate 100] [--top 25]
         [--all-threads] [--out /tmp/profile-log.txt]
 
 ``--source`` is ``log`` (the log source, default limits) or ``mark_purge`` (the polling source).
