@@ -12,6 +12,7 @@ through Spark's ``format("outbox")`` (``harvester/spark/store.py``).
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from harvester.config import HarvesterConfig
@@ -119,17 +120,22 @@ def _create(role: str) -> list[str]:
     ]
 
 
+def _script(head: list[str], table: TableName, role: str, wanted: Iterable[Need]) -> list[str]:
+    """``head``, then the role made, its schema's usage and a GRANT for each of ``wanted``."""
+    lines = [*head, *_create(role), f'GRANT USAGE ON SCHEMA "{table.schema or "public"}" TO {role};']
+    for need in wanted:
+        lines += [f"-- {need.why}", f"GRANT {', '.join(need.privileges)} ON {need.table.quoted} TO {role};"]
+    return lines
+
+
 def spark_sink_grants(table: TableName, role: str) -> str:
     """The SQL script for ``role``, a writer of ``table`` through the Spark sink (not the reaper)."""
-    lines = [
+    head = [
         f"-- grants for a Spark format('outbox') writer of {table.qualified}, role {role} (not the reaper's).",
         "-- Apply as the schema's owner (or a superuser) after 'reaper migrate' ran as the owner (it creates",
         f"-- the sink's tables); give the role its password apart from this script (\\password {role}).",
-        *_create(role),
-        f'GRANT USAGE ON SCHEMA "{table.schema or "public"}" TO {role};',
     ]
-    for need in spark_sink_needs(table):
-        lines += [f"-- {need.why}", f"GRANT {', '.join(need.privileges)} ON {need.table.quoted} TO {role};"]
+    lines = _script(head, table, role, spark_sink_needs(table))
     lines += ["-- the ids of the outbox and of the task attempts"]
     lines += _serial(table, "id", role) + _serial(table.derived("spark_tasks"), "task_id", role)
     return "\n".join(lines) + "\n"
@@ -139,15 +145,12 @@ def grants(harvest: HarvesterConfig, role: str) -> str:
     """The SQL script for ``role`` and ``harvest``'s outbox, source and delivery mode."""
     table = harvest.table
     mode = f"source {harvest.source}, delivery {harvest.delivery}" + (", table-less" if harvest.log_messages else "")
-    lines = [
+    head = [
         f"-- reaper grants for outbox {table.qualified} ({mode}), runtime role {role}.",
         "-- Apply as the schema's owner (or a superuser) after 'reaper migrate' ran as the owner; give the",
         f"-- role its password apart from this script (\\password {role}).",
-        *_create(role),
-        f'GRANT USAGE ON SCHEMA "{table.schema or "public"}" TO {role};',
     ]
-    for need in needs(harvest):
-        lines += [f"-- {need.why}", f"GRANT {', '.join(need.privileges)} ON {need.table.quoted} TO {role};"]
+    lines = _script(head, table, role, needs(harvest))
     if harvest.source == "log":
         lines += [
             "-- the log source streams the slot the owner created (a superuser grants this attribute)",

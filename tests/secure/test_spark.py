@@ -18,6 +18,7 @@ from pyspark.sql import SparkSession
 from harvester.spark import register
 from tests.secure import services as s
 from tests.secure.test_drain import acls
+from tests.spark.cluster import PYTHON_PATIENCE
 from tests.support import read_messages, run_reaper, text, unique
 
 
@@ -49,8 +50,7 @@ def test_spark_writes_and_drains_least_privileged(secure: None, tmp_path: Path) 
         .config("spark.ui.enabled", "false")
         .config("spark.sql.shuffle.partitions", "2")
         .config("spark.driver.memory", "1g")
-        # A Python runner connects back within this (15 s by default, missed on a loaded machine).
-        .config("spark.python.authenticate.socketTimeout", "120s")
+        .config(*PYTHON_PATIENCE)
         .getOrCreate()
     )
     try:
