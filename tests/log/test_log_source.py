@@ -324,8 +324,10 @@ def test_a_large_transaction_comes_in_without_a_mark_per_read(
                 copy.write_row((topic, f"k{i % 100}", "v"))
     assert wait_drained(logical_dsn, log_outbox, timeout=120) == 0
     assert h.metrics.purged._value.get() >= records
-    # About one mark per handed-out batch (hundreds of records) and the idle back-off's.
-    assert (marks("harvester_mark_query_seconds_count") or 0) - before < records / 50
+    # One mark per read was one per 4 records. A mark hands out what the in-flight throttle has room
+    # for, so on a loaded machine acknowledgements arriving a few at a time make batches of ~50
+    # (1,057 marks in one CI run): the bound is what tells the two apart, not a batch size.
+    assert (marks("harvester_mark_query_seconds_count") or 0) - before < records / 12
 
 
 def test_an_idle_outbox_lets_the_slot_move_past_other_tables_writes(
