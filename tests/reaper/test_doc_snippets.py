@@ -1,8 +1,8 @@
 """Every fenced snippet in the README and docs/ is executed or parsed: ``sh`` with ``bash -n``,
 ``python`` compiled, ``yaml`` parsed and, when it is a ``reaper.yaml`` (a top-level ``harvest:``),
 loaded by the reaper's own loader (its ``${file:…}`` secrets pointed at a temporary file, its
-``${env:…}`` ones given a value), ``json`` parsed. Blocks without a language are program output or
-formats, ``sql`` and ``mermaid`` are left to the tests of what they describe."""
+``${env:…}`` ones given a value), ``json`` parsed; ``sql`` is run by test_doc_sql.py. Blocks without a language
+are program output or formats, ``mermaid`` is left to the tests of what it describes."""
 
 from __future__ import annotations
 
