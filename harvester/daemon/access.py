@@ -10,6 +10,7 @@ from typing import Any
 from harvester.daemon.errors import FailError
 from harvester.daemon.grants import needs
 from harvester.daemon.settings import ReaperSettings
+from harvester.postgres.schema.privileges import lacking
 
 _GRANTS = "see 'reaper grants'"
 
@@ -17,25 +18,8 @@ _GRANTS = "see 'reaper grants'"
 def pg_problems(conn: Any, settings: ReaperSettings) -> list[str]:
     """The privileges ``reaper grants`` gives that the connected role lacks, on tables that exist."""
     harvest = settings.harvest
-    problems: list[str] = []
     role = conn.info.user
-    schema = harvest.table.schema or "public"
-    # No row: the schema is absent, as its tables are (check says so, and migrate creates them).
-    row = conn.execute("SELECT has_schema_privilege(oid, 'USAGE') FROM pg_namespace WHERE nspname = %s", (schema,))
-    usage = row.fetchone()
-    if usage is not None and not usage[0]:
-        return [f"role {role} lacks USAGE on schema {schema}: GRANT USAGE ON SCHEMA {schema} TO {role} ({_GRANTS})"]
-    for need in needs(harvest) if usage is not None else []:
-        if conn.execute("SELECT to_regclass(%s)", (need.table.quoted,)).fetchone()[0] is None:
-            continue  # absent: check says so where it reads the table, and migrate creates it
-        lacking = [
-            p
-            for p in need.privileges
-            if not conn.execute("SELECT has_table_privilege(%s, %s)", (need.table.quoted, p)).fetchone()[0]
-        ]
-        if lacking:
-            grant = f"GRANT {', '.join(lacking)} ON {need.table.qualified} TO {role}"
-            problems.append(f"role {role} lacks {', '.join(lacking)} on {need.table.qualified}: {grant} ({_GRANTS})")
+    problems = lacking(conn, harvest.table.schema or "public", needs(harvest), _GRANTS)
     if harvest.source == "log":
         row = conn.execute("SELECT rolreplication OR rolsuper FROM pg_roles WHERE rolname = current_user").fetchone()
         if row is not None and not row[0]:

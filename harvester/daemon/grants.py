@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 from harvester.config import HarvesterConfig
 from harvester.postgres.schema.identifiers import TableName
 from harvester.postgres.schema.migrations import dead_letter_table, fence_table
+from harvester.postgres.schema.privileges import Need, spark_sink_needs, spark_sink_serials
 
 _ROLE = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 
@@ -27,15 +27,6 @@ def role_error(role: str) -> str | None:
     if _ROLE.match(role):
         return None
     return f"role {role!r}: 1-63 lower-case letters, digits or underscores, not starting with a digit"
-
-
-@dataclass(frozen=True)
-class Need:
-    """Privileges the runtime role needs on one table, and what for."""
-
-    table: TableName
-    privileges: tuple[str, ...]
-    why: str
 
 
 def needs(harvest: HarvesterConfig) -> list[Need]:
@@ -74,34 +65,6 @@ def needs(harvest: HarvesterConfig) -> list[Need]:
     return [*found, Need(table, rights, f"the outbox: {what}")]
 
 
-def spark_sink_needs(table: TableName) -> list[Need]:
-    """What a role that writes into ``table`` through Spark's ``format("outbox")`` sink needs
-    (``harvester/spark/store.py``), once the owner's ``reaper migrate`` made the sink's tables."""
-    return [
-        Need(
-            TableName(table.schema, "harvester_migrations"),
-            ("SELECT",),
-            "the migrations' ledger: whether the sink's tables are in place",
-        ),
-        Need(table, ("INSERT",), "the outbox: the commit's COPY of the staged rows"),
-        Need(
-            table.derived("spark_tasks"),
-            ("SELECT", "INSERT", "DELETE"),
-            "one row per task attempt; removed with its write, or as stale",
-        ),
-        Need(
-            table.derived("spark_staging"),
-            ("SELECT", "INSERT", "DELETE", "TRUNCATE"),
-            "the executors' COPY; emptied by the commit (a TRUNCATE when no other write stages)",
-        ),
-        Need(
-            table.derived("spark_commits"),
-            ("SELECT", "INSERT"),
-            "a streaming sink's committed batch ids (INSERT ... ON CONFLICT DO NOTHING RETURNING)",
-        ),
-    ]
-
-
 def _serial(table: TableName, column: str, role: str) -> list[str]:
     """USAGE on the sequence behind ``table.column``, named by PostgreSQL (it truncates long names its own way)."""
     target = table.quoted.replace("'", "''")
@@ -137,7 +100,8 @@ def spark_sink_grants(table: TableName, role: str) -> str:
     ]
     lines = _script(head, table, role, spark_sink_needs(table))
     lines += ["-- the ids of the outbox and of the task attempts"]
-    lines += _serial(table, "id", role) + _serial(table.derived("spark_tasks"), "task_id", role)
+    for serial, column in spark_sink_serials(table):
+        lines += _serial(serial, column, role)
     return "\n".join(lines) + "\n"
 
 

@@ -16,6 +16,9 @@ order-keeping producer fails a key's records after a failed one too, so until th
 closed the key (it learns of the failures only as it reads their reports), a record of a key with a
 record failed so fails at once; the key is open again at the retry of its first failed record (the
 remark sends it first), or at a new term (:meth:`ProcessPublisher.begin_term`).
+
+A producer that failed for good (Kafka refused it a producer id) is reported by its child, which
+goes on: as in-process, its records come back failed with that refusal and the next publish raises it.
 """
 
 from __future__ import annotations
@@ -36,10 +39,10 @@ import structlog
 from confluent_kafka import KafkaError, KafkaException
 
 from harvester.core.identity import Stamp
-from harvester.core.protocols import DeliveryCallback
+from harvester.core.protocols import DeliveryCallback, RefusedError
 from harvester.core.records import MarkedRecord
 from harvester.kafka.frames import receive, send
-from harvester.kafka.publisher import DeliveryError, delivery_settings
+from harvester.kafka.publisher import DeliveryError, delivery_settings, refusal
 
 log = structlog.get_logger("harvester.kafka")
 
@@ -88,6 +91,7 @@ class ProcessPublisher:
         # Per key with records failed by a lost child, the first of their ids (see the module's doc).
         self._blocked: dict[str, int] = {}
         self._closing: float | None = None  # the close's timeout, once closing
+        self._refused: RefusedError | None = None  # the child's producer's fatal error, once it had one
         self._wake = threading.Event()
         self._child = self._spawn(0)
         self._sender = threading.Thread(target=self._send_loop, name="harvester-produce", daemon=True)
@@ -99,7 +103,10 @@ class ProcessPublisher:
         return self._child.process.pid
 
     def publish(self, record: MarkedRecord) -> None:
-        """Queue ``record`` for the child; its report reaches the callback from the receiving thread."""
+        """Queue ``record`` for the child; its report reaches the callback from the receiving thread.
+        Raises :class:`RefusedError` once the child's producer failed for good."""
+        if self._refused is not None:
+            raise self._refused
         with self._lock:
             if self._blocked and record.key in self._blocked:
                 if record.id > self._blocked[record.key]:
@@ -228,7 +235,9 @@ class ProcessPublisher:
     def _receive(self, child: _Child) -> None:
         report, pending = self._on_delivery, self._pending
         while (frame := receive(child.reader)) is not None:
-            acked, failed, logs, errors = frame
+            acked, failed, logs, errors, for_good = frame
+            if for_good and self._refused is None:  # before the records it failed: they report it
+                self._refused = refusal(KafkaError(for_good[0][0], for_good[0][1], fatal=True))
             for seq in acked:
                 record = pending.pop(seq, None)
                 if record is not None:
@@ -236,7 +245,7 @@ class ProcessPublisher:
             for seq, code, reason in failed:
                 record = pending.pop(seq, None)
                 if record is not None:
-                    report((record, DeliveryError(KafkaError(code, reason), record.topic)))
+                    report((record, self._refused or DeliveryError(KafkaError(code, reason), record.topic)))
             if self._logger is not None:
                 for level, text in logs:
                     self._logger.log(level, "%s", text)

@@ -7,7 +7,8 @@ forward_errors)``, then batches ``[(seq, topic, key, value, headers, id, stamp),
 appends the identity headers of ``stamp``, a :class:`harvester.core.identity.Stamp` or None), then
 ``("close", timeout)``. Out: first ``"ready"`` once the producer exists or ``(code, reason)`` when it
 could not be made, then reports ``(acked seqs, [(seq, code, reason)], [(level, text)], [(code,
-reason, fatal)])``.
+reason, fatal)], [(code, reason)])``, the last the producer's fatal error once it has one (Kafka refused
+it a producer id, say): it publishes nothing more, and the harvester stops leading with that refusal.
 
 It imports nothing but confluent-kafka, :mod:`harvester.kafka.frames`, :mod:`harvester.kafka.enqueue`
 and :mod:`harvester.core.identity` (and :mod:`harvester.runtime`'s collector settings), so it starts
@@ -46,6 +47,7 @@ class _Relay:
         self._failed: list[tuple[int, int, str]] = []
         self._logs: list[tuple[int, str]] = []
         self._errors: list[tuple[int, str, bool]] = []
+        self._fatal: list[tuple[int, str]] = []
         if forward_logs:
             settings["logger"] = self._logger()
         if forward_errors:
@@ -79,7 +81,12 @@ class _Relay:
     def _poll(self) -> None:
         try:
             while not self._stopping.is_set():
-                self.producer.poll(0.05)
+                try:
+                    self.producer.poll(0.05)
+                except KafkaException as exc:
+                    # A fatal error (raised once, by poll): polling goes on, so the records the
+                    # producer holds come back failed after it.
+                    self._failed_for_good(exc.args[0])
                 self.report()
         except BaseException:
             # Nothing would report any more: the harvester sees the pipe close and fails the rest.
@@ -89,10 +96,10 @@ class _Relay:
     def report(self) -> None:
         """Send what was reported since the last call, if anything."""
         with self._lock:
-            frame = (self._acked, self._failed, self._logs, self._errors)
+            frame = (self._acked, self._failed, self._logs, self._errors, self._fatal)
             if not any(frame):
                 return
-            self._acked, self._failed, self._logs, self._errors = [], [], [], []
+            self._acked, self._failed, self._logs, self._errors, self._fatal = [], [], [], [], []
         send(self._out, frame)
 
     def produce(
@@ -121,11 +128,20 @@ class _Relay:
         with self._lock:
             self._failed.append((seq, error.code(), error.str()))
 
+    def _failed_for_good(self, error: KafkaError) -> None:
+        with self._lock:
+            self._fatal.append((error.code(), error.str()))
+
     def close(self, timeout: float) -> None:
         """Flush (bounded), fail what is left, and send the last reports."""
         self._stopping.set()
         self._poller.join()
-        if self.producer.flush(timeout):
+        try:
+            left = self.producer.flush(timeout)
+        except KafkaException as exc:  # the fatal error, raised here rather than in the poll thread
+            self._failed_for_good(exc.args[0])
+            left = len(self.producer)
+        if left:
             self.producer.purge()
             self.producer.flush(0)
         self.report()

@@ -10,11 +10,11 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from harvester.postgres.schema import catalog, migrations
+from harvester.postgres.schema import catalog, migrations, privileges
 from harvester.postgres.schema.catalog import OutboxColumns
 from harvester.postgres.schema.identifiers import TableName
 from harvester.spark.encode import PartitionEncoder, staged_value_column, staging_columns
-from harvester.spark.plan import WritePlan
+from harvester.spark.plan import SinkConfigError, WritePlan
 
 Conn = psycopg.Connection[tuple[Any, ...]]
 
@@ -32,6 +32,7 @@ _VALUE_EXPR = {
 }
 # How much of the staged rows' COPY output the commit gathers per write into the outbox's COPY.
 _PUMP_BYTES = 1 << 20
+_GRANTS = "see 'reaper grants --spark-sink'"
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,9 +56,15 @@ class SinkTables:
 
 
 def prepare(dsn: str, table: TableName, retention_seconds: int) -> OutboxColumns:
-    """Driver side, before a write: describe the outbox, create the sink tables if needed, and drop
-    rows staged more than ``retention_seconds`` ago."""
+    """Driver side, before a write: refuse a role that lacks a grant the write needs
+    (:class:`SinkConfigError` naming every GRANT missing, in one line: nothing staged, nothing
+    committed), describe the outbox, create the sink tables if needed, and drop rows staged more
+    than ``retention_seconds`` ago."""
     with psycopg.connect(dsn, autocommit=True) as conn:
+        needs, serials = privileges.spark_sink_needs(table), privileges.spark_sink_serials(table)
+        problems = privileges.lacking(conn, table.schema or "public", needs, _GRANTS, serials)
+        if problems:
+            raise SinkConfigError("; ".join(problems))
         columns = catalog.read(conn, table)
         # Applied through the ledger, so the data source works without ``reaper migrate``.
         migrations.ensure(conn, table, "spark_sink")

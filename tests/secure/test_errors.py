@@ -159,16 +159,23 @@ def test_a_refused_output_topic_is_named_in_the_dead_letters(box: s.Outbox, tmp_
     assert all(f"Kafka ACL missing: allow WRITE on topic {topic}" in e for e in errors), errors
 
 
-def test_a_producer_refused_a_producer_id_ends_run_with_one_line(box: s.Outbox, tmp_path: Path) -> None:
+@pytest.mark.parametrize("source", ["polling", "log"])
+def test_a_producer_refused_a_producer_id_ends_run_with_one_line(box: s.Outbox, tmp_path: Path, source: str) -> None:
     """A producer principal (``producerKafkaConfig``) that may WRITE no topic is refused a producer id
     (Kafka's fatal ``Cluster authorization failed``): run stops with one line naming the ACL (exit 1)
-    instead of a dead delivery thread and records in flight for good; the records stay in the outbox."""
+    instead of a dead delivery thread (in process; the polling source) or a child that dies and is
+    started again batch after batch (``producerProcess``; the log source's default), with the records
+    in the outbox."""
+    harvest: dict[str, Any] = {"source": "log", "producerProcess": True} if source == "log" else {}
+    if source == "log":
+        box = s.outbox(tmp_path, harvest)
+        s.create_topics([f"outbox-harvester.{box.table}.neli", f"out_{box.schema}"])
     group = f"outbox-harvester.{box.table}"
     topic = f"out_{box.schema}"
     user = s.principal(acls(group, topic, exactly_once=False))
     writer = s.principal([])  # nothing at all
     kafka = s.kafka_config(user, s.PASSWORD)
-    harvest = {"producerKafkaConfig": {"sasl.username": writer, "sasl.password": s.PASSWORD}}
+    harvest["producerKafkaConfig"] = {"sasl.username": writer, "sasl.password": s.PASSWORD}
     config = s.write(tmp_path / "reaper.yaml", box.table, s.pg_dsn(box.runtime, s.PASSWORD), kafka, harvest)
     before = s.backlog(box.table)
     s.stash(box.table, 3, topic)
@@ -177,5 +184,6 @@ def test_a_producer_refused_a_producer_id_ends_run_with_one_line(box: s.Outbox, 
     last = ran.stderr.splitlines()[-1] if ran.stderr else ""
     assert ran.returncode == 1 and last.startswith(wanted), ran.stderr[-3000:]
     assert "allow WRITE on the output topics" in last and "Traceback" not in ran.stderr
+    assert "producer_process_exited" not in ran.stderr  # the child lived to report it
     assert s.backlog(box.table) == before + 3
     assert s.PASSWORD not in ran.stdout + ran.stderr
