@@ -19,7 +19,7 @@ from harvester import PostgresStore
 from harvester.postgres.schema.identifiers import TableName
 from tests.chaos import audit
 from tests.engine.workload import check, insert, wait_drained, wait_until, writing
-from tests.proc.processes import HarvesterProcess, harvester_spec
+from tests.proc.processes import HarvesterProcess, blocked_statement, harvester_spec
 from tests.support import Services, read_messages, unique
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -69,17 +69,6 @@ def test_sigstopped_leader_changes_nothing_after_takeover(
             b.terminate()
     verdict = check(read_messages(services.bootstrap, [topic], 1800), {f"k{i}": 60 for i in range(30)})
     assert verdict.lost == [] and verdict.out_of_order == [] and verdict.unexpected == 0
-
-
-def blocked_statement(dsn: str, name: str) -> tuple[int, str] | None:
-    """The server pid and text of harvester process ``name``'s statement that waits for a lock, if
-    one does."""
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        row = conn.execute(
-            "SELECT pid, query FROM pg_stat_activity WHERE application_name = %s AND wait_event_type = 'Lock'",
-            (f"outbox-harvester {name}",),
-        ).fetchone()
-    return None if row is None else (int(str(row[0])), str(row[1]))
 
 
 def test_a_purge_retried_after_a_newer_term_changes_nothing(
