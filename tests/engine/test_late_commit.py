@@ -8,7 +8,8 @@ ids or where they began in the log. Two late transactions take the lowest ids an
 later ones commit and are harvested: one commits while the first leader leads, the other stays
 open while that leader is killed and another takes over, and commits under the new one. Every
 record arrives, each key's records in commit order, and exactly once none twice (``read_committed``).
-The Spark drain's late commits are not here: its cluster is tests/spark_drain's."""
+A late write of the Spark sink, and the Spark drain's late commits, are in tests/spark_drain/test_late_commit.py
+(they need its SparkSession)."""
 
 from __future__ import annotations
 

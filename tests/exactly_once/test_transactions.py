@@ -10,7 +10,9 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
+import psycopg
 import pytest
+from psycopg import sql
 
 from harvester import Harvester, HarvesterConfig, Limits, PostgresStore
 from harvester.core.protocols import ProducerFencedError
@@ -19,8 +21,9 @@ from harvester.kafka.publisher import producer_config
 from harvester.kafka.topics import ensure_topic
 from harvester.kafka.transactions import KafkaTransactionalPublisher, read_checkpoints
 from harvester.postgres.schema.identifiers import TableName
+from harvester.postgres.schema.migrations import fence_table
 from tests.engine.workload import check, insert, wait_drained, wait_until, write_concurrently, writing
-from tests.proc.processes import HarvesterProcess, harvester_spec
+from tests.proc.processes import HarvesterProcess, blocked_statement, harvester_spec
 from tests.support import ManualElector, Services, delete_topics, read_messages, reader, unique
 
 pytestmark = pytest.mark.integration
@@ -51,6 +54,20 @@ def wait_committed(bootstrap: str, topic: str, count: int) -> bool:
             return seen >= count
 
         return wait_until(enough, timeout=60)
+
+
+def count(dsn: str, table: TableName) -> int:
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute(sql.SQL("SELECT count(*) FROM {}").format(table.ident)).fetchone()
+    return int(row[0]) if row else -1
+
+
+def epoch(dsn: str, table: TableName) -> int:
+    """The epoch of ``table``'s fence row: the term that holds it."""
+    with psycopg.connect(dsn) as conn:
+        query = sql.SQL("SELECT epoch FROM {} WHERE outbox_table = %s").format(fence_table(table).ident)
+        row = conn.execute(query, (table.qualified,)).fetchone()
+    return int(row[0]) if row else 0
 
 
 def test_read_committed_consumer_sees_each_record_once_in_key_order(
@@ -163,3 +180,55 @@ def test_sigkill_failover_delivers_exactly_once(
         delete_topics(services.bootstrap, [f"{group}.neli", f"{group}.checkpoints"])
     verdict = check(read_messages(services.bootstrap, [topic], 1600, **COMMITTED), {f"k{i}": 40 for i in range(40)})
     assert verdict.lost == [] and verdict.out_of_order == [] and verdict.duplicates == 0
+
+
+def test_a_leader_fenced_between_commit_and_purge_publishes_nothing_twice(
+    services: Services, outbox: TableName, topics: Callable[..., str]
+) -> None:
+    """The interleaving forced: the leader's purges wait on the fence row the test share-locks, so
+    it commits batches to Kafka that stay in the outbox (two purges pending, the third batch waits
+    for them); it is stopped there and its purge cancelled; the standby takes over, its recovery
+    purging what the checkpoints name before it marks; only then does the old leader resume, and
+    its retried purge is refused. A read_committed consumer sees every record once, in key order."""
+    topic, group = topics(partitions=2), unique("eos")
+
+    def spec(name: str) -> dict[str, object]:
+        return harvester_spec(
+            services.pg_dsn, services.bootstrap, outbox, group, name,
+            delivery="exactly_once", limits={"mark_query_records": 20},
+        )  # fmt: skip
+
+    a = HarvesterProcess(spec("stopped-a"))
+    b: HarvesterProcess | None = None
+    held = psycopg.connect(services.pg_dsn)
+    try:
+        assert a.wait_for("LeaderAcquired"), a.log
+        b = HarvesterProcess(spec("standby-b"))
+        assert b.wait_for("started")
+        fence = sql.SQL("SELECT 1 FROM {} WHERE outbox_table = %s FOR SHARE").format(fence_table(outbox).ident)
+        held.execute(fence, (outbox.qualified,))
+        insert(services.pg_dsn, outbox, [(topic, f"k{i % 20}", f"k{i % 20}:{i // 20}") for i in range(200)])
+        assert wait_committed(services.bootstrap, topic, 60)  # three batches of 20
+        assert wait_until(lambda: blocked_statement(services.pg_dsn, "stopped-a") is not None), a.log
+        os.kill(a.proc.pid, signal.SIGSTOP)
+        stopped = epoch(services.pg_dsn, outbox)
+        blocked = blocked_statement(services.pg_dsn, "stopped-a")
+        assert blocked is not None and "checkpoint_position" in blocked[1], blocked  # purge_checkpointed
+        held.execute("SELECT pg_cancel_backend(%s)", (blocked[0],))
+        held.rollback()
+        assert count(services.pg_dsn, outbox) == 200  # committed to Kafka, none purged
+        # LeaderAcquired comes before the term's bump of the fence row: the old leader resumes once
+        # the new term holds it.
+        assert b.wait_for("LeaderAcquired", timeout=30), b.log
+        assert wait_until(lambda: epoch(services.pg_dsn, outbox) > stopped)
+        os.kill(a.proc.pid, signal.SIGCONT)
+        assert wait_drained(services.pg_dsn, outbox, timeout=60) == 0
+        got = read_messages(services.bootstrap, [topic], 200, **COMMITTED)
+    finally:
+        held.close()
+        a.terminate()
+        if b is not None:
+            b.terminate()
+        delete_topics(services.bootstrap, [f"{group}.neli", f"{group}.checkpoints"])
+    verdict = check(got, {f"k{i}": 10 for i in range(20)})
+    assert verdict.lost == [] and verdict.out_of_order == [] and verdict.duplicates == 0, verdict

@@ -24,6 +24,7 @@ from harvester.postgres.log.logical import LogSetup
 from harvester.postgres.log.store import LogStore
 from harvester.postgres.schema.identifiers import TableName
 from harvester.postgres.table.store import PostgresStore
+from tests.chaos import audit
 from tests.engine.workload import check, insert, wait_drained, wait_until, writing
 from tests.log.conftest import slot_position, stored_done
 from tests.proc.processes import HarvesterProcess, harvester_spec
@@ -213,30 +214,9 @@ def test_a_fenced_reader_moves_neither_the_slot_nor_the_table(logical_dsn: str, 
         new.close()
 
 
-def install_audit(dsn: str, table: TableName) -> TableName:
-    """Record which connection (application_name) updated or deleted which outbox row, and when."""
-    audit = TableName(table.schema, "audit")
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(
-            sql.SQL(
-                "CREATE TABLE {a} (app TEXT, op TEXT, id BIGINT, at TIMESTAMPTZ DEFAULT clock_timestamp());"
-                "CREATE FUNCTION {f}() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
-                "INSERT INTO {a} (app, op, id) VALUES (current_setting('application_name'), TG_OP, OLD.id); "
-                "RETURN NULL; END $$;"
-                "CREATE TRIGGER audit AFTER UPDATE OR DELETE ON {t} FOR EACH ROW EXECUTE FUNCTION {f}();"
-            ).format(a=audit.ident, f=TableName(table.schema, "audit_fn").ident, t=table.ident)
-        )
-    return audit
-
-
-def deleted_by(dsn: str, audit: TableName, name: str, after: float = 0.0) -> int:
-    """Outbox rows the harvester process ``name`` deleted after ``after`` (epoch seconds)."""
-    with psycopg.connect(dsn) as conn:
-        row = conn.execute(
-            sql.SQL("SELECT count(*) FROM {} WHERE app LIKE %s AND at > to_timestamp(%s)").format(audit.ident),
-            (f"%{name}%", after),
-        ).fetchone()
-    return int(row[0]) if row else 0
+def deleted_by(dsn: str, trail: TableName, name: str) -> int:
+    """Outbox rows the harvester process ``name`` deleted, as the audit recorded them."""
+    return sum(1 for c in audit.history(dsn, trail) if c.kind == "DELETE" and c.app.endswith(f" {name}"))
 
 
 @pytest.mark.slow
@@ -254,11 +234,13 @@ def test_failover_resumes_at_the_slot_with_nothing_lost(
     retention: int,
 ) -> None:
     """SIGKILL the leader mid-stream, then SIGSTOP the next one past its session: each successor
-    resumes where the slot stands; the paused one changes no row after the takeover. With a
-    retention window (1 s), delivered rows stay and go in bulk deletes, and a successor resumes
-    after the position stored done."""
+    resumes where the slot stands; the paused one changes no row, fence row or slot position after
+    the takeover (the chaos runs' audit, tests/chaos/audit.py). With a retention window (1 s),
+    delivered rows stay and go in bulk deletes, and a successor resumes after the position stored
+    done."""
     topic = topics(partitions=3)
-    audit = install_audit(logical_dsn, log_outbox)
+    trail = audit.install(logical_dsn, log_outbox)
+    slot = audit.SlotWatch(logical_dsn, HarvesterConfig(outbox_table=log_outbox.qualified).slot)
     group = unique("logfail")
 
     def spec(name: str) -> dict[str, object]:
@@ -270,10 +252,11 @@ def test_failover_resumes_at_the_slot_with_nothing_lost(
 
     def progress(name: str) -> int:
         """Rows ``name`` deleted; with a retention window (rows stay), the position stored done."""
-        return stored_done(logical_dsn, log_outbox) if retention else deleted_by(logical_dsn, audit, name)
+        return stored_done(logical_dsn, log_outbox) if retention else deleted_by(logical_dsn, trail, name)
 
     a = HarvesterProcess(spec("killed-a"))
     b = c = None
+    slot.start()
     try:
         assert a.wait_for("LeaderAcquired"), a.log
         b = HarvesterProcess(spec("paused-b"))
@@ -289,17 +272,20 @@ def test_failover_resumes_at_the_slot_with_nothing_lost(
         os.kill(b.proc.pid, signal.SIGSTOP)
         assert c.wait_for("LeaderAcquired", timeout=30), c.log
         time.sleep(2.0)
-        takeover = time.time()
         os.kill(b.proc.pid, signal.SIGCONT)
         writer.join()
         if not retention:  # with one, delivered rows stay a window or two: the records tell
             assert wait_drained(logical_dsn, log_outbox, timeout=90) == 0
         messages = read_messages(services.bootstrap, [topic], 1800, timeout=90, **COMMITTED)
-        assert deleted_by(logical_dsn, audit, "paused-b", after=takeover) == 0  # b deleted nothing after c took over
     finally:
+        slot.stop()
         for p in (a, b, c):
             if p is not None:
                 p.terminate()
+    history = audit.history(logical_dsn, trail) + slot.confirmations()
+    terms = [c.app.split()[-1] for c in history if c.kind == audit.TERM]
+    assert terms[:3] == ["killed-a", "paused-b", "standby-c"], terms
+    assert audit.past_fence(history) == []
     verdict = check(messages, {f"k{i}": 60 for i in range(30)})
     assert verdict.lost == [] and verdict.out_of_order == [] and verdict.unexpected == 0
     if delivery == "exactly_once":

@@ -10,6 +10,8 @@ import threading
 import time
 from typing import Any
 
+import psycopg
+
 from harvester.postgres.schema.identifiers import TableName
 from tests.support import ROOT
 
@@ -95,3 +97,14 @@ def harvester_spec(
         "limits": limits,
         **settings,
     }
+
+
+def blocked_statement(dsn: str, name: str) -> tuple[int, str] | None:
+    """The server pid and text of harvester process ``name``'s statement that waits for a lock, if
+    one does (a test holding a lock stops a process at a known point)."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT pid, query FROM pg_stat_activity WHERE application_name = %s AND wait_event_type = 'Lock'",
+            (f"outbox-harvester {name}",),
+        ).fetchone()
+    return None if row is None else (int(str(row[0])), str(row[1]))
