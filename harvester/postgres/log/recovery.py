@@ -15,7 +15,7 @@ statements, under the same fence and term) up to that head. A row the new slot w
 committed before the slot was created: it was visible when the head was read, so its id is at most
 the head. A row the harvest takes that the slot does show (committed after the slot's start) is
 deleted before the stream starts, and the stream skips it as gone (the term's start, which
-``LogStore._gone`` compares with, is moved past the harvest). Once nothing it handed out is
+``TableRows.gone`` (rows.py) compares with, is moved past the harvest). Once nothing it handed out is
 pending, the recovery mark is cleared (fenced) and the leader streams the new slot. A leader that
 dies mid-recovery leaves the mark: the next one finishes the harvest first, so no new slot is
 streamed while rows older than it wait in the table.
