@@ -421,7 +421,7 @@ def test_a_transaction_goes_out_only_once_its_rows_are_visible(logical_dsn: str,
         insert(logical_dsn, log_outbox, [("t", "k", "k:0")])
 
         def received() -> bool:
-            store._read(1)  # without handing anything out
+            store._reader.read(1)  # without handing anything out
             return bool(store.txns.kept) and not store.txns.receiving
 
         assert wait_until(received)

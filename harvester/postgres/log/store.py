@@ -23,52 +23,30 @@ from typing import Any
 from uuid import UUID
 
 import psycopg
-import structlog
 from psycopg import sql
 
-from harvester.core.protocols import FencedError, SourceSample, StoreError
+from harvester.core.protocols import SourceSample, StoreError
 from harvester.core.records import Failure, MarkedRecord
 from harvester.postgres.log import logical, pgoutput
 from harvester.postgres.log.logical import LogSetup
 from harvester.postgres.log.parts import Decoding, Finish, Rows
-from harvester.postgres.log.recovery import Harvest, RecoveryStatements, SlotLostError, unrecoverable
-from harvester.postgres.log.replication import StreamError
+from harvester.postgres.log.reading import Reader
+from harvester.postgres.log.recovery import LostSlot, SlotLostError
 from harvester.postgres.log.slot import SlotStream
 from harvester.postgres.log.spill import Budget
 from harvester.postgres.log.streamed import Received
 from harvester.postgres.log.transactions import Taken, Transaction, Transactions, reached
-from harvester.postgres.log.visibility import INVISIBLE_RECHECK, visible
+from harvester.postgres.log.visibility import visible
 from harvester.postgres.schema.catalog import OutboxColumns
 from harvester.postgres.schema.migrations import fence_table
 from harvester.postgres.table.store import PostgresStore
 
-# Messages one read takes from the stream at most (completions wait for the stream meanwhile).
-_READ_MESSAGES = 5_000
-# An idle leader confirms how far the server decoded this often, so the slot moves past what other
-# tables write while the outbox is idle; and once as soon as it is idle after handing records out.
-_IDLE_CONFIRM_SECONDS = 10.0
-# Read on while fewer records than this wait in the buffer, and at least this often in any case.
-_READ_AHEAD = 20_000
-_READ_SECONDS = 1.0
-# A transaction still coming hands out what arrived after this long (it may come slowly).
-_TRICKLE_SECONDS = 0.02
-# A status update at least this often, whatever else happens, within the walsender's timeout, which
-# the stream sets (PostgreSQL 12+; the default is 60 s).
-_STATUS_SECONDS = 10.0
+# The walsender's timeout the stream sets (PostgreSQL 12+; the default is 60 s), above the reader's
+# status interval (reading.py).
 _SENDER_TIMEOUT = "30s"
 # The encoding the decoding session sends text in (values come in their binary forms, whose text
 # is in the client's encoding): fixed, whatever the server's default is.
 _SESSION = "-c client_encoding=UTF8"
-
-log = structlog.get_logger("harvester.log_source")
-# What starting a stream answers when the slot is gone (undefined_object) or invalidated
-# (object_not_in_prerequisite_state: "can no longer get changes from replication slot").
-_SLOT_GONE = {"42704": "does not exist", "55000": "was invalidated by the server"}
-# A lost slot's harvest waits for what the old stream handed out to settle while it does, or until
-# none has for this long: a record handed out and then dropped (a failed statement's mark, a remark
-# that dropped what waited behind its keys) never settles. Harvesting one still in flight repeats at
-# most its key's run, as a crash would.
-_DRAIN_QUIET_SECONDS = 2.0
 
 
 class LogStore(PostgresStore):
@@ -114,15 +92,9 @@ class LogStore(PostgresStore):
         # Exactly-once: (checkpoint position, its records' transactions) of purged batches whose
         # position is not stored yet.
         self._batches: deque[tuple[int, list[Transaction]]] = deque()
-        self._next_idle_confirm = 0.0  # monotonic time (mark thread only)
-        # Records went out since the last idle confirmation: the next one is due as soon as all are
-        # done (what their completions wrote, deletes or the stored position, lies past them).
-        self._handed_since_idle = False
-        self._next_read = 0.0  # ... and the next read while records wait in the buffer
+        self._reader = Reader(self, finish, setup.slot)
         self._takeover: sql.Composed | None = None
-        self._recovery = RecoveryStatements.build(setup.table)
-        self._harvest: Harvest | None = None  # a lost slot's recovery under way in this term
-        self.slot_recoveries = 0  # lost slots recovered by this store (harvester_log_slot_recoveries)
+        self._lost = LostSlot(self, setup, finish, recoverable=rows.recoverable)
         # Records done whose rows a recovery deleted, for durable() to report (a stored position
         # would have covered them): guarded by state.
         self.released: set[int] = set()
@@ -140,12 +112,7 @@ class LogStore(PostgresStore):
                 raise self.db.failed(conn, exc, started) from exc
             except psycopg.Error as exc:
                 raise StoreError(f"checking the log source failed: {exc.sqlstate or type(exc).__name__}") from exc
-            absent = f"replication slot {self._setup.slot} does not exist"
-            if any(p.startswith(absent) for p in problems):
-                if self._rows.recoverable:  # a lost slot: the leader recovers it (recovery.py)
-                    problems = [p for p in problems if not p.startswith(absent)]
-                elif self.db.run(self._ever_read, (self.table.qualified,)):
-                    raise unrecoverable(absent)
+            problems = self._lost.unless_recovered(problems)
             if problems:
                 raise StoreError(f"log source: {problems[0]}")
             self.txns = self._outbox_messages()
@@ -162,11 +129,6 @@ class LogStore(PostgresStore):
 
     def _read_columns(self, conn: psycopg.Connection[Any]) -> OutboxColumns:
         return self._decoding.columns(conn, self.table)
-
-    @property
-    def _ever_read(self) -> sql.Composed:
-        """Whether a leader of the outbox ever stored a position read from its slot."""
-        return sql.SQL("SELECT FROM {} WHERE outbox_table = %s AND log_lsn > 0").format(fence_table(self.table).ident)
 
     def _outbox_messages(self) -> Transactions:
         """The bookkeeping of the outbox's messages in the stream (of its table's, if it has one)."""
@@ -187,8 +149,7 @@ class LogStore(PostgresStore):
         epoch = super().acquire(leader_id)
         # A previous leader deleted rows only before this bump: only transactions that committed
         # before it can hold records it delivered.
-        row = self.db.run("SELECT pg_current_wal_lsn()::text", ())
-        self._term_lsn = pgoutput.lsn_value(str(row[0][0]))
+        self.start_term_here()
         lost: SlotLostError | None = None
         try:
             self.slot.take_over()
@@ -197,13 +158,23 @@ class LogStore(PostgresStore):
         with self.state:
             self.txns.new_term()
             self._batches.clear()
-            self._harvest = None
+            self._lost.harvest = None
         if lost is not None:
-            self._recover(str(lost))
-        elif self._fenced_mark(self._recovery.read):
-            self._recover(f"replication slot {self._setup.slot} was being recovered by an earlier leader")
+            self._lost.begin(str(lost))
+        else:
+            self._lost.resume()
         self._finish.acquired()
         return epoch
+
+    def start_term_here(self) -> None:
+        """The stream's records of transactions that committed before now may be gone (rows.py)."""
+        row = self.db.run("SELECT pg_current_wal_lsn()::text", ())
+        self._term_lsn = pgoutput.lsn_value(str(row[0][0]))
+
+    @property
+    def slot_recoveries(self) -> int:
+        """Lost slots recovered by this store (harvester_log_slot_recoveries)."""
+        return self._lost.recoveries
 
     def _take_over(self) -> int:
         """Terminate the slot's other reader under the fence; the slot's confirmed position."""
@@ -215,98 +186,6 @@ class LogStore(PostgresStore):
         if found[0][2]:
             raise SlotLostError(f"replication slot {self._setup.slot} was invalidated by the server (wal_status lost)")
         return pgoutput.lsn_value(str(found[0][0]))
-
-    # ------------------------------------------------------------------ a lost slot (recovery.py)
-
-    def _fenced_mark(self, statement: sql.Composed) -> int:
-        """Run one of the recovery mark's statements under the fence; the mark."""
-        rows = self.db.run(statement, self.fence.guard)
-        if not rows:
-            self.fence.check_epoch()
-            raise FencedError(f"fenced: epoch {self.fence.epoch} superseded")
-        return int(rows[0][0])
-
-    def _recover(self, lost: str) -> None:
-        """Begin (or resume) the recovery of a lost slot: marked under way in the fence row, its
-        harvest then runs in the next marks. A table-less outbox stops instead."""
-        if not self._rows.recoverable:
-            raise unrecoverable(lost)
-        self.slot.close()
-        self._fenced_mark(self._recovery.begin)
-        with self.state:
-            held = self.txns.held_ids()
-        if held:  # delivered, waiting for the stored position to cover them: their rows go now
-            self.delete_rows(held)
-        with self.state:
-            draining = self.txns.in_flight()
-            self.txns.new_term()  # what the lost slot sent is in the table, or done
-            self._harvest = Harvest(lost, draining=draining)
-            self.released.update(held)
-        log.info("log_slot_lost", slot=self._setup.slot, error=lost)
-
-    def _harvesting(self) -> Harvest | None:
-        with self.state:
-            return self._harvest
-
-    def _harvest_mark(self, harvest: Harvest, leader_id: UUID, limit: int) -> list[MarkedRecord] | None:
-        """The next rows of the recovery's harvest, as mark-purge marks them; None once it is over
-        (nothing left up to its head, nothing it handed out pending): the stream goes on then."""
-        with self.state:
-            draining = bool(harvest.draining)
-        if draining and time.monotonic() - harvest.progress < _DRAIN_QUIET_SECONDS:
-            return []
-        if harvest.head < 0:
-            conn = self.db.conn()
-            try:
-                created = logical.recreate(conn, self._setup)
-            except psycopg.OperationalError as exc:
-                raise self.db.failed(conn, exc, time.monotonic()) from exc
-            except psycopg.Error as exc:
-                raise StoreError(f"creating the replication slot failed: {exc.sqlstate or type(exc).__name__}") from exc
-            if created:  # a new slot: the head is read again after it (the first may have been lost too)
-                self._fenced_mark(self._recovery.restart)
-            self._finish.before_harvest()
-            harvest.head = self._fenced_mark(self._recovery.head)
-        batch = PostgresStore.mark(self, leader_id, limit) if harvest.head > 0 else []
-        beyond = [r.id for r in batch if r.id > harvest.head]  # committed after the slot's start
-        if beyond:
-            PostgresStore.reset(self, beyond)  # not handed out here: the stream hands them out
-        out = [r for r in batch if r.id <= harvest.head]
-        with self.state:
-            harvest.pending.update(r.id for r in out)
-            busy = bool(harvest.pending)
-        if out or busy:
-            return out
-        self._fenced_mark(self._recovery.end)
-        # The stream skips the rows the harvest deleted (_gone): of transactions that committed before now.
-        row = self.db.run("SELECT pg_current_wal_lsn()::text", ())
-        self._term_lsn = pgoutput.lsn_value(str(row[0][0]))
-        with self.state:
-            self._harvest = None
-        self.slot_recoveries += 1
-        log.warning(
-            "log_slot_recovered",
-            slot=self._setup.slot,
-            error=harvest.why,
-            head_id=harvest.head,
-            delivered=harvest.delivered,
-            dead_lettered=harvest.dead_lettered,
-            seconds=round(time.monotonic() - harvest.started, 3),
-        )
-        return None
-
-    def _table_purge(self, ids: Sequence[int], position: int | None = None) -> bool:
-        """While a recovery is under way, delete ``ids`` as mark-purge does (with the checkpoint
-        ``position``, exactly once), whichever store handed them out: the lost slot's records in
-        flight too, and the rows of committed checkpoints a new term recovers, so the harvest
-        publishes none of them again. False when no recovery is under way."""
-        harvest = self._harvesting()
-        if harvest is None:
-            return False
-        self.delete_rows(ids, position)
-        with self.state:
-            harvest.settled(ids, delivered=True)
-        return True
 
     def _stream_started(self) -> None:
         with self.state:
@@ -320,9 +199,9 @@ class LogStore(PostgresStore):
         return out
 
     def _mark(self, leader_id: UUID, limit: int) -> list[MarkedRecord]:
-        harvest = self._harvesting()
+        harvest = self._lost.harvesting()
         if harvest is not None:
-            rows = self._harvest_mark(harvest, leader_id, limit)
+            rows = self._lost.mark(harvest, leader_id, limit)
             if rows is not None:
                 return rows
         with self.state:
@@ -334,28 +213,13 @@ class LogStore(PostgresStore):
             waiting = self.txns.waiting
         if not waiting:
             try:
-                self._read(limit)
+                self._reader.read(limit)
             except SlotLostError as exc:
-                self._recover(str(exc))
+                self._lost.begin(str(exc))
                 return []
-        elif waiting < _READ_AHEAD or time.monotonic() > self._next_read:
-            # Ahead while records go out; and the server's keepalives answered.
-            self._next_read = time.monotonic() + _READ_SECONDS
-            self.receive(self.slot.read_open(_READ_MESSAGES))
-        # The stream is still wanted, however long the buffer takes to drain.
-        self.slot.keep_alive(_STATUS_SECONDS)
+        self._reader.ahead(waiting)
         out = self._hand_out(leader_id, limit)
-        with self.state:
-            settled = self.txns.settled(self.slot.advanced)
-            idle = (
-                not out and self.txns.idle and (self._handed_since_idle or time.monotonic() > self._next_idle_confirm)
-            )
-        if out:
-            self._handed_since_idle = True
-        if settled and not out:
-            self._finish.advance_to(settled)
-        if idle:
-            self._confirm_idle()
+        self._reader.handed_out(out)
         return out
 
     def _hand_out(self, leader_id: UUID, limit: int) -> list[MarkedRecord]:
@@ -395,57 +259,6 @@ class LogStore(PostgresStore):
         """The decoder of one transaction streamed in progress (streamed.py)."""
         return self._decoding.stream_decoder(self._outbox_oid)
 
-    def _confirm_idle(self) -> None:
-        """Confirm how far the server decoded, all received being done: the slot moves past what
-        other tables wrote meanwhile, which an idle outbox would otherwise keep in the log. After
-        records went out, tried on each idle mark until it moves the slot (the server's keepalives
-        tell how far it decoded), then every :data:`_IDLE_CONFIRM_SECONDS`."""
-        end = self.slot.server_end
-        if end > self.slot.advanced:
-            self._finish.advance_to(end)
-        elif self._handed_since_idle:
-            return
-        self._next_idle_confirm = time.monotonic() + _IDLE_CONFIRM_SECONDS
-        self._handed_since_idle = False
-
-    def _read(self, want: int) -> None:
-        """Receive what the stream has, until ``want`` records wait, or a transaction came whole,
-        or nothing more has arrived. While a transaction is half received (or streamed in part,
-        before its commit), wait for more of it here: the walsender sends a large one at its own
-        pace, a few messages per read, and ending the mark at each read made one mark per few
-        records (75,000 while a 300,000-record transaction came in). What came within
-        :data:`_TRICKLE_SECONDS` goes out then, whatever its number, and a read that receives
-        nothing to hand out (nothing at all, or a transaction streamed in progress that keeps
-        coming) ends after :data:`_READ_SECONDS`."""
-        restarted = False
-        started = time.monotonic()
-        while True:
-            self._next_read = time.monotonic() + _READ_SECONDS
-            try:
-                messages, drained = self.slot.read(_READ_MESSAGES)
-            except StreamError as exc:
-                if exc.sqlstate in _SLOT_GONE:  # dropped or invalidated since the take-over looked
-                    raise SlotLostError(f"replication slot {self._setup.slot} {_SLOT_GONE[exc.sqlstate]}") from exc
-                # Broken (the server's wal_sender_timeout while nobody read, a restart): once more
-                # from the slot's position, skipping what was received; then the engine's retry.
-                if restarted:
-                    raise
-                restarted = True
-                continue
-            self.receive(messages)
-            with self.state:
-                waiting, receiving = self.txns.waiting, self.txns.receiving
-            receiving = receiving or self.slot.in_progress
-            now = time.monotonic()
-            if waiting and (not receiving or waiting >= want or now - started > _TRICKLE_SECONDS):
-                return
-            if now - started > _READ_SECONDS:
-                return
-            if drained:
-                left = started + (_TRICKLE_SECONDS if waiting else _READ_SECONDS) - now
-                if not receiving or left <= 0 or not self.slot.wait(left):
-                    return
-
     def receive(self, messages: list[Received]) -> None:
         with self.state:
             self.txns.receive(messages)
@@ -456,7 +269,7 @@ class LogStore(PostgresStore):
         """Exactly-once: as the finish part does (:mod:`.parts`). A purge of ids this term did not
         hand out (the recovery of committed checkpoints) deletes their rows and remembers them as
         done; it leaves the position where it is."""
-        if not self._table_purge(ids, position):
+        if not self._lost.purge(ids, position):
             self._finish.purge_checkpointed(ids, position)
 
     def checkpointed(self, ids: Sequence[int], position: int) -> tuple[int, int, int]:
@@ -476,7 +289,7 @@ class LogStore(PostgresStore):
     def purge(self, ids: Sequence[int]) -> None:
         """Delivered records are done, as the finish part makes them (a delete, a stored position);
         while a lost slot is recovered, deleted as mark-purge does (recovery.py)."""
-        if not self._table_purge(ids):
+        if not self._lost.purge(ids):
             self._finish.purge(ids)
 
     def dead_letter(self, failures: Sequence[Failure], leader_id: UUID) -> None:
@@ -485,7 +298,7 @@ class LogStore(PostgresStore):
         if not self._rows.dead_letter(failures, leader_id):
             return
         ids = [f.id for f in failures]
-        harvest = self._harvesting()
+        harvest = self._lost.harvesting()
         if harvest is not None:
             with self.state:
                 harvest.settled(ids, dead_lettered=True)
@@ -495,9 +308,9 @@ class LogStore(PostgresStore):
     def reset(self, ids: Sequence[int]) -> None:
         """Nothing in the table: the records stay in memory and the next pass hands them out again
         (a recovery's harvest marks them again, as mark-purge does)."""
-        harvest = self._harvesting()
+        harvest = self._lost.harvesting()
         if harvest is not None:
-            PostgresStore.reset(self, ids)
+            self.reset_rows(ids)
             with self.state:
                 harvest.settled(ids)
 
@@ -508,8 +321,9 @@ class LogStore(PostgresStore):
     def completed(self, ids: Sequence[int], *, follow: bool = True) -> int:
         """:meth:`Transactions.completed` (caller holds ``state``); a recovery that began since
         the statement about ``ids`` was sent no longer waits for them (recovery.py)."""
-        if self._harvest is not None:
-            self._harvest.settled(ids)
+        harvest = self._lost.harvest
+        if harvest is not None:
+            harvest.settled(ids)
         return self.txns.completed(ids, self.slot.advanced, follow=follow)
 
     def confirm(self, lsn: int) -> None:
@@ -517,6 +331,14 @@ class LogStore(PostgresStore):
         found the epoch current. No error reaches the caller: the records are done either way (a
         stream that broke meanwhile is followed by one that reports it when it starts)."""
         self.slot.confirm(lsn)
+
+    def mark_rows(self, leader_id: UUID, limit: int) -> list[MarkedRecord]:
+        """Mark the table's rows as mark-purge does (a lost slot's harvest)."""
+        return PostgresStore.mark(self, leader_id, limit)
+
+    def reset_rows(self, ids: Sequence[int]) -> None:
+        """Make the rows of ``ids`` eligible for the next :meth:`mark_rows` (mark-purge's reset)."""
+        PostgresStore.reset(self, ids)
 
     def forget(self, ids: Sequence[int]) -> None:
         """``ids`` are done: the rows part drops what it kept of them (caller holds ``state``)."""
@@ -547,24 +369,17 @@ class LogStore(PostgresStore):
         return self._finish.durable(ids)
 
     def wait_for_insert(self, timeout: float) -> bool:
-        """Until the stream has something to read (or, before it started, as the mark-purge store).
-        While a received transaction waits to become visible (:mod:`.visibility`), at most
-        ``INVISIBLE_RECHECK``: the stream may stay quiet, and the engine's idle back-off would hold
-        its records back for as long."""
+        """Until the stream has something to read (:meth:`.reading.Reader.wait`); before it
+        started, as the mark-purge store."""
         if not self.slot.streaming:
             return super().wait_for_insert(timeout)
-        with self.state:
-            waiting = self.txns.waiting
-        if waiting:
-            self.slot.wait(min(timeout, INVISIBLE_RECHECK))
-            return True
-        return self.slot.wait(timeout)
+        return self._reader.wait(timeout)
 
     def sample(self, leads: bool) -> SourceSample:
-        """The meter's sample (:class:`~harvester.core.protocols.SourceGauges`): the table's head; the
-        lag this leader holds of what it received (``leads``: the commit of the oldest transaction with
-        records not done, from its own bookkeeping); the slot's bytes (not consumed, retained), when
-        they can be read."""
+        """The meter's sample (:class:`~harvester.core.protocols.SourceGauges`): the head, as the
+        finish part knows it; the lag this leader holds of what it received (``leads``: the commit of
+        the oldest transaction with records not done, from its own bookkeeping); the slot's bytes (not
+        consumed, retained), when they can be read."""
         backlog, age = self.head()
         with self.state:
             received = self.txns.oldest_age() if leads else None
