@@ -1,16 +1,17 @@
 """The log source: the outbox's inserts read from a logical replication slot (``pgoutput`` over a
 publication of the table), in commit order, instead of marked in the table.
 
-The leader streams the slot (:mod:`harvester.postgres.log.slot`); the received transactions are
-kept until all their records are done (:mod:`harvester.postgres.log.transactions`), then the done
-prefix is confirmed to the server, which moves the slot. A confirmation follows a fenced statement
-of the same round (the delete of the delivered rows, or an epoch check), and a new leader, once it
-holds the newer epoch, terminates whatever walsender still reads the slot: a paused old leader that
-wakes moves neither the slot nor the table. A new leader streams from where the slot stands: at
-least once, it republishes what was not confirmed; exactly once, it first recovers the committed
-checkpoints (their ids count as done when the slot sends them), and a record whose row an earlier
-term deleted is skipped, so nothing committed to Kafka is published again. ``mark(leader_id, ...)``
-keeps the engine's meaning: a new leader id starts a new pass over what is not done yet.
+The leader streams the slot (:mod:`harvester.postgres.log.slot`); the received transactions are kept
+until all their records are done (:mod:`harvester.postgres.log.transactions`), then the done prefix
+is confirmed to the server, which moves the slot. A confirmation follows a fenced statement of the
+same round (the finish part's delete of the delivered rows or stored position, or an epoch check),
+and a new leader, once it holds the newer epoch, terminates whatever walsender still reads the slot:
+a paused old leader that wakes moves neither the slot nor the table. A new leader streams from where
+the slot stands: at least once, it republishes what was not confirmed; exactly once, it first
+recovers the committed checkpoints (their ids count as done when the slot sends them), and a record
+whose row an earlier term deleted is skipped, so nothing committed to Kafka is published again.
+``mark(leader_id, ...)`` keeps the engine's meaning: a new leader id starts a new pass over what is
+not done yet.
 """
 
 from __future__ import annotations
@@ -86,7 +87,8 @@ class LogStore(PostgresStore):
             dsn, connect_timeout=5, application_name=self.db.application_name, options=self.db.options
         )
         self._outbox_oid = 0  # the table's oid, whose inserts the stream decoder decodes (0 until prepared)
-        self.state = threading.Lock()  # guards everything below (mark and completion threads)
+        # Guards txns, _batches, released and the lost slot's harvest (mark and completion threads).
+        self.state = threading.Lock()
         self.txns = Transactions(b"I", b"", 1, budget=self._budget)  # the outbox's oid is known once prepared
         self._term_lsn = 0  # the end of the log when this term began
         # Exactly-once: (checkpoint position, its records' transactions) of purged batches whose
@@ -361,7 +363,7 @@ class LogStore(PostgresStore):
         return PostgresStore.head(self)
 
     def head(self) -> tuple[int, float | None]:
-        """The backlog and the age of its oldest record, as the finish part knows them."""
+        """The backlog and its oldest record's age, as the finish part knows them."""
         return self._finish.head()
 
     def durable(self, ids: Sequence[int]) -> list[int]:
