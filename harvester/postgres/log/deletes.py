@@ -39,15 +39,13 @@ class Deletes:
         with ledger.state:
             target, _, safe = ledger.checkpointed(ids, position)
         ledger.delete_rows(ids, safe)
-        if target:
-            ledger.confirm(target)
+        ledger.confirm(target)
 
     def done(self, ids: Sequence[int], *, purged: bool = True) -> None:
         ledger = self._ledger
         with ledger.state:
             target = ledger.completed(ids, follow=purged)
-        if target:
-            ledger.confirm(target)
+        ledger.confirm(target)
 
     def advance_to(self, lsn: int) -> None:
         """Confirm ``lsn`` after checking, in a fenced statement, that the epoch is still ours."""

@@ -124,8 +124,7 @@ class StoredPosition:
             ledger.forget(ids)
         if target or safe:
             self.store(reach, safe)
-        if target:
-            ledger.confirm(target)
+        ledger.confirm(target)
 
     def done(self, ids: Sequence[int], *, purged: bool = True) -> None:
         ledger = self._ledger
@@ -137,8 +136,7 @@ class StoredPosition:
             ahead = now > self._position
         if ahead:
             self.store(now[0], 0, partial)
-        if target:
-            ledger.confirm(target)
+        ledger.confirm(target)
 
     def advance_to(self, lsn: int) -> None:
         """Store ``lsn`` done under the fence (with the done prefix after it), then confirm the slot

@@ -329,10 +329,11 @@ class LogStore(PostgresStore):
         return self.txns.completed(ids, self.slot.advanced, follow=follow)
 
     def confirm(self, lsn: int) -> None:
-        """Report everything before ``lsn`` consumed; call only right after a fenced statement
-        found the epoch current. No error reaches the caller: the records are done either way (a
-        stream that broke meanwhile is followed by one that reports it when it starts)."""
-        self.slot.confirm(lsn)
+        """Report everything before ``lsn`` (0: nothing) consumed; call only right after a fenced
+        statement found the epoch current. No error reaches the caller: the records are done either
+        way (a stream that broke meanwhile is followed by one that reports it when it starts)."""
+        if lsn:
+            self.slot.confirm(lsn)
 
     def mark_rows(self, leader_id: UUID, limit: int) -> list[MarkedRecord]:
         """Mark the table's rows as mark-purge does (a lost slot's harvest)."""
