@@ -43,10 +43,9 @@ from rss import PeakRss, own_pids
 from steady import Steady, steady
 
 from harvester import Limits, TableName
+from harvester.compose import log_store as compose_log_store
 from harvester.postgres.log import logical
 from harvester.postgres.log.logical import LogSetup
-from harvester.postgres.log.message_store import MessageStore
-from harvester.postgres.log.retention import RetainingLogStore
 from harvester.postgres.log.store import LogStore
 from harvester.postgres.schema import migrations
 from harvester.postgres.schema.message_format import default_prefix
@@ -175,12 +174,10 @@ def harvester_relay(
         migrations.ensure(conn, table, "fence")
         logical.create(conn, setup)
         every = limits.vacuum_every_records
-        if source == RETAIN:
-            log_store = RetainingLogStore(harvest.DSN, setup, RETENTION, vacuum_every=every, transaction_memory=memory)
-        else:
-            log_store = (MessageStore if source == MESSAGES else LogStore)(
-                harvest.DSN, setup, vacuum_every=every, transaction_memory=memory
-            )
+        retention = RETENTION if source == RETAIN else None
+        log_store = compose_log_store(
+            harvest.DSN, setup, retention=retention, vacuum_every=every, transaction_memory=memory
+        )
         log_store.prepare()
     engine, store = run_engine(table, limits, store=log_store)
     try:

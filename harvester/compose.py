@@ -1,7 +1,8 @@
 """The composition root: the one module that knows which concrete classes a harvester is made of.
 
 From a :class:`~harvester.config.HarvesterConfig` it builds the store (by the source: the table's
-mark-purge store, or the log source over a table, with a retention window, or table-less), the
+mark-purge store, or the log source composed of its parts: over a table, with a retention window,
+table-less, or of Debezium's layout, :func:`log_store`), the
 dispatcher (by the delivery mode) over a Kafka publisher, and the elector; a
 :class:`~harvester.harvester.Harvester` runs what it builds. Everything else programs against the
 core's protocols (docs/architecture.md, "Building a harvester").
@@ -27,14 +28,21 @@ from harvester.core.identity import IdentityHeaders
 from harvester.core.meter import HeadGauges
 from harvester.core.metrics import HarvesterMetrics
 from harvester.core.protocols import BatchScope, DeliveryCallback, Elector, Publisher, SourceGauges
+from harvester.event_router import EventRouter
 from harvester.kafka.process_publisher import ProcessPublisher, runs_in_child
 from harvester.kafka.publisher import KafkaPublisher, producer_config
 from harvester.kafka.topics import ensure_checkpoints
 from harvester.kafka.transactions import KafkaTransactionalPublisher
-from harvester.postgres.log.event_router_store import RetainingRouterStore, RouterStore
-from harvester.postgres.log.message_store import MessageStore
+from harvester.postgres.log.decoding import TableInserts
+from harvester.postgres.log.deletes import Deletes
+from harvester.postgres.log.event_router_layout import RouterInserts
+from harvester.postgres.log.logical import LogSetup
+from harvester.postgres.log.messages import LogicalMessages
+from harvester.postgres.log.parts import Decoding, Finish, Rows
+from harvester.postgres.log.position import StoredPosition
 from harvester.postgres.log.recovery import SlotRecoveries
-from harvester.postgres.log.retention import RetainingLogStore
+from harvester.postgres.log.retention import RetentionWindow
+from harvester.postgres.log.rows import RowLess, TableRows
 from harvester.postgres.log.spill import spill_directory
 from harvester.postgres.log.store import LogStore
 from harvester.postgres.table.store import PostgresStore
@@ -61,24 +69,38 @@ def source(config: HarvesterConfig) -> Source:
         case "mark_purge":
             table = PostgresStore(dsn, config.table, **options)
             return Source(table, HeadGauges(table))
-        case "log" if config.log_messages:
-            messages = MessageStore(dsn, config.log_setup, **options)
-            return Source(messages, messages)
-        case "log" if config.event_router is not None:  # layout debezium
-            router: RouterStore
-            if config.log_retention:
-                retention = config.log_retention.total_seconds()
-                setup, layout = config.log_setup, config.event_router
-                router = RetainingRouterStore(dsn, setup, layout, retention=retention, **options)
-            else:
-                router = RouterStore(dsn, config.log_setup, config.event_router, **options)
-            return Source(router, router)
-        case "log" if config.log_retention:
-            retaining = RetainingLogStore(dsn, config.log_setup, config.log_retention.total_seconds(), **options)
-            return Source(retaining, retaining, (SlotRecoveries(retaining),))
         case "log":
-            log = LogStore(dsn, config.log_setup, **options)
-            return Source(log, log, (SlotRecoveries(log),))
+            retention = config.log_retention.total_seconds() if config.log_retention else None
+            log = log_store(dsn, config.log_setup, retention=retention, router=config.event_router, **options)
+            # Only a table's rows recover a lost slot (a table-less or Debezium outbox stops instead).
+            recoverable = not config.log_messages and config.event_router is None
+            return Source(log, log, (SlotRecoveries(log),) if recoverable else ())
+
+
+def log_store(
+    dsn: str, setup: LogSetup, *, retention: float | None = None, router: EventRouter | None = None, **options: Any
+) -> LogStore:
+    """The log source's store, composed of its parts (:mod:`harvester.postgres.log.parts`): the
+    table-less outbox (``setup.prefix``) reads logical messages, a table of Debezium's layout
+    (``router``) its inserts as EventRouter does, any other table its inserts; records in a table
+    are deleted per batch, or with a ``retention`` window (seconds) in bulk after a stored position;
+    records only in the log (table-less, Debezium's layout) complete by a stored position, their
+    dead letters copied from memory."""
+    table = setup.table
+    window = RetentionWindow(table, retention) if retention else None
+    decoding: Decoding
+    finish: Finish
+    rows: Rows
+    if setup.prefix is not None:
+        decoding, finish = LogicalMessages(setup.prefix), StoredPosition(table)
+        rows = RowLess(table, check_failover=True)
+    elif router is not None:  # its writers may delete each row in the transaction that inserts it
+        decoding, finish = RouterInserts(router), StoredPosition(table, window)
+        rows = RowLess(table, check_failover=False)  # it runs where Debezium runs, with the same exposure
+    else:
+        decoding, rows = TableInserts(), TableRows(table)
+        finish = Deletes() if window is None else StoredPosition(table, window)
+    return LogStore(dsn, setup, decoding=decoding, finish=finish, rows=rows, **options)
 
 
 def _store_options(config: HarvesterConfig) -> dict[str, Any]:

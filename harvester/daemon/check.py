@@ -139,7 +139,7 @@ def _check_postgres(settings: ReaperSettings, timeout: float) -> list[str]:
             )
             return _check_log_source(conn, settings) + access.pg_problems(conn, settings)
         if settings.harvest.event_router is not None:  # layout debezium
-            from harvester.postgres.log.event_router_store import missing_columns
+            from harvester.postgres.log.event_router_layout import missing_columns
 
             unusable = missing_columns(conn, table, settings.harvest.event_router)
             columns_named = ", ".join(settings.harvest.event_router.columns)

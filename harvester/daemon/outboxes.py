@@ -222,7 +222,7 @@ class Outbox:
 def start_error(exc: Exception) -> FailError:
     """Why ``Harvester.start()`` failed, as a one-line error naming the setting to look at."""
     from harvester.kafka.topics import KafkaUnreachableError, TopicError
-    from harvester.postgres.log.message_store import FailoverRiskError
+    from harvester.postgres.log.rows import FailoverRiskError
     from harvester.postgres.table.store import OutboxMissingError, ShardCountError, StoreError
     from leader.topic import LeaderTopicError
 

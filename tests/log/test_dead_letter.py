@@ -17,9 +17,9 @@ import structlog
 import yaml
 
 from harvester import HarvesterConfig
+from harvester.compose import log_store
 from harvester.core.records import Failure
 from harvester.postgres.log.logical import LogSetup
-from harvester.postgres.log.store import LogStore
 from harvester.postgres.schema.identifiers import TableName
 from tests.deadletter.test_poison import FAST, dead_letters
 from tests.engine.workload import check, insert, wait_drained, wait_until
@@ -94,7 +94,7 @@ def test_a_dead_lettered_record_is_done_for_the_slot_and_the_next_term(
     setup = LogSetup(log_outbox, config.slot, config.publication)
     insert(logical_dsn, log_outbox, [("t", "a", "a:0"), ("t", "p", "poison"), ("t", "b", "b:0")])
     after_poison = lsn(logical_dsn)
-    store, leader = LogStore(logical_dsn, setup), uuid4()
+    store, leader = log_store(logical_dsn, setup), uuid4()
     try:
         store.prepare()
         store.acquire(leader)
@@ -118,7 +118,7 @@ def test_a_dead_lettered_record_is_done_for_the_slot_and_the_next_term(
     finally:
         store.close()
     insert(logical_dsn, log_outbox, [("t", "p", "p:1")])
-    store, leader = LogStore(logical_dsn, setup), uuid4()
+    store, leader = log_store(logical_dsn, setup), uuid4()
     try:
         store.prepare()
         store.acquire(leader)

@@ -16,11 +16,11 @@ import pytest
 from psycopg import sql
 
 from harvester import HarvesterConfig
+from harvester.compose import log_store
 from harvester.core.protocols import StoreError
 from harvester.core.records import MarkedRecord
 from harvester.postgres.log import logical, pgoutput
 from harvester.postgres.log.records import READABLE_TYPES, Columns, outbox_record
-from harvester.postgres.log.store import LogStore
 from harvester.postgres.schema.identifiers import TableName
 from harvester.postgres.schema.migrations import migrate
 from harvester.postgres.table.store import PostgresStore
@@ -115,7 +115,7 @@ def _peeked(dsn: str, outbox: Outbox) -> tuple[pgoutput.Relation, list[bytes]]:
 
 
 def _streamed(dsn: str, outbox: Outbox, count: int) -> list[MarkedRecord]:
-    store = LogStore(dsn, outbox.setup)
+    store = log_store(dsn, outbox.setup)
     try:
         store.prepare()
         leader = uuid4()

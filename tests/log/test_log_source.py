@@ -17,6 +17,7 @@ import pytest
 from psycopg import sql
 
 from harvester import HarvesterConfig, OutboxRecord, Stasher
+from harvester.compose import log_store
 from harvester.core.identity import KEY_RUN
 from harvester.core.protocols import FencedError, StoreError, StoreUnreachableError
 from harvester.core.records import MarkedRecord
@@ -173,7 +174,7 @@ def test_a_fenced_reader_moves_neither_the_slot_nor_the_table(logical_dsn: str, 
     config = HarvesterConfig(outbox_table=log_outbox.qualified)
     setup = LogSetup(log_outbox, config.slot, config.publication)
     insert(logical_dsn, log_outbox, [("t", f"k{i}", f"k{i}:0") for i in range(20)])
-    old, new = LogStore(logical_dsn, setup), LogStore(logical_dsn, setup)
+    old, new = log_store(logical_dsn, setup), log_store(logical_dsn, setup)
     try:
         old.prepare()
         new.prepare()
@@ -190,8 +191,8 @@ def test_a_fenced_reader_moves_neither_the_slot_nor_the_table(logical_dsn: str, 
         with pytest.raises(FencedError):
             old.purge([r.id for r in records])
         with pytest.raises(FencedError):
-            old._advance_to(1 << 40)  # any target: the fence refuses first
-        old._confirm(1 << 40)  # as if it had checked the epoch just before the takeover
+            old._finish.advance_to(1 << 40)  # any target: the fence refuses first
+        old.confirm(1 << 40)  # as if it had checked the epoch just before the takeover
         insert(logical_dsn, log_outbox, [("t", "k", "k:1")])
         refused = None
         for _ in range(3):  # its stream is gone; starting another one is fenced
@@ -342,7 +343,7 @@ def test_a_new_pass_hands_out_what_is_not_done_and_the_slot_moves_when_all_is(
     already acknowledged; the slot moves only once every record of a transaction is done."""
     config = HarvesterConfig(outbox_table=log_outbox.qualified)
     insert(logical_dsn, log_outbox, [("t", f"k{i}", f"k{i}:0") for i in range(10)])
-    store = LogStore(logical_dsn, LogSetup(log_outbox, config.slot, config.publication))
+    store = log_store(logical_dsn, LogSetup(log_outbox, config.slot, config.publication))
     try:
         store.prepare()
         first = uuid4()
@@ -370,7 +371,7 @@ def test_a_stream_the_server_ended_starts_again_without_repeating_what_was_recei
     hands out the new ones."""
     config = HarvesterConfig(outbox_table=log_outbox.qualified)
     insert(logical_dsn, log_outbox, [("t", f"k{i}", f"k{i}:0") for i in range(5)])
-    store = LogStore(logical_dsn, LogSetup(log_outbox, config.slot, config.publication))
+    store = log_store(logical_dsn, LogSetup(log_outbox, config.slot, config.publication))
     try:
         store.prepare()
         leader = uuid4()
@@ -398,7 +399,7 @@ def test_a_transaction_goes_out_only_once_its_rows_are_visible(logical_dsn: str,
     records so). The stream's transaction is given the xid of one still running, as it would be
     in that moment: nothing goes out until that transaction is visible."""
     config = HarvesterConfig(outbox_table=log_outbox.qualified)
-    store = LogStore(logical_dsn, LogSetup(log_outbox, config.slot, config.publication))
+    store = log_store(logical_dsn, LogSetup(log_outbox, config.slot, config.publication))
     try:
         store.prepare()
         leader = uuid4()
@@ -406,14 +407,14 @@ def test_a_transaction_goes_out_only_once_its_rows_are_visible(logical_dsn: str,
         insert(logical_dsn, log_outbox, [("t", "k", "k:0")])
 
         def received() -> bool:
-            store._read(1)  # without handing anything out
-            return bool(store._txns.kept) and not store._txns.receiving
+            store._reader.read(1)  # without handing anything out
+            return bool(store.txns.kept) and not store.txns.receiving
 
         assert wait_until(received)
         with psycopg.connect(logical_dsn) as running:
             row = running.execute("SELECT pg_current_xact_id()::text").fetchone()
             assert row is not None
-            store._txns.kept[0].xid = int(row[0]) % 2**32
+            store.txns.kept[0].xid = int(row[0]) % 2**32
             assert store.mark(leader, 10) == []
             assert store.mark(leader, 10) == []
             # The idle engine's wait ends soon, not after its back-off: nothing more may arrive.
@@ -437,7 +438,7 @@ def test_a_connection_lost_while_checking_the_slot_fails_the_start_as_unreachabl
     """A restart as the log store checks its slot and publication (after the outbox's own checks):
     the start fails as an unreachable database, which is retried, and the next one succeeds."""
     config = HarvesterConfig(outbox_table=log_outbox.qualified)
-    store = LogStore(logical_dsn, LogSetup(log_outbox, config.slot, config.publication))
+    store = log_store(logical_dsn, LogSetup(log_outbox, config.slot, config.publication))
     try:
         PostgresStore.prepare(store)  # the outbox's checks pass; the slot's come next
         with psycopg.connect(logical_dsn, autocommit=True) as admin:

@@ -17,10 +17,10 @@ import pytest
 from psycopg import sql
 
 from harvester import HarvesterConfig, OutboxRecord, Stasher
+from harvester.compose import log_store
 from harvester.core.records import MarkedRecord
 from harvester.postgres.log import pgoutput
 from harvester.postgres.log.logical import LogSetup
-from harvester.postgres.log.message_store import MessageStore
 from harvester.postgres.log.store import LogStore
 from harvester.postgres.schema.identifiers import TableName
 from tests.engine.workload import check, insert, wait_drained, wait_until
@@ -44,7 +44,7 @@ def leading_store(
     spilled (in ``spill_directory``)."""
     config = HarvesterConfig(outbox_table=table.qualified)
     setup = LogSetup(table, config.slot, config.publication)
-    store = LogStore(streaming(dsn), setup, transaction_memory=memory, spill_directory=spill_directory)
+    store = log_store(streaming(dsn), setup, transaction_memory=memory, spill_directory=spill_directory)
     store.prepare()
     leader = uuid4()
     store.acquire(leader)
@@ -98,13 +98,13 @@ def test_records_decoded_while_their_transaction_streams_match_those_decoded_at_
             Stasher(log_outbox).stash(conn, rows)
             wait_streamed(store, leader, logical_dsn, log_outbox)
         streamed = mark_all(store, leader, 1000)
-        kept = [m for txn in store._txns.kept for m in txn.inserts]
+        kept = [m for txn in store.txns.kept for m in txn.inserts]
         assert len(kept) == 1000 and not any(isinstance(m, bytes) for m in kept)  # decoded as they came
         for i in range(0, 1000, 10):
             with psycopg.connect(logical_dsn) as conn:
                 Stasher(log_outbox).stash(conn, rows[i : i + 10])
         whole = mark_all(store, leader, 1000)
-        assert all(isinstance(m, bytes) for txn in list(store._txns.kept)[1:] for m in txn.inserts)
+        assert all(isinstance(m, bytes) for txn in list(store.txns.kept)[1:] for m in txn.inserts)
 
         def content(records: list[MarkedRecord]) -> list[tuple[object, ...]]:
             return [(r.topic, r.key, r.value, r.headers, r.malformed, r.stamp) for r in records]
@@ -140,7 +140,7 @@ def test_a_transaction_past_the_memory_limit_is_spilled_and_every_pass_reads_it_
         assert [r.value for r in records] == expected
         # Other transactions of the database may come too, streamed and empty (PostgreSQL skips empty
         # transactions only when they were not streamed): the test's transaction is the one with records.
-        (txn,) = [t for t in store._txns.kept if t.size]
+        (txn,) = [t for t in store.txns.kept if t.size]
         spill = txn.spill
         assert spill is not None and len(spill) > 1500 and len(txn.inserts) < 500
         again = mark_all(store, uuid4(), 2000)
@@ -148,7 +148,7 @@ def test_a_transaction_past_the_memory_limit_is_spilled_and_every_pass_reads_it_
         position = slot_position(logical_dsn, log_outbox)
         store.purge([r.id for r in again])
         assert wait_until(lambda: slot_position(logical_dsn, log_outbox) != position)
-        assert not store._txns.kept
+        assert not store.txns.kept
         with pytest.raises(ValueError, match="closed file"):
             spill.read(0, 1)
         assert wait_drained(logical_dsn, log_outbox) == 0
@@ -167,7 +167,7 @@ def test_a_large_transaction_spills_into_the_spill_directory(
             stash_in(conn, log_outbox, [("t", f"k{i % 7}", f"v:{i}") for i in range(1500)])
         records = mark_all(store, leader, 1500)
         assert [r.value for r in records] == [f"v:{i}".encode() for i in range(1500)]
-        (txn,) = [t for t in store._txns.kept if t.size]
+        (txn,) = [t for t in store.txns.kept if t.size]
         assert txn.spill is not None and len(txn.spill) > 1000
         assert os.readlink(f"/proc/self/fd/{txn.spill._file.fileno()}").startswith(f"{tmp_path}/")
         assert not list(tmp_path.iterdir())
@@ -194,7 +194,7 @@ def test_large_transactions_at_once_share_the_memory_limit(logical_dsn: str, log
         records = mark_all(store, leader, 500)
         expected = [f"{t}:{j}:{pad}".encode() for t in "ba" for j in range(250)]
         assert [r.value for r in records] == expected
-        txns = [t for t in store._txns.kept if t.size]  # not others' streamed empty ones
+        txns = [t for t in store.txns.kept if t.size]  # not others' streamed empty ones
         assert [t.size for t in txns] == [250, 250]
         spills = [t.spill for t in txns if t.spill is not None]  # one, or both if they streamed in turns
         assert spills and all(0 < len(spill) < 250 for spill in spills)
@@ -246,7 +246,7 @@ def test_a_stream_broken_while_a_transaction_streams_loses_and_repeats_nothing(
             began = lsn(logical_dsn)
             stash_in(conn, log_outbox, [("t", f"k{i % 3}", f"v:{i}") for i in range(1500)])
             wait_streamed(store, leader, logical_dsn, log_outbox)
-            store._advance_to(pgoutput.lsn_value(lsn(logical_dsn)))  # as an idle leader's confirmation may
+            store._finish.advance_to(pgoutput.lsn_value(lsn(logical_dsn)))  # as an idle leader's confirmation may
             assert not at_or_after(logical_dsn, began, slot_position(logical_dsn, log_outbox))
             reader = slot_reader(logical_dsn, log_outbox)
             with psycopg.connect(logical_dsn, autocommit=True) as admin:
@@ -263,7 +263,7 @@ def test_a_stream_broken_while_a_transaction_streams_loses_and_repeats_nothing(
 def test_a_table_less_outbox_s_streamed_messages_go_out_whole(logical_dsn: str, message_outbox: TableName) -> None:
     config = HarvesterConfig(outbox_table=message_outbox.qualified, source="log", log_messages=True, **SINGLE_SERVER)
     setup = LogSetup(message_outbox, config.slot, config.publication, config.prefix, config.log_accept_loss_on_failover)
-    store = MessageStore(streaming(logical_dsn), setup)
+    store = log_store(streaming(logical_dsn), setup)
     try:
         store.prepare()
         leader = uuid4()
@@ -273,8 +273,8 @@ def test_a_table_less_outbox_s_streamed_messages_go_out_whole(logical_dsn: str, 
         assert [r.value for r in records] == [f"m:{i}".encode() for i in range(2000)]
         assert streamed_transactions(logical_dsn, slot_of(message_outbox)) > 0
         # Decoded as they came, given their transaction's commit time at hand-out.
-        assert not any(isinstance(m, bytes) for txn in store._txns.kept for m in txn.inserts)
-        (committed,) = {txn.commit_time for txn in store._txns.kept if txn.size}  # not others' streamed empty ones
+        assert not any(isinstance(m, bytes) for txn in store.txns.kept for m in txn.inserts)
+        (committed,) = {txn.commit_time for txn in store.txns.kept if txn.size}  # not others' streamed empty ones
         commit_time = datetime(2000, 1, 1, tzinfo=UTC) + timedelta(microseconds=committed)
         assert {r.create_time for r in records} == {commit_time}
     finally:

@@ -23,9 +23,10 @@ from sqlalchemy import create_engine
 from sqlalchemy.orm import Session
 
 from harvester import AsyncMessageStasher, HarvesterConfig, Limits, MessageStasher, OutboxRecord
+from harvester.compose import log_store
 from harvester.core.protocols import FencedError
 from harvester.postgres.log.logical import LogSetup
-from harvester.postgres.log.message_store import MessageStore
+from harvester.postgres.log.position import StoredPosition
 from harvester.postgres.schema.deadletter import replay_messages
 from harvester.postgres.schema.identifiers import TableName
 from harvester.postgres.schema.migrations import dead_letter_table
@@ -118,7 +119,7 @@ def test_a_fenced_reader_moves_neither_the_slot_nor_the_stored_position(
 ) -> None:
     setup = setup_of(message_outbox)
     stash(logical_dsn, message_outbox, [("t", f"k{i}", f"k{i}:0") for i in range(10)])
-    old, new = MessageStore(logical_dsn, setup), MessageStore(logical_dsn, setup)
+    old, new = log_store(logical_dsn, setup), log_store(logical_dsn, setup)
     try:
         old.prepare()
         new.prepare()
@@ -153,7 +154,7 @@ def test_a_new_leader_skips_what_was_stored_done_though_the_slot_never_heard(
     publishes none of them again, only what came after."""
     setup = setup_of(message_outbox)
     stash(logical_dsn, message_outbox, [("t", f"k{i}", f"k{i}:0") for i in range(5)])
-    first, second = MessageStore(logical_dsn, setup), MessageStore(logical_dsn, setup)
+    first, second = log_store(logical_dsn, setup), log_store(logical_dsn, setup)
     try:
         first.prepare()
         second.prepare()
@@ -161,9 +162,10 @@ def test_a_new_leader_skips_what_was_stored_done_though_the_slot_never_heard(
         first.acquire(leader)
         records = mark_all(first, leader, 5)
         position = slot_position(logical_dsn, message_outbox)
-        with first._state:
-            end = first._txns.completed([r.id for r in records], 0)
-        first._store(end, 0)  # stored, never confirmed to the slot
+        with first.state:
+            end = first.txns.completed([r.id for r in records], 0)
+        assert isinstance(first._finish, StoredPosition)
+        first._finish.store(end, 0)  # stored, never confirmed to the slot
         assert slot_position(logical_dsn, message_outbox) == position
         stash(logical_dsn, message_outbox, [("t", "k", "k:1")])
         second_leader = uuid4()
@@ -198,7 +200,7 @@ def test_every_stasher_writes_what_the_store_reads_in_order_and_a_rollback_write
 
     asyncio.run(write())
     engine.dispose()
-    store = MessageStore(logical_dsn, setup_of(message_outbox))
+    store = log_store(logical_dsn, setup_of(message_outbox))
     try:
         store.prepare()
         leader = uuid4()

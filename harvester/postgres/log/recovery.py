@@ -15,7 +15,7 @@ statements, under the same fence and term) up to that head. A row the new slot w
 committed before the slot was created: it was visible when the head was read, so its id is at most
 the head. A row the harvest takes that the slot does show (committed after the slot's start) is
 deleted before the stream starts, and the stream skips it as gone (the term's start, which
-``LogStore._gone`` compares with, is moved past the harvest). Once nothing it handed out is
+``TableRows.gone`` (rows.py) compares with, is moved past the harvest). Once nothing it handed out is
 pending, the recovery mark is cleared (fenced) and the leader streams the new slot. A leader that
 dies mid-recovery leaves the mark: the next one finishes the harvest first, so no new slot is
 streamed while rows older than it wait in the table.
@@ -38,16 +38,31 @@ What the harvest publishes again, beyond what the slot had not delivered:
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
+from uuid import UUID
 
+import psycopg
+import structlog
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 from psycopg import sql
 
-from harvester.core.protocols import FatalStoreError, StoreError
+from harvester.core.protocols import FatalStoreError, FencedError, StoreError
+from harvester.core.records import MarkedRecord
+from harvester.postgres.log import logical
+from harvester.postgres.log.logical import LogSetup
+from harvester.postgres.log.parts import Finish, Ledger
 from harvester.postgres.schema.identifiers import TableName
 from harvester.postgres.schema.migrations import fence_table
+
+log = structlog.get_logger("harvester.log_source")
+# A lost slot's harvest waits for what the old stream handed out to settle while it does, or until
+# none has for this long: a record handed out and then dropped (a failed statement's mark, a remark
+# that dropped what waited behind its keys) never settles. Harvesting one still in flight repeats at
+# most its key's run, as a crash would.
+_DRAIN_QUIET_SECONDS = 2.0
 
 
 class SlotLostError(StoreError):
@@ -122,6 +137,143 @@ class Harvest:
         self.pending -= mine
         self.delivered += len(mine) if delivered else 0
         self.dead_lettered += len(mine) if dead_lettered else 0
+
+
+class Harvesting(Ledger, Protocol):
+    """What a lost slot's recovery uses of its log store, beyond what a part does: the polling
+    store's mark and reset, and the start of the term the stream's reader compares with."""
+
+    def mark_rows(self, leader_id: UUID, limit: int) -> list[MarkedRecord]: ...
+
+    def reset_rows(self, ids: Sequence[int]) -> None: ...
+
+    def start_term_here(self) -> None: ...
+
+
+class LostSlot:
+    """The recovery of a log store's lost slot (see the module's doc): begun at a take-over or a
+    read that finds the slot lost, its harvest runs in the next marks. ``harvest`` (guarded by the
+    store's ``state``) is the recovery under way in this term, if any."""
+
+    def __init__(self, store: Harvesting, setup: LogSetup, finish: Finish, *, recoverable: bool) -> None:
+        self._store, self._setup, self._finish, self._recoverable = store, setup, finish, recoverable
+        self._statements = RecoveryStatements.build(setup.table)
+        self.harvest: Harvest | None = None
+        self.recoveries = 0  # lost slots recovered by this store (harvester_log_slot_recoveries)
+        # Whether a leader of the outbox ever stored a position read from its slot.
+        self._ever_read = sql.SQL("SELECT FROM {} WHERE outbox_table = %s AND log_lsn > 0").format(
+            fence_table(setup.table).ident
+        )
+
+    def unless_recovered(self, problems: list[str]) -> list[str]:
+        """At the store's preparation: ``problems`` of the log source's set-up but a missing slot
+        that the leader recovers (a table's rows). A table-less outbox whose slot a leader read
+        before stops (:func:`unrecoverable`)."""
+        absent = f"replication slot {self._setup.slot} does not exist"
+        if not any(p.startswith(absent) for p in problems):
+            return problems
+        if self._recoverable:  # a lost slot: the leader recovers it
+            return [p for p in problems if not p.startswith(absent)]
+        if self._store.db.run(self._ever_read, (self._setup.table.qualified,)):
+            raise unrecoverable(absent)
+        return problems
+
+    def _fenced_mark(self, statement: sql.Composed) -> int:
+        """Run one of the recovery mark's statements under the fence; the mark."""
+        store = self._store
+        rows = store.db.run(statement, store.fence.guard)
+        if not rows:
+            store.fence.check_epoch()
+            raise FencedError(f"fenced: epoch {store.fence.epoch} superseded")
+        return int(rows[0][0])
+
+    def resume(self) -> None:
+        """At a take-over that found the slot: resume the recovery an earlier leader left under way."""
+        if self._fenced_mark(self._statements.read):
+            self.begin(f"replication slot {self._setup.slot} was being recovered by an earlier leader")
+
+    def begin(self, lost: str) -> None:
+        """Begin (or resume) the recovery of a lost slot: marked under way in the fence row, its
+        harvest then runs in the next marks. A table-less outbox stops instead."""
+        if not self._recoverable:
+            raise unrecoverable(lost)
+        store = self._store
+        store.slot.close()
+        self._fenced_mark(self._statements.begin)
+        with store.state:
+            held = store.txns.held_ids()
+        if held:  # delivered, waiting for the stored position to cover them: their rows go now
+            store.delete_rows(held)
+        with store.state:
+            draining = store.txns.in_flight()
+            store.txns.new_term()  # what the lost slot sent is in the table, or done
+            self.harvest = Harvest(lost, draining=draining)
+            store.released.update(held)
+        log.info("log_slot_lost", slot=self._setup.slot, error=lost)
+
+    def harvesting(self) -> Harvest | None:
+        with self._store.state:
+            return self.harvest
+
+    def mark(self, harvest: Harvest, leader_id: UUID, limit: int) -> list[MarkedRecord] | None:
+        """The next rows of the recovery's harvest, as mark-purge marks them; None once it is over
+        (nothing left up to its head, nothing it handed out pending): the stream goes on then."""
+        store = self._store
+        with store.state:
+            draining = bool(harvest.draining)
+        if draining and time.monotonic() - harvest.progress < _DRAIN_QUIET_SECONDS:
+            return []
+        if harvest.head < 0:
+            conn = store.db.conn()
+            try:
+                created = logical.recreate(conn, self._setup)
+            except psycopg.OperationalError as exc:
+                raise store.db.failed(conn, exc, time.monotonic()) from exc
+            except psycopg.Error as exc:
+                raise StoreError(f"creating the replication slot failed: {exc.sqlstate or type(exc).__name__}") from exc
+            if created:  # a new slot: the head is read again after it (the first may have been lost too)
+                self._fenced_mark(self._statements.restart)
+            self._finish.before_harvest()
+            harvest.head = self._fenced_mark(self._statements.head)
+        batch = store.mark_rows(leader_id, limit) if harvest.head > 0 else []
+        beyond = [r.id for r in batch if r.id > harvest.head]  # committed after the slot's start
+        if beyond:
+            store.reset_rows(beyond)  # not handed out here: the stream hands them out
+        out = [r for r in batch if r.id <= harvest.head]
+        with store.state:
+            harvest.pending.update(r.id for r in out)
+            busy = bool(harvest.pending)
+        if out or busy:
+            return out
+        self._fenced_mark(self._statements.end)
+        # The stream skips the rows the harvest deleted (rows.py): of transactions that committed before now.
+        store.start_term_here()
+        with store.state:
+            self.harvest = None
+        self.recoveries += 1
+        log.warning(
+            "log_slot_recovered",
+            slot=self._setup.slot,
+            error=harvest.why,
+            head_id=harvest.head,
+            delivered=harvest.delivered,
+            dead_lettered=harvest.dead_lettered,
+            seconds=round(time.monotonic() - harvest.started, 3),
+        )
+        return None
+
+    def purge(self, ids: Sequence[int], position: int | None = None) -> bool:
+        """While a recovery is under way, delete ``ids`` as mark-purge does (with the checkpoint
+        ``position``, exactly once), whichever store handed them out: the lost slot's records in
+        flight too, and the rows of committed checkpoints a new term recovers, so the harvest
+        publishes none of them again. False when no recovery is under way."""
+        harvest = self.harvesting()
+        if harvest is None:
+            return False
+        self._store.delete_rows(ids, position)
+        with self._store.state:
+            harvest.settled(ids, delivered=True)
+        return True
 
 
 class SlotRecoveries(Collector):

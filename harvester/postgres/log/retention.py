@@ -1,7 +1,8 @@
 """The log source over a table with a retention window: delivered rows stay in the table for a
 while and are deleted later, in bulk, instead of one DELETE per completion batch (the log source's
 largest PostgreSQL cost in a burst). Records complete as in
-:mod:`harvester.postgres.log.position`: the position done is stored in the fence row.
+:mod:`harvester.postgres.log.position`: the position done is stored in the fence row, and
+:class:`RetentionWindow` is the part of that :class:`~.position.StoredPosition` which sweeps.
 
 Which rows are delivered: the WAL carries every insert whatever happens to the row later, so the
 slot, not the table, is what delivery rests on; rows are kept only for the operators (and for the
@@ -28,15 +29,14 @@ past the end in time (a stream gone), the stop deletes only the latest delivered
 from __future__ import annotations
 
 import time
-from typing import Any
-from uuid import UUID
+from typing import Protocol
 
 from psycopg import sql
 
 from harvester.core.protocols import StoreError
-from harvester.core.records import MarkedRecord
-from harvester.postgres.log.logical import LogSetup
-from harvester.postgres.log.position import PositionedLogStore
+from harvester.postgres.log.parts import Ledger
+from harvester.postgres.schema import migrations
+from harvester.postgres.schema.identifiers import TableName
 
 # How long, and in reads of how many messages, a leader that stops reads the stream on for its
 # final cut (see the module's doc).
@@ -56,27 +56,38 @@ _LOWEST = (
 _OLDER = "s.top - ((s.top - {t}.xmin::text::bigint) %% 4294967296 + 4294967296) %% 4294967296 < %s"
 
 
-class RetainingLogStore(PositionedLogStore):
-    """:class:`PositionedLogStore` of a table whose delivered rows are deleted in bulk, at least
-    ``retention`` seconds after their delivery."""
+class Position(Protocol):
+    """The stored position a window is part of (:class:`~.position.StoredPosition`)."""
 
-    def __init__(self, dsn: str, setup: LogSetup, retention: float, **options: Any) -> None:
-        super().__init__(dsn, setup, **options)
+    def partial(self) -> tuple[int, int]: ...
+
+    def store(self, lsn: int, position: int, partial: tuple[int, int] = (0, 0)) -> None: ...
+
+
+class RetentionWindow:
+    """Delivered rows deleted in bulk, at least ``retention`` seconds after their delivery."""
+
+    def __init__(self, table: TableName, retention: float) -> None:
+        fence_row = migrations.fence_table(table).ident
         self._retention = retention
         self._cut = 0  # the delivered cut read at the last sweep (0: none yet this term)
         self._next_sweep = 0.0  # monotonic time (mark thread)
         self._delivered = sql.SQL("SELECT log_delivered_xmin FROM {} WHERE outbox_table = %s AND shard = %s").format(
-            self._fence_row
+            fence_row
         )
         self._sweep_rows = sql.SQL(
             "WITH fence AS (SELECT 1 FROM {f} WHERE outbox_table = %s AND shard = %s AND epoch = %s FOR SHARE),"
             " s AS (SELECT txid_snapshot_xmax(txid_current_snapshot()) AS top)"
             " DELETE FROM {t} USING s WHERE EXISTS (SELECT 1 FROM fence) AND " + _OLDER
-        ).format(f=self._fence_row, t=self.table.ident)
+        ).format(f=fence_row, t=table.ident)
 
-    def _also_set(self) -> str:
-        """The cut moves on with the position: the pending one becomes the delivered one once the
-        position reaches it, and a new one is taken (the right-hand sides see the old row)."""
+    def bind(self, ledger: Ledger, position: Position) -> None:
+        self._ledger, self._position = ledger, position
+
+    def assignments(self) -> str:
+        """More assignments of the position's UPDATE (``, col = …``, over ``f`` and ``v``): the cut
+        moves on with the position: the pending one becomes the delivered one once the position
+        reaches it, and a new one is taken (the right-hand sides see the old row)."""
         reached = "f.log_pending_lsn <= greatest(f.log_lsn, v.lsn)"
         return (
             ", log_delivered_xmin = CASE WHEN " + reached + " THEN f.log_pending_xmin ELSE f.log_delivered_xmin END,"
@@ -86,71 +97,66 @@ class RetainingLogStore(PositionedLogStore):
             " pg_wal_lsn_diff(pg_current_wal_insert_lsn(), '0/0')::bigint ELSE f.log_pending_lsn END"
         )
 
-    def acquire(self, leader_id: UUID) -> int:
-        """As :meth:`PositionedLogStore.acquire`; the first sweep of the term only reads its cut."""
-        epoch = super().acquire(leader_id)
+    def acquired(self) -> None:
+        """The first sweep of the term only reads its cut."""
         self._cut, self._next_sweep = 0, time.monotonic() + self._retention
-        return epoch
 
-    def mark(self, leader_id: UUID, limit: int) -> list[MarkedRecord]:
-        """As :meth:`LogStore.mark`, and every ``retention`` the bulk delete."""
-        out = super().mark(leader_id, limit)
+    def sweep(self) -> None:
+        """After a mark: every ``retention`` the bulk delete."""
         if time.monotonic() >= self._next_sweep:
             self._next_sweep = time.monotonic() + self._retention
             cut, self._cut = self._cut, self._delivered_cut()
             if cut:
                 self._delete_older(cut)
-        return out
 
-    def _before_harvest(self) -> None:
+    def before_harvest(self) -> None:
         """A lost slot's recovery harvests what the table holds: the rows older than the delivered
         cut (the pending one first made delivered if the stored position reached it) are delivered,
         so they go first, and only the rest is published again (recovery.py)."""
-        with self._state:
-            partial = self._partial()
-        self._store(0, 0, partial)
+        with self._ledger.state:
+            partial = self._position.partial()
+        self._position.store(0, 0, partial)
         cut = self._delivered_cut()
         if cut:
             self._delete_older(cut)
 
     def _delivered_cut(self) -> int:
-        rows = self.db.run(self._delivered, self.fence.key)
+        rows = self._ledger.db.run(self._delivered, self._ledger.fence.key)
         return int(rows[0][0]) if rows else 0
 
     def _delete_older(self, cut: int) -> int:
         """Delete (fenced) the rows whose inserting transaction is older than ``cut``."""
-        cur = self.db.execute(self._sweep_rows, (*self.fence.guard, cut))
+        cur = self._ledger.db.execute(self._sweep_rows, (*self._ledger.fence.guard, cut))
         if cur.rowcount == 0:
-            self.fence.check_epoch()
+            self._ledger.fence.check_epoch()
         return cur.rowcount
 
     def close(self) -> None:
         """A leader that stops cleanly deletes what it knows delivered, window or not: the rows
         older than its final cut, or else than the latest delivered cut."""
-        if self.fence.epoch:
+        if self._ledger.fence.epoch:
             try:
-                now = self.db.run(_NOW, ())[0]
-                with self._state:
-                    partial = self._partial()
+                now = self._ledger.db.run(_NOW, ())[0]
+                with self._ledger.state:
+                    partial = self._position.partial()
                 # The pending cut becomes the delivered one if reached.
-                self._store(self._slot.advanced, 0, partial)
+                self._position.store(self._ledger.slot.advanced, 0, partial)
                 cut = max(self._delivered_cut(), self._final_cut(int(now[0]), int(now[1])))
                 if cut:
                     self._delete_older(cut)
             except StoreError:
                 pass  # fenced, or the database is gone: the next leader's sweeps delete them
-        super().close()
 
     def _final_cut(self, xmin: int, lsn: int) -> int:
         """The cut ``xmin``, taken with the end of the log at ``lsn``, lowered to the oldest
         transaction received and not done, once the stream was read past ``lsn`` (else 0)."""
         deadline = time.monotonic() + _FINAL_READ_SECONDS
-        slot = self._slot
+        slot = self._ledger.slot
         while slot.streaming and slot.server_end < lsn and time.monotonic() < deadline:
             slot.wait(0.1)
-            self._receive(slot.read_open(_FINAL_READ_MESSAGES))  # nothing, and no stream, if it broke
+            self._ledger.receive(slot.read_open(_FINAL_READ_MESSAGES))  # nothing, and no stream, if it broke
         if not slot.streaming or slot.server_end < lsn:
             return 0
-        with self._state:
-            xids = self._txns.unsettled_xids()
-        return int(self.db.run(_LOWEST, (xmin, xids))[0][0])
+        with self._ledger.state:
+            xids = self._ledger.txns.unsettled_xids()
+        return int(self._ledger.db.run(_LOWEST, (xmin, xids))[0][0])

@@ -2,12 +2,12 @@
 the records, made as Debezium's ``EventRouter`` makes them (:mod:`.event_router_rows`).
 
 Many writers of that layout (the Quarkus and Spring outbox extensions) delete each row in the
-transaction that inserted it: the row exists only in the log. So this store completes as the
-table-less outbox does (:mod:`.message_store`): the position done is stored in the fence row, no row
-is deleted per batch, a dead letter's record is copied from memory, and a lost slot cannot be
-recovered from the table. The publication publishes inserts only: a delete is no record. Rows that
-stay are left as Debezium leaves them, or, with a retention window, deleted in bulk once delivered
-(:class:`RetainingRouterStore`, as :mod:`.retention`).
+transaction that inserted it: the row exists only in the log. So :func:`harvester.compose.log_store`
+composes :class:`RouterInserts` as the table-less outbox is composed: the position done is stored in
+the fence row (:mod:`.position`), no row is deleted per batch, a dead letter's record is copied from
+memory and a lost slot cannot be recovered from the table (:class:`.rows.RowLess`). The publication
+publishes inserts only: a delete is no record. Rows that stay are left as Debezium leaves them, or,
+with a retention window, deleted in bulk once delivered (:mod:`.retention`).
 """
 
 from __future__ import annotations
@@ -22,12 +22,11 @@ from harvester.core.protocols import StoreError
 from harvester.core.records import MarkedRecord
 from harvester.event_router import EventRouter
 from harvester.postgres.log import pgoutput
+from harvester.postgres.log.decoding import decoded, stream_decoder
 from harvester.postgres.log.event_router_rows import RouterColumns, router_record
-from harvester.postgres.log.logical import LogSetup
-from harvester.postgres.log.message_store import _COLUMNS, _EPOCH_2000, MessageStore
+from harvester.postgres.log.messages import BYTES_COLUMNS, EPOCH_2000
 from harvester.postgres.log.records import Columns
-from harvester.postgres.log.retention import RetainingLogStore
-from harvester.postgres.log.store import decoded, stream_decoder
+from harvester.postgres.log.spill import Budget
 from harvester.postgres.log.transactions import Taken, Transaction, Transactions, messages
 from harvester.postgres.schema.catalog import OutboxColumns
 from harvester.postgres.schema.identifiers import TableName
@@ -46,40 +45,36 @@ def missing_columns(conn: psycopg.Connection[Any], table: TableName, router: Eve
     return [f"outbox table {table} has no column {c}, which eventRouter names" for c in absent]
 
 
-class RouterStore(MessageStore):
-    """The log source's store of a Debezium outbox table, read as ``router`` (EventRouter's options)."""
+class RouterInserts:
+    """Inserts naming a table of Debezium's layout, read as ``router`` (EventRouter's options)."""
 
-    def __init__(self, dsn: str, setup: LogSetup, router: EventRouter, **options: Any) -> None:
-        super().__init__(dsn, setup, **options)
+    reads_table = True
+
+    def __init__(self, router: EventRouter) -> None:
         self._router = router
-        # Debezium reads the same rows with the same exposure: a failover that loses the slot loses
-        # the rows deleted as they were inserted; this store runs where Debezium runs.
-        self._risk_checked = True
 
-    def _read_columns(self, conn: psycopg.Connection[Any]) -> OutboxColumns:
+    def columns(self, conn: psycopg.Connection[Any], table: TableName) -> OutboxColumns:
         """The table must have the columns EventRouter reads (their types are checked as the
         stream names them); records hold bytes, as Kafka does."""
-        problems = missing_columns(conn, self.table, self._router)
+        problems = missing_columns(conn, table, self._router)
         if problems:
             raise StoreError(problems[0])
-        return _COLUMNS
+        return BYTES_COLUMNS
 
     def _columns_of(self, relation: pgoutput.Relation) -> Columns:
         return RouterColumns(relation, self._router)
 
-    def _outbox_messages(self) -> Transactions:
+    def transactions(self, oid: int, budget: Budget) -> Transactions:
         """Inserts naming the table, read by EventRouter's columns."""
-        super(MessageStore, self)._outbox_messages()  # the table's oid, as the log store finds it
-        oid = self._outbox_oid
-        return Transactions(b"I", oid.to_bytes(4, "big"), 1, oid, self._budget, self._columns_of)
+        return Transactions(b"I", oid.to_bytes(4, "big"), 1, oid, budget, self._columns_of)
 
-    def _records(self, taken: Taken) -> list[MarkedRecord]:
+    def records(self, taken: Taken) -> list[MarkedRecord]:
         out: list[MarkedRecord] = []
         last: Transaction | None = None
-        created = _EPOCH_2000
+        created = EPOCH_2000
         for (txn, _), insert in zip(taken, messages(taken), strict=True):
             if txn is not last:
-                last, created = txn, _EPOCH_2000 + timedelta(microseconds=txn.commit_time)
+                last, created = txn, EPOCH_2000 + timedelta(microseconds=txn.commit_time)
             if type(insert) is bytes:
                 assert isinstance(txn.columns, RouterColumns)  # checked as the transaction came in
                 out.append(router_record(insert, txn.columns, created))
@@ -89,13 +84,8 @@ class RouterStore(MessageStore):
                 out.append(record)
         return out
 
-    def _stream_decoder(self) -> Callable[[bytes], MarkedRecord | None]:
-        """As the log store's (:meth:`LogStore._stream_decoder`), with EventRouter's columns; the
-        records' ``create_time``, the commit time, is set at hand-out."""
+    def stream_decoder(self, oid: int) -> Callable[[bytes], MarkedRecord | None]:
+        """As the table's (:meth:`.decoding.TableInserts.stream_decoder`), with EventRouter's
+        columns; the records' ``create_time``, the commit time, is set at hand-out."""
         router = self._router
-        return stream_decoder(self._outbox_oid, lambda relation: RouterColumns(relation, router), router_record)
-
-
-class RetainingRouterStore(RouterStore, RetainingLogStore):
-    """:class:`RouterStore` whose delivered rows that stay are deleted in bulk, at least
-    ``retention`` seconds after their delivery (:mod:`.retention`)."""
+        return stream_decoder(oid, lambda relation: RouterColumns(relation, router), router_record)

@@ -1,0 +1,95 @@
+"""The table-less outbox: records written as transactional logical decoding messages
+(``pg_logical_emit_message(true, <prefix>, <payload>)``, :mod:`harvester.postgres.schema.message_format`)
+and read by the log source from the slot, with no table and so nothing to delete.
+
+Everything the log source does about the stream, terms, passes and confirmations stays
+(:class:`~harvester.postgres.log.store.LogStore`); :class:`LogicalMessages` is its decoding, and
+:func:`harvester.compose.log_store` composes it with a stored position in place of the delete
+(:mod:`.position`) and records kept in memory for the dead letters (:class:`.rows.RowLess`).
+
+A record's id is its message's LSN: unique, the same in every term (the slot sends the same WAL
+records again), and what the identity headers, the checkpoints and the dead-letter table carry.
+Its ``create_time`` is its transaction's commit time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import psycopg
+
+from harvester.core.records import ColumnLimits, MarkedRecord
+from harvester.postgres.log import pgoutput
+from harvester.postgres.log.decoding import decoded
+from harvester.postgres.log.spill import Budget
+from harvester.postgres.log.transactions import Taken, Transaction, Transactions, messages
+from harvester.postgres.schema import message_format
+from harvester.postgres.schema.catalog import OutboxColumns
+from harvester.postgres.schema.identifiers import TableName
+
+EPOCH_2000 = datetime(2000, 1, 1, tzinfo=UTC)
+# What a record may hold: whatever Kafka accepts (the stasher checks only the record itself).
+BYTES_COLUMNS = OutboxColumns(
+    ColumnLimits(key_max_chars=None, value_max_chars=None, value_kind="bytes"),
+    key_type="text",
+    value_type="bytea",
+    header_defaults=True,
+    tracks_attempts=False,
+)
+
+
+class LogicalMessages:
+    """The slot's logical messages with the outbox's prefix, as records."""
+
+    reads_table = False
+
+    def __init__(self, prefix: str) -> None:
+        self._prefix = prefix.encode("utf-8")
+        # The last transaction's commit time as a datetime, shared by its records (mark thread only).
+        self._created: tuple[Transaction | None, datetime] = (None, EPOCH_2000)
+
+    def columns(self, conn: psycopg.Connection[Any], table: TableName) -> OutboxColumns:
+        """No table: records hold bytes, as Kafka does."""
+        return BYTES_COLUMNS
+
+    def transactions(self, oid: int, budget: Budget) -> Transactions:
+        """Logical messages with the outbox's prefix (after 'M', the flags and the LSN)."""
+        return Transactions(b"M", self._prefix + b"\0", 10, budget=budget)
+
+    def records(self, taken: Taken) -> list[MarkedRecord]:
+        out: list[MarkedRecord] = []
+        for (txn, _), message in zip(taken, messages(taken), strict=True):
+            last, created = self._created
+            if txn is not last:
+                created = EPOCH_2000 + timedelta(microseconds=txn.commit_time)
+                self._created = (txn, created)
+            if type(message) is bytes:
+                out.append(self._record(message, created))
+            else:
+                record = decoded(message)
+                record.create_time = created  # not known while the transaction streamed
+                out.append(record)
+        return out
+
+    def stream_decoder(self, oid: int) -> Callable[[bytes], MarkedRecord | None]:
+        """As the table's (:meth:`.decoding.TableInserts.stream_decoder`), of the outbox's messages;
+        their ``create_time``, the transaction's commit time, is set at hand-out."""
+        match = self._prefix + b"\0"
+
+        def decode(change: bytes) -> MarkedRecord | None:
+            if change[0] != 0x4D or not change.startswith(match, 10):  # 'M', after the flags and LSN
+                return None
+            return self._record(change, EPOCH_2000)
+
+        return decode
+
+    def _record(self, data: bytes, created: datetime) -> MarkedRecord:
+        rid, payload = pgoutput.logical_message(data, len(self._prefix))
+        try:
+            topic, key, value, headers = message_format.decode(payload)
+        except message_format.PayloadError as exc:
+            return MarkedRecord(rid, created, "", "", payload, [], malformed=f"payload: {exc}")
+        pairs: list[tuple[str, str | bytes | None]] = [(k, v.encode("utf-8")) for k, v in headers]
+        return MarkedRecord(rid, created, topic, key, value, pairs)
