@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import pwd
 import shutil
@@ -27,6 +28,8 @@ from psycopg.conninfo import make_conninfo
 from harvester.postgres.schema.identifiers import TableName
 
 if TYPE_CHECKING:
+    import pytest
+
     from harvester import Harvester, HarvesterConfig
     from harvester.core.protocols import Elector
 
@@ -101,6 +104,19 @@ def build_wheel(tmp: Path) -> Path:
     assert done.returncode == 0, done.stderr[-3000:]
     (built,) = out.glob("*.whl")
     return built
+
+
+def session_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """:func:`build_wheel`'s wheel, built once per test session: pytest-xdist's workers share the
+    session's temporary directory (their own are under it), and the first to need the wheel builds it
+    there while the others wait on a lock (tests/reaper and tests/packaging, two groups, both test it)."""
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent
+    with (shared / "wheel.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
+        built = sorted((shared / "wheel" / "out").glob("*.whl"))
+        return built[0] if built else build_wheel(shared / "wheel")
 
 
 @dataclass(frozen=True)

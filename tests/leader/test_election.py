@@ -27,12 +27,13 @@ TIMING = {"heartbeat_interval": 0.5, "heartbeat_timeout": 2.0, "session_timeout"
 
 
 class Recorder:
-    """Collects (monotonic time, event) pairs; optionally blocks in LeaderRevoked handlers."""
+    """Collects (monotonic time, event) pairs; optionally blocks in LeaderRevoked handlers (for
+    ``revoke_delay`` seconds, which a test may lower before its electors close)."""
 
     def __init__(self, revoke_delay: float = 0.0) -> None:
         self.events: list[tuple[float, LeaderEvent]] = []
         self.revoke_returned: float | None = None
-        self._delay = revoke_delay
+        self.revoke_delay = revoke_delay
         self._cond = threading.Condition()
 
     def __call__(self, event: LeaderEvent) -> None:
@@ -40,7 +41,7 @@ class Recorder:
             self.events.append((time.monotonic(), event))
             self._cond.notify_all()
         if isinstance(event, LeaderRevoked):
-            time.sleep(self._delay)
+            time.sleep(self.revoke_delay)
             self.revoke_returned = time.monotonic()
 
     def wait(self, kind: type, timeout: float = 30.0) -> tuple[float, LeaderEvent]:

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.reaper.test_packaging import PROJECT
-from tests.support import ROOT, Services, build_wheel
+from tests.support import ROOT, Services, session_wheel
 
 # The Pythons the wheel is run on besides the suite's own (3.11): pyproject.toml's classifiers name these.
 TESTED_PYTHONS = ("3.12", "3.13")
@@ -75,7 +75,7 @@ def locked_venvs() -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> zipfile.ZipFile:
-    return zipfile.ZipFile(build_wheel(tmp_path_factory.mktemp("wheel")))
+    return zipfile.ZipFile(session_wheel(tmp_path_factory))
 
 
 @pytest.mark.integration

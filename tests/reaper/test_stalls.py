@@ -204,29 +204,26 @@ def test_a_dead_letter_too_wide_for_its_table_stalls_its_outbox_visibly_and_stop
 
 
 @pytest.fixture
-def private_pg() -> Iterator[PrivatePostgres]:
-    """A PostgreSQL of this test's own, which it stops and starts (never the shared one)."""
-    pg = PrivatePostgres("stall", free_ports(1))
-    pg.start()
-    try:
-        yield pg
-    finally:
-        pg.stop()
+def pg_to_stop(private_pg: PrivatePostgres) -> Iterator[PrivatePostgres]:
+    """The reaper tests' private PostgreSQL (tests/reaper/conftest.py), which this test stops and starts
+    (never the shared one); up again afterwards, for whichever test uses it next."""
+    yield private_pg
+    private_pg.start()  # a no-op when the test started it again itself
 
 
 def test_postgres_down_backs_off_says_why_and_recovers(
-    services: Services, private_pg: PrivatePostgres, topics: Callable[..., str], tmp_path: Path
+    services: Services, pg_to_stop: PrivatePostgres, topics: Callable[..., str], tmp_path: Path
 ) -> None:
     table = TableName(unique("t"), "outbox")
     group = unique("pgdown")
     path = config(tmp_path / "reaper.yaml", services, table, group)
-    path.write_text(path.read_text().replace(services.pg_dsn, private_pg.dsn))
+    path.write_text(path.read_text().replace(services.pg_dsn, pg_to_stop.dsn))
     assert run_reaper("migrate", "-f", str(path)).returncode == 0
     daemon = Process(path, "pgdown", tmp_path)
     try:
         wait_for("the fence", lambda: bool(daemon.events("fence_acquired")) or daemon.proc.poll() is not None)
         assert daemon.proc.poll() is None, daemon.output()
-        private_pg.stop()
+        pg_to_stop.stop()
 
         def mark_retries() -> list[dict[str, Any]]:
             assert daemon.proc.poll() is None, daemon.output()
@@ -251,11 +248,11 @@ def test_postgres_down_backs_off_says_why_and_recovers(
         # A failed mark refreshes the leader id (it may have committed): once per step, not more.
         assert len(daemon.events("LeaderRefreshed")) <= len(mark_retries()) + 1
 
-        private_pg.start()
+        pg_to_stop.start()
         wait_for("the mark to recover", lambda: any(e["operation"] == "mark" for e in daemon.events("store_recovered")))
         wait_for("/healthz to recover", lambda: daemon.get("/healthz")[0] == 200)
         # And it harvests again.
-        with psycopg.connect(private_pg.dsn, autocommit=True) as conn:
+        with psycopg.connect(pg_to_stop.dsn, autocommit=True) as conn:
             conn.execute(
                 sql.SQL("INSERT INTO {} (kafka_topic, kafka_key, kafka_value) VALUES (%s, 'k', 'v')").format(
                     table.ident
