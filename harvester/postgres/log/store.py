@@ -32,7 +32,7 @@ from harvester.core.records import Failure, MarkedRecord
 from harvester.postgres.log import logical, pgoutput
 from harvester.postgres.log.logical import LogSetup
 from harvester.postgres.log.records import Columns, outbox_record
-from harvester.postgres.log.recovery import Harvest, RecoveryStatements, SlotLostError, unrecoverable
+from harvester.postgres.log.recovery import Harvest, RecoveryStatements, SlotLostError, slot_lost, unrecoverable
 from harvester.postgres.log.replication import StreamError
 from harvester.postgres.log.slot import SlotStream
 from harvester.postgres.log.spill import Budget
@@ -63,9 +63,6 @@ _SENDER_TIMEOUT = "30s"
 _SESSION = "-c client_encoding=UTF8"
 
 log = structlog.get_logger("harvester.log_source")
-# What starting a stream answers when the slot is gone (undefined_object) or invalidated
-# (object_not_in_prerequisite_state: "can no longer get changes from replication slot").
-_SLOT_GONE = {"42704": "does not exist", "55000": "was invalidated by the server"}
 # A lost slot's harvest waits for what the old stream handed out to settle while it does, or until
 # none has for this long: a record handed out and then dropped (a failed statement's mark, a remark
 # that dropped what waited behind its keys) never settles. Harvesting one still in flight repeats at
@@ -445,8 +442,9 @@ class LogStore(PostgresStore):
             try:
                 messages, drained = self._slot.read(_READ_MESSAGES)
             except StreamError as exc:
-                if exc.sqlstate in _SLOT_GONE:  # dropped or invalidated since the take-over looked
-                    raise SlotLostError(f"replication slot {self._setup.slot} {_SLOT_GONE[exc.sqlstate]}") from exc
+                lost = slot_lost(self._setup.slot, exc, self.db)
+                if lost is not None:  # dropped or invalidated since the take-over looked
+                    raise SlotLostError(lost) from exc
                 # Broken (the server's wal_sender_timeout while nobody read, a restart): once more
                 # from the slot's position, skipping what was received; then the engine's retry.
                 if restarted:
