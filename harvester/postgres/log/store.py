@@ -101,6 +101,7 @@ class LogStore(PostgresStore):
         self._slot.conninfo = psycopg.conninfo.make_conninfo(
             dsn, connect_timeout=5, application_name=self.db.application_name, options=self.db.options
         )
+        self.db.on_broken = self._slot.let_go
         self._outbox_oid = 0  # the table's oid, whose inserts the stream decoder decodes (0 until prepared)
         self._state = threading.Lock()  # guards everything below (mark and completion threads)
         self._txns = Transactions(b"I", b"", 1, budget=self._budget)  # the outbox's oid is known once prepared
