@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -48,6 +48,9 @@ class Connections:
         self._local = threading.local()
         self._lock = threading.Lock()  # guards _connections
         self._connections: list[psycopg.Connection[Any]] = []
+        # Called, from the failing thread, when a connection broke (not a statement cancelled) or
+        # could not be opened.
+        self.on_broken: Callable[[], None] = lambda: None
 
     @property
     def statement_timeout(self) -> float:
@@ -72,6 +75,7 @@ class Connections:
             # libpq's reason (wrong password, port or database, ...), first line only: later lines
             # repeat it for other addresses or add hints. libpq may quote a malformed DSN's text;
             # the reaper redacts secrets from everything it prints.
+            self.on_broken()
             lines = str(exc).strip().splitlines()
             reason = with_hint(" ".join(lines[0].split()) if lines else type(exc).__name__)
             raise StoreUnreachableError(f"cannot connect to PostgreSQL: {reason}", since=started) from exc
@@ -123,7 +127,10 @@ class Connections:
     def failed(self, conn: psycopg.Connection[Any], exc: psycopg.Error, started: float) -> StoreError:
         """The StoreError for ``exc``, raised by a statement on ``conn`` sent at ``started``."""
         if isinstance(exc, psycopg.OperationalError):
+            broken = conn.broken
             self.forget(conn)
+            if broken:
+                self.on_broken()
             return StoreUnreachableError(f"database error: {error_text(exc)}", since=started)
         return StoreError(f"statement failed: {error_text(exc)}")
 

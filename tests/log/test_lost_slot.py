@@ -22,6 +22,7 @@ from harvester.postgres.log.logical import LogSetup
 from harvester.postgres.schema.identifiers import TableName
 from harvester.postgres.schema.migrations import fence_table
 from tests.engine.workload import check, insert, wait_drained, wait_until, writing
+from tests.faults.proxy import Proxy
 from tests.log.conftest import SINGLE_SERVER, stash
 from tests.support import HarvesterFactory, Services, consumed_headers, harvesters, read_distinct, read_messages
 
@@ -194,3 +195,50 @@ def test_a_leader_recovers_a_slot_lost_before_its_term(
     assert wait_until(lambda: recoveries(h) == 1)
     insert(logical_dsn, log_outbox, [(topic, "k", "k:100")])
     assert len(read_messages(services.bootstrap, [topic], 101)) == 101
+
+
+def test_a_slot_the_server_refuses_to_stream_is_retried_not_recovered(
+    services: Services, logical_dsn: str, log_outbox: TableName, topics: Callable[..., str]
+) -> None:
+    # START_REPLICATION answers object_not_in_prerequisite_state (55000) for an invalidated slot, and
+    # as much for one it cannot stream now that is not lost: here a slot of the same name in another
+    # database ("was not created in this database"; wal_level below logical, a standby still
+    # synchronizing the slot are others). That is a retry, not a recovery (which would harvest the
+    # table again at every start of the stream).
+    topic, setup = topics(), LogSetup(log_outbox, HarvesterConfig(outbox_table=log_outbox.qualified).slot, "")
+    params = psycopg.conninfo.conninfo_to_dict(logical_dsn)
+    proxy = Proxy((str(params.get("host", "127.0.0.1")), int(str(params.get("port", 5432)))))
+    other_db = psycopg.conninfo.make_conninfo(logical_dsn, dbname="postgres")
+    try:
+        with made(services, psycopg.conninfo.make_conninfo(logical_dsn, port=proxy.port), log_outbox) as make:
+            h = make()
+            insert(logical_dsn, log_outbox, [(topic, "k", f"k:{i}") for i in range(20)])
+            assert len(read_messages(services.bootstrap, [topic], 20)) == 20
+            assert wait_until(lambda: h.metrics.purged._value.get() >= 20)
+            proxy.set_mode("cut")  # the leader's take-over does not see the slot missing meanwhile
+            drop_slot(logical_dsn, setup.slot)
+            with psycopg.connect(other_db, autocommit=True) as conn:
+                conn.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (setup.slot,))
+            retries = h.registry.get_sample_value("harvester_store_retries_total", {"operation": "mark"}) or 0.0
+            proxy.set_mode("pass")
+
+            def refused() -> float:
+                now = h.registry.get_sample_value("harvester_store_retries_total", {"operation": "mark"}) or 0.0
+                return now - retries
+
+            assert wait_until(lambda: refused() >= 3 or recoveries(h) > 0, timeout=60)
+            assert recoveries(h) == 0 and not recovering(logical_dsn, log_outbox)()
+            # The operator's fix (the other database's slot goes, the outbox's is created again),
+            # out of the leader's sight again: it then streams the new slot.
+            proxy.set_mode("cut")
+            drop_slot(other_db, setup.slot)
+            with psycopg.connect(logical_dsn, autocommit=True) as conn:
+                conn.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (setup.slot,))
+            proxy.set_mode("pass")
+            insert(logical_dsn, log_outbox, [(topic, "k", f"k:{i}") for i in range(20, 40)])
+            verdict = check(read_messages(services.bootstrap, [topic], 40), {"k": 40})
+            assert verdict.lost == [] and verdict.out_of_order == [] and verdict.duplicates == 0, verdict
+            assert recoveries(h) == 0
+    finally:
+        proxy.close()
+        drop_slot(other_db, setup.slot)

@@ -7,8 +7,9 @@ from __future__ import annotations
 import time
 
 from harvester.core.records import MarkedRecord
+from harvester.postgres.connections import Connections
 from harvester.postgres.log.parts import Finish, Ledger
-from harvester.postgres.log.recovery import SlotLostError
+from harvester.postgres.log.recovery import SlotLostError, slot_lost
 from harvester.postgres.log.replication import StreamError
 from harvester.postgres.log.visibility import INVISIBLE_RECHECK
 
@@ -25,16 +26,13 @@ _TRICKLE_SECONDS = 0.02
 # A status update at least this often, whatever else happens, within the walsender's timeout, which
 # the store sets (store.py).
 _STATUS_SECONDS = 10.0
-# What starting a stream answers when the slot is gone (undefined_object) or invalidated
-# (object_not_in_prerequisite_state: "can no longer get changes from replication slot").
-_SLOT_GONE = {"42704": "does not exist", "55000": "was invalidated by the server"}
 
 
 class Reader:
     """The reads of one log store's mark thread."""
 
-    def __init__(self, ledger: Ledger, finish: Finish, slot_name: str) -> None:
-        self._ledger, self._finish, self._slot_name = ledger, finish, slot_name
+    def __init__(self, ledger: Ledger, finish: Finish, slot_name: str, db: Connections) -> None:
+        self._ledger, self._finish, self._slot_name, self._db = ledger, finish, slot_name, db
         self._next_idle_confirm = 0.0  # monotonic time
         # Records went out since the last idle confirmation: the next one is due as soon as all are
         # done (what their completions wrote, deletes or the stored position, lies past them).
@@ -58,8 +56,9 @@ class Reader:
             try:
                 messages, drained = slot.read(_READ_MESSAGES)
             except StreamError as exc:
-                if exc.sqlstate in _SLOT_GONE:  # dropped or invalidated since the take-over looked
-                    raise SlotLostError(f"replication slot {self._slot_name} {_SLOT_GONE[exc.sqlstate]}") from exc
+                lost = slot_lost(self._slot_name, exc, self._db)
+                if lost is not None:  # dropped or invalidated since the take-over looked
+                    raise SlotLostError(lost) from exc
                 # Broken (the server's wal_sender_timeout while nobody read, a restart): once more
                 # from the slot's position, skipping what was received; then the engine's retry.
                 if restarted:

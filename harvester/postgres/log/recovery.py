@@ -51,9 +51,11 @@ from psycopg import sql
 
 from harvester.core.protocols import FatalStoreError, FencedError, StoreError
 from harvester.core.records import MarkedRecord
+from harvester.postgres.connections import Connections
 from harvester.postgres.log import logical
 from harvester.postgres.log.logical import LogSetup
 from harvester.postgres.log.parts import Finish, Ledger
+from harvester.postgres.log.replication import StreamError
 from harvester.postgres.schema.identifiers import TableName
 from harvester.postgres.schema.migrations import fence_table
 
@@ -67,6 +69,31 @@ _DRAIN_QUIET_SECONDS = 2.0
 
 class SlotLostError(StoreError):
     """The log source's slot is gone or invalidated."""
+
+
+# undefined_object: the slot does not exist. object_not_in_prerequisite_state says it was
+# invalidated ("can no longer get changes from replication slot"), and as much that the server
+# cannot decode (wal_level below logical), that the slot is another database's or a physical one,
+# or that a standby still synchronizes it (a connection that reached the standby in a promotion).
+_UNDEFINED_OBJECT, _NOT_IN_PREREQUISITE_STATE = "42704", "55000"
+
+
+def slot_lost(slot: str, exc: StreamError, db: Connections) -> str | None:
+    """Whether a replication command's failure says that ``slot`` is lost, and how; None for any
+    other failure (the stream is started again, then the engine retries with back-off, logging
+    ``exc``). On object_not_in_prerequisite_state, the slot's ``wal_status`` tells an invalidated
+    slot, recovered, from a server that cannot stream it now, whose recovery would only harvest the
+    table again and again."""
+    if exc.sqlstate == _UNDEFINED_OBJECT:
+        return f"replication slot {slot} does not exist"
+    if exc.sqlstate != _NOT_IN_PREREQUISITE_STATE:
+        return None
+    rows = db.run("SELECT wal_status FROM pg_replication_slots WHERE slot_name = %s", (slot,))
+    if not rows:
+        return f"replication slot {slot} does not exist"
+    if rows[0][0] == "lost":
+        return f"replication slot {slot} was invalidated by the server ({exc})"
+    return None
 
 
 def unrecoverable(lost: str) -> FatalStoreError:

@@ -75,10 +75,17 @@ class LogicalStream:
         self.drained = True  # the last read took everything that had arrived
         self._reported = time.monotonic()  # when the last status update went out
         self.streamed = StreamedTransactions(decoder, budget)
-        self._conn = pq.PGconn.connect(psycopg.conninfo.make_conninfo(conninfo, replication="database").encode())
+        # psycopg's connect, not PGconn.connect: that one holds the GIL until the server answers,
+        # which froze every thread of the process for up to connect_timeout per host.
         try:
-            if self._conn.status != pq.ConnStatus.OK:
-                raise StreamError(f"cannot connect for replication: {self._error()}")
+            self._connection = psycopg.Connection.connect(
+                psycopg.conninfo.make_conninfo(conninfo, replication="database"), autocommit=True
+            )
+        except psycopg.OperationalError as exc:
+            lines = str(exc).strip().splitlines()
+            raise StreamError(f"cannot connect for replication: {lines[0] if lines else 'connection failed'}") from exc
+        self._conn = self._connection.pgconn
+        try:
             # 0/0: the server starts at the slot's confirmed_flush_lsn (a lower start is ignored).
             # Values in their binary forms (PostgreSQL 14+): cheaper to read than text (records.py).
             # Large transactions streamed while in progress (protocol 2, PostgreSQL 14+; streamed.py).
@@ -98,7 +105,7 @@ class LogicalStream:
                 )
             self._conn.nonblocking = 1
         except BaseException:
-            self._conn.finish()
+            self._connection.close()
             raise
 
     def _error(self) -> str:
@@ -128,7 +135,8 @@ class LogicalStream:
                     consumed = True
                     continue
                 if size < 0:
-                    raise StreamError(f"the replication stream ended: {self._result_error()}")
+                    why, sqlstate = self._result_error()
+                    raise StreamError(f"the replication stream ended: {why}", sqlstate)
                 kind = data[0]
                 if kind == 0x77:  # 'w'
                     message = bytes(data[_XLOG_HEAD:])
@@ -146,12 +154,17 @@ class LogicalStream:
             raise StreamError(f"the replication stream broke: {str(exc).strip()}") from exc
         return out
 
-    def _result_error(self) -> str:
+    def _result_error(self) -> tuple[str, str | None]:
+        """Why the server ended the stream, and its SQLSTATE when it said."""
         result = self._conn.get_result()
         if result is None:
-            return "no reason given"
+            return "no reason given", None
         message = result.error_field(pq.DiagnosticField.MESSAGE_PRIMARY)
-        return message.decode(errors="replace") if message else "no reason given"
+        sqlstate = result.error_field(pq.DiagnosticField.SQLSTATE)
+        return (
+            message.decode(errors="replace") if message else "no reason given",
+            sqlstate.decode() if sqlstate else None,
+        )
 
     def wait(self, timeout: float) -> bool:
         """Block until data arrives (True) or ``timeout`` passes (False)."""
@@ -193,5 +206,5 @@ class LogicalStream:
             raise StreamError(f"writing to the replication stream failed: {str(exc).strip()}") from exc
 
     def close(self) -> None:
-        self._conn.finish()
+        self._connection.close()
         self.streamed.close()

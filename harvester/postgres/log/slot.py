@@ -1,8 +1,8 @@
 """The log source's hold on its replication slot: one stream at a time, started from the slot's
 position once the slot's previous reader has let go (the store's take-over, a fenced statement),
-started again after it broke, kept alive while the leader reads nothing, and told how far
-everything is consumed. Its lock serialises the mark thread's reads with the confirmations that
-follow the completions' statements."""
+started again after it broke, kept alive while the leader reads nothing, let go when the store's
+session breaks, and told how far everything is consumed. Its lock serialises the mark thread's
+reads with the confirmations that follow the completions' statements."""
 
 from __future__ import annotations
 
@@ -126,6 +126,17 @@ class SlotStream:
     def close(self) -> None:
         with self._lock:
             self._close()
+
+    def let_go(self) -> None:
+        """Close the stream, from a thread whose statement found the server gone, unless a read
+        holds it (a read answers the server itself). A server that shuts down waits until this
+        stream answers its last keepalive, which a leader backing off from failed statements does not
+        read: a fast shutdown took ``wal_sender_timeout`` then."""
+        if self._lock.acquire(blocking=False):
+            try:
+                self._close()
+            finally:
+                self._lock.release()
 
     def _close(self) -> None:
         if self._stream is not None:

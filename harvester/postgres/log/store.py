@@ -86,6 +86,7 @@ class LogStore(PostgresStore):
         self.slot.conninfo = psycopg.conninfo.make_conninfo(
             dsn, connect_timeout=5, application_name=self.db.application_name, options=self.db.options
         )
+        self.db.on_broken = self.slot.let_go
         self._outbox_oid = 0  # the table's oid, whose inserts the stream decoder decodes (0 until prepared)
         # Guards txns, _batches, released and the lost slot's harvest (mark and completion threads).
         self.state = threading.Lock()
@@ -94,7 +95,7 @@ class LogStore(PostgresStore):
         # Exactly-once: (checkpoint position, its records' transactions) of purged batches whose
         # position is not stored yet.
         self._batches: deque[tuple[int, list[Transaction]]] = deque()
-        self._reader = Reader(self, finish, setup.slot)
+        self._reader = Reader(self, finish, setup.slot, self.db)
         self._takeover: sql.Composed | None = None
         self._lost = LostSlot(self, setup, finish, recoverable=rows.recoverable)
         # Records done whose rows a recovery deleted, for durable() to report (a stored position
