@@ -28,12 +28,12 @@ import pyspark
 
 SPARK_HOME = Path(pyspark.__file__).resolve().parent
 # Port layout from the base: master, its UI, then per worker its port and UI; the submitted
-# driver's and the Connect server's ports; executors' block managers take the last few.
+# driver's and the Connect servers' ports; executors' block managers take the last few.
 MASTER, MASTER_UI, WORKERS, DRIVER, CONNECT, EXECUTORS = 0, 1, 2, 10, 20, 30
 DEFAULT_BASE_PORT = 17070
 # Small on purpose: the cluster shares two cores with PostgreSQL, Kafka and the test process. Each
-# application (the tests' long-lived driver, a driver a test kills, the Connect server) takes one
-# executor of EXECUTOR_CORES on each worker, so the workers offer room for three at once.
+# application (the tests' long-lived driver, a driver a test kills, the Connect server on the
+# cluster) takes one executor of EXECUTOR_CORES on each worker, so the workers offer room for three.
 EXECUTOR_CORES, APP_CORES, EXECUTOR_MEMORY, DAEMON_MEMORY, CONNECT_MEMORY = 2, 4, "512m", "256m", "768m"
 WORKER_CORES, WORKER_MEMORY = 3 * EXECUTOR_CORES, "2g"
 # Every JVM here runs seconds of work: the C1 compiler alone and the serial collector start them far
@@ -243,6 +243,16 @@ def app_conf(port: int) -> dict[str, str]:
     }
 
 
+def bare_environment(env: Path) -> Path:
+    """A virtual environment at ``env`` with this interpreter's dependencies (found through a ``.pth``
+    file naming its site-packages) and without this package: lines of a ``.pth`` file only extend
+    the path, so the editable install's finder there is not run. Return ``env``."""
+    venv.create(env, symlinks=True, with_pip=False)
+    (site_packages,) = env.glob("lib/python*/site-packages")
+    (site_packages / "dependencies.pth").write_text("".join(f"{path}\n" for path in site.getsitepackages()))
+    return env
+
+
 def packed_environment(wheel: Path, root: Path) -> tuple[Path, Path]:
     """docs/spark.md's packed virtual environment for ``spark.archives``: a virtual environment with
     this package installed from ``wheel``, and its ``.tar.gz``. Return both.
@@ -252,12 +262,10 @@ def packed_environment(wheel: Path, root: Path) -> tuple[Path, Path]:
     the test cluster can read. The package itself, which is what the test checks, comes from the
     archive, ahead of those directories on the path.
     """
-    env = root / "outbox-env"
-    venv.create(env, symlinks=True, with_pip=False)
+    env = bare_environment(root / "outbox-env")
     (site_packages,) = env.glob("lib/python*/site-packages")
     with zipfile.ZipFile(wheel) as package:
         package.extractall(site_packages)
-    (site_packages / "dependencies.pth").write_text("".join(f"{path}\n" for path in site.getsitepackages()))
     (root / "environment").symlink_to(env.name)
     archive = root / "outbox-env.tar.gz"
     with tarfile.open(archive, "w:gz", compresslevel=1) as tar:
@@ -289,15 +297,16 @@ def spark_submit(
 
 
 class ConnectServer:
-    """A Spark Connect server (``SparkConnectServer`` through ``spark-submit``) in local mode, two
-    cores; a failed task is retried once (local mode's default is never), as in the tests' session.
+    """A Spark Connect server (``SparkConnectServer`` through ``spark-submit``), by default in local
+    mode, two cores, a failed task retried once (local mode's default is never), as in the tests'
+    session; or on ``master``, a standalone cluster, with ``conf`` added to its settings. The
+    ``slot``-th server takes the ports after the ``slot - 1``-th's."""
 
-    Not on the standalone cluster: there a batch write over Connect works (the data source in the
-    executors, the package from the session's artifact), but a streaming query's micro-batches
-    fail in the executors' Python workers with ``ModuleNotFoundError`` (see docs/spark.md)."""
-
-    def __init__(self, root: Path, port: int) -> None:
-        self.root, self.port, self.base = root, port + CONNECT, port
+    def __init__(
+        self, root: Path, port: int, master: str = "local[2,2]", conf: dict[str, str] | None = None, slot: int = 0
+    ) -> None:
+        self.root, self.port, self.base = root, port + CONNECT + 4 * slot, port
+        self.master, self.conf = master, conf or {}
         # spark-submit sizes the server's JVM like a daemon's, not from spark.driver.memory.
         self.env = {**spark_env(root), "SPARK_DAEMON_MEMORY": CONNECT_MEMORY}
         self.url = f"sc://127.0.0.1:{self.port}"
@@ -314,12 +323,13 @@ class ConnectServer:
             "spark.driver.blockManager.port": str(self.port + 2),
             "spark.driver.memory": CONNECT_MEMORY,
             "spark.sql.shuffle.partitions": "2",
+            **self.conf,
         }
         settings = [arg for key, value in conf.items() for arg in ("--conf", f"{key}={value}")]
         cmd = [
             str(SPARK_HOME / "bin" / "spark-submit"),
             *("--class", "org.apache.spark.sql.connect.service.SparkConnectServer"),
-            *("--name", "harvester-tests-connect", "--master", "local[2,2]", *settings),
+            *("--name", "harvester-tests-connect", "--master", self.master, *settings),
         ]
         log = (self.root / "logs" / "connect.out").open("ab")
         self.process = subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -1,5 +1,6 @@
 """One local SparkSession for the whole test session, with the ``outbox`` data source registered; a
-standalone cluster, a Spark Connect server and the packages shipped to them."""
+standalone cluster, Spark Connect servers (one in local mode, one on the cluster) and the packages
+shipped to them."""
 
 from __future__ import annotations
 
@@ -18,7 +19,14 @@ from examples.spark_pipeline import KAFKA_PACKAGE
 from harvester.postgres.schema.identifiers import TableName
 from harvester.spark import register
 from tests.spark import faults
-from tests.spark.cluster import PYTHON_PATIENCE, ConnectServer, StandaloneCluster, base_port, packed_environment
+from tests.spark.cluster import (
+    PYTHON_PATIENCE,
+    ConnectServer,
+    StandaloneCluster,
+    bare_environment,
+    base_port,
+    packed_environment,
+)
 from tests.spark.drivers import SharedDriver
 from tests.support import ROOT, Services, build_wheel
 
@@ -65,7 +73,7 @@ def _boot_early(request: pytest.FixtureRequest) -> None:
     here = Path(__file__).parent
     mine = [item for item in request.session.items if here in item.path.parents]  # not a namesake elsewhere
     wanted = {name for item in mine for name in getattr(item, "fixturenames", ())}
-    for name in ("connect_server", "driver"):  # the one that blocks (building the wheel) last
+    for name in ("connect_server", "cluster_connect", "driver"):  # those that block (building the wheel) last
         if name in wanted:
             request.getfixturevalue(name)
 
@@ -125,6 +133,23 @@ def connect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Connect
     """A Spark Connect server in local mode, on loopback, booting (see :meth:`ConnectServer.wait`);
     stopped at the end."""
     server = ConnectServer(tmp_path_factory.mktemp("spark-connect"), base_port())
+    try:
+        server.launch()
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def cluster_connect(
+    spark_cluster: StandaloneCluster, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ConnectServer]:
+    """A Spark Connect server on the standalone cluster, booting, whose Python workers (its own and
+    the executors') run an environment without the package: a client's session artifact is all
+    that provides it."""
+    root = tmp_path_factory.mktemp("spark-connect-cluster")
+    python = bare_environment(root / "python") / "bin" / "python"
+    server = ConnectServer(root, base_port(), spark_cluster.url, {"spark.pyspark.python": str(python)}, slot=1)
     try:
         server.launch()
         yield server

@@ -1,14 +1,17 @@
 """The ``outbox`` source from a Spark Connect client: registered from the client, the package shipped
-to the server as a session artifact, batch and streaming writes planned and committed server-side."""
+to the server as a session artifact, batch and streaming writes planned and committed server-side;
+and a streaming drain over Connect on the standalone cluster (docs/spark.md's recipe)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections import defaultdict
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psycopg
 import pytest
 from psycopg import sql
+from pyspark.errors import StreamingQueryException
 from pyspark.sql.connect.session import SparkSession as RemoteSparkSession
 
 from harvester.postgres.schema.identifiers import TableName
@@ -20,12 +23,14 @@ from tests.spark.cluster import ConnectServer
 from tests.spark.jobs import harvester_file, numbered, run_stream
 from tests.spark.test_batch import leftovers, records
 from tests.spark.test_stream import PER_FILE, write_inputs
-from tests.support import unique
+from tests.spark_drain.conftest import preload, remaining
+from tests.support import Services, end_offsets, read_messages, text, unique
 
 # Every driver and server is a JVM of its own: minutes on a loaded two-core machine.
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 Conn = psycopg.Connection[tuple[object, ...]]
+DRAINED = 200  # two micro-batches of 100 (50 per shard)
 
 
 @pytest.fixture(scope="module")
@@ -93,3 +98,51 @@ def test_spark_kafka_sink_over_connect_refuses_the_drain_without_its_partition_c
     )
     with pytest.raises(KafkaPartitionError, match="without its 'partition' column"):
         writer.start()  # refused in the client: no query reaches the server
+
+
+def test_streaming_drain_over_connect_on_the_cluster(
+    cluster_connect: ConnectServer,
+    shipped: list[Path],
+    services: Services,
+    pg: Conn,
+    outbox: TableName,
+    topics: Callable[..., str],
+    tmp_path: Path,
+) -> None:
+    topic = topics(partitions=2)
+    preload(pg, outbox, topic, DRAINED, keys=10)
+    cluster_connect.wait()
+    # create(), not getOrCreate(), which would hand back the local server's session of this process.
+    session = RemoteSparkSession.builder.remote(cluster_connect.url).create()
+    try:
+        session.addArtifacts(str(shipped[0]), pyfile=True)  # the only copy its Python workers can import
+        register(session)
+        table = {"dsn": services.pg_dsn, "table": outbox.qualified}
+        writer = (
+            session.readStream.format("outbox")
+            .options(**table, shards="2", maxRecordsPerTrigger=str(DRAINED // 2))
+            .load()
+            .writeStream.format("outbox-publish")
+            .options(**table, checkpointLocation=str(tmp_path / "cp"))
+            .option("kafka.bootstrap.servers", services.bootstrap)
+            .trigger(availableNow=True)
+        )
+        try:
+            writer.start().awaitTermination()
+        except StreamingQueryException as exc:
+            # Spark waits a fixed 10 s for the source's Python runner to connect back as the query
+            # starts, which a load average of 30 on two cores can exceed, before anything is planned:
+            # then start again, once.
+            if "Python worker failed to connect back" not in str(exc) or "Committed Offsets: {}" not in str(exc):
+                raise
+            writer.start().awaitTermination()
+    finally:
+        session.stop()
+
+    assert remaining(pg, outbox) == []
+    by_key: dict[str, list[int]] = defaultdict(list)
+    for msg in read_messages(services.bootstrap, [topic], DRAINED):
+        by_key[text(msg.key())].append(int(text(msg.value())[1:]))
+    assert sorted(v for got in by_key.values() for v in got) == list(range(1, DRAINED + 1))  # none lost
+    assert all(got == sorted(got) for got in by_key.values())  # per-key order
+    assert end_offsets(services.bootstrap, topic, partitions=2) == DRAINED  # none twice
