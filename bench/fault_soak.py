@@ -46,6 +46,7 @@ from psycopg import sql
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from harvester import HarvesterConfig
+from harvester.postgres.schema.migrations import fence_table
 from tests.chaos.harness import delivery_modes, read_all
 from tests.faults.cluster import KafkaCluster, ProxyGroup
 from tests.faults.pgpair import PgPair
@@ -221,6 +222,34 @@ def crash_tail(proc: HarvesterProcess) -> str:
     return "".join(lines[max(0, start, len(lines) - 400) :]).rstrip() + f"\n(whole log: {f.name})"
 
 
+def evidence(sc: Scenario) -> str:
+    """What a failed run leaves to find its cause, taken before its tables and services go: the rows
+    still in the outbox (and their transactions), the replication slots against the end of the log,
+    the fence rows, and every harvester's whole log in a file named here."""
+    with psycopg.connect(sc.dsn, autocommit=True) as conn:
+        rows = conn.execute(
+            sql.SQL("SELECT id, kafka_key, create_time::text, xmin::text FROM {} ORDER BY id LIMIT 50").format(
+                sc.tables.outbox.ident
+            )
+        ).fetchall()
+        slots = conn.execute(
+            "SELECT slot_name, active_pid, restart_lsn, confirmed_flush_lsn, wal_status, pg_current_wal_lsn()"
+            " FROM pg_replication_slots"
+        ).fetchall()
+        fence = conn.execute(
+            sql.SQL("SELECT * FROM {} WHERE outbox_table = %s").format(fence_table(sc.tables.outbox).ident),
+            (sc.tables.outbox.qualified,),
+        ).fetchall()
+    lines = ["rows left (id, key, created, xmin):", *(f"  {r}" for r in rows)]
+    lines += ["slots (name, walsender pid, restart, confirmed, wal_status, end of log):", *(f"  {r}" for r in slots)]
+    lines += ["fence rows:", *(f"  {r}" for r in fence)]
+    for proc in sc.group.running + sc.group.retired:
+        with tempfile.NamedTemporaryFile("w", prefix=f"fault-soak-{proc.name}-", suffix=".log", delete=False) as f:
+            f.writelines(proc.log)
+        lines.append(f"whole log of {proc.name}: {f.name}")
+    return "\n".join(lines)
+
+
 def appends(sc: Scenario) -> dict[str, float]:
     """Value -> LogAppendTime (s) of its first delivery."""
     first: dict[str, float] = {}
@@ -315,6 +344,7 @@ def soak_once(
             print(table, flush=True)
             if not ok:
                 print(outcome.explain())
+                print(evidence(sc), flush=True)
             return ok
     finally:
         pair.stop()
