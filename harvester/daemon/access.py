@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from harvester.daemon.errors import FailError
 from harvester.daemon.grants import needs
 from harvester.daemon.settings import ReaperSettings
 from harvester.postgres.schema.privileges import lacking
@@ -77,24 +76,6 @@ def kafka_problems(settings: ReaperSettings, timeout: float) -> list[str]:
         if group_operations is not None and "READ" not in {op.name for op in group_operations}:
             problems.append(acl_problem(user, "group", group, ["READ"]))
     return problems
-
-
-def at_start(settings: ReaperSettings, timeout: float) -> None:
-    """Raise :class:`FailError` naming the first ACL or privilege ``reaper run`` lacks (a section whose
-    database cannot be reached now is left to the harvester, which retries it)."""
-    import psycopg
-
-    from harvester.daemon.check import connect_pg
-
-    problems = kafka_problems(settings, timeout)
-    try:
-        with connect_pg(settings, timeout) as conn:
-            problems += pg_problems(conn, settings)
-    except (FailError, psycopg.Error):
-        pass
-    if problems:
-        more = f" (and {len(problems) - 1} more: 'reaper check' lists them)" if len(problems) > 1 else ""
-        raise FailError(problems[0] + more)
 
 
 def acl_problem(user: str, kind: str, name: str, operations: list[str]) -> str:

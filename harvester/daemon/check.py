@@ -29,6 +29,22 @@ def connect_pg(settings: ReaperSettings, timeout: float) -> Any:
         raise FailError(f"PostgreSQL: cannot connect (harvest.dataSource): {pg_reason(exc)}") from None
 
 
+def lacking_at_start(settings: ReaperSettings, timeout: float) -> None:
+    """Raise :class:`FailError` naming the first ACL or privilege ``reaper run`` lacks (a section whose
+    database cannot be reached now is left to the harvester, which retries it)."""
+    import psycopg
+
+    problems = access.kafka_problems(settings, timeout)
+    try:
+        with connect_pg(settings, timeout) as conn:
+            problems += access.pg_problems(conn, settings)
+    except (FailError, psycopg.Error):
+        pass
+    if problems:
+        more = f" (and {len(problems) - 1} more: 'reaper check' lists them)" if len(problems) > 1 else ""
+        raise FailError(problems[0] + more)
+
+
 def pg_reason(exc: BaseException) -> str:
     # libpq's message repeats the host and may quote parts of the DSN; keep its first line, redacted,
     # and name the connection setting that fixes a TLS or password refusal.

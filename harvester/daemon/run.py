@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from harvester.daemon import access
 from harvester.daemon.check import (
     connect_pg,
     in_section,
+    lacking_at_start,
     reach_kafka,
     validate_election,
     validate_kafka_config,
@@ -156,7 +156,7 @@ def _wait_for_kafka(section: ReaperSettings, index: int | None) -> str | None:
     try:
         with in_section(index):
             reach_kafka(section, section.startup.kafka_timeout.total_seconds(), say_waiting=True)
-            access.at_start(section, _ACCESS_TIMEOUT)
+            lacking_at_start(section, _ACCESS_TIMEOUT)
     except FailError as exc:
         if index is None:
             raise
