@@ -47,7 +47,7 @@ def render(run: dict[str, Any]) -> str:
         raise ValueError(f"unknown bench JSON version {run.get('version')!r} (this renderer reads version 1)")
     workload, machine, versions = run["workload"], run["machine"], run["versions"]
     summary, steady, relays = run["summary"], run.get("steady", {}), run["relays"]
-    then = f", then a steady {workload['steady_rate']:,} records/s" if steady else ""
+    then = f", then a steady {workload['steady_rate']:,.0f} records/s" if steady else ""
     rounds = f"{workload['rounds']} round{'s' if workload['rounds'] != 1 else ''}"
     lines = [
         f"Burst of {workload['records']:,} records into an idle outbox{then}; medians of {rounds}."
