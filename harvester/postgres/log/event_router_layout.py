@@ -13,7 +13,7 @@ with a retention window, deleted in bulk once delivered (:mod:`.retention`).
 from __future__ import annotations
 
 from collections.abc import Callable
-from datetime import timedelta
+from datetime import datetime
 from typing import Any
 
 import psycopg
@@ -22,12 +22,12 @@ from harvester.core.protocols import StoreError
 from harvester.core.records import MarkedRecord
 from harvester.event_router import EventRouter
 from harvester.postgres.log import pgoutput
-from harvester.postgres.log.decoding import decoded, stream_decoder
+from harvester.postgres.log.decoding import stream_decoder
 from harvester.postgres.log.event_router_rows import RouterColumns, router_record
-from harvester.postgres.log.messages import BYTES_COLUMNS, EPOCH_2000
+from harvester.postgres.log.messages import BYTES_COLUMNS, EPOCH_2000, stamped
 from harvester.postgres.log.records import Columns
 from harvester.postgres.log.spill import Budget
-from harvester.postgres.log.transactions import Taken, Transaction, Transactions, messages
+from harvester.postgres.log.transactions import Taken, Transaction, Transactions
 from harvester.postgres.schema.catalog import OutboxColumns
 from harvester.postgres.schema.identifiers import TableName
 
@@ -69,23 +69,15 @@ class RouterInserts:
         return Transactions(b"I", oid.to_bytes(4, "big"), 1, oid, budget, self._columns_of)
 
     def records(self, taken: Taken) -> list[MarkedRecord]:
-        out: list[MarkedRecord] = []
-        last: Transaction | None = None
-        created = EPOCH_2000
-        for (txn, _), insert in zip(taken, messages(taken), strict=True):
-            if txn is not last:
-                last, created = txn, EPOCH_2000 + timedelta(microseconds=txn.commit_time)
-            if type(insert) is bytes:
-                assert isinstance(txn.columns, RouterColumns)  # checked as the transaction came in
-                out.append(router_record(insert, txn.columns, created))
-            else:
-                record = decoded(insert)
-                record.create_time = created  # not known while the transaction streamed
-                out.append(record)
-        return out
+        return stamped(taken, _router_record, (None, EPOCH_2000))[0]
 
     def stream_decoder(self, oid: int) -> Callable[[bytes], MarkedRecord | None]:
         """As the table's (:meth:`.decoding.TableInserts.stream_decoder`), with EventRouter's
         columns; the records' ``create_time``, the commit time, is set at hand-out."""
         router = self._router
         return stream_decoder(oid, lambda relation: RouterColumns(relation, router), router_record)
+
+
+def _router_record(insert: bytes, txn: Transaction, created: datetime) -> MarkedRecord:
+    assert isinstance(txn.columns, RouterColumns)  # checked as the transaction came in
+    return router_record(insert, txn.columns, created)

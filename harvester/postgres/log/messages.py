@@ -40,6 +40,30 @@ BYTES_COLUMNS = OutboxColumns(
 )
 
 
+Stamp = tuple[Transaction | None, datetime]  # a transaction and its commit time as a datetime
+
+
+def stamped(
+    taken: Taken, decode: Callable[[bytes, Transaction, datetime], MarkedRecord], last: Stamp
+) -> tuple[list[MarkedRecord], Stamp]:
+    """The records of ``taken``, each created at its transaction's commit time, as the layouts
+    without a ``create_time`` column have it: an insert or message still bytes is decoded by
+    ``decode``, one decoded while its transaction streamed gets the time now (it was not known
+    then). ``last`` is the transaction whose time was computed last, and is returned updated."""
+    out: list[MarkedRecord] = []
+    last_txn, created = last
+    for (txn, _), message in zip(taken, messages(taken), strict=True):
+        if txn is not last_txn:
+            last_txn, created = txn, EPOCH_2000 + timedelta(microseconds=txn.commit_time)
+        if type(message) is bytes:
+            out.append(decode(message, txn, created))
+        else:
+            record = decoded(message)
+            record.create_time = created
+            out.append(record)
+    return out, (last_txn, created)
+
+
 class LogicalMessages:
     """The slot's logical messages with the outbox's prefix, as records."""
 
@@ -48,7 +72,7 @@ class LogicalMessages:
     def __init__(self, prefix: str) -> None:
         self._prefix = prefix.encode("utf-8")
         # The last transaction's commit time as a datetime, shared by its records (mark thread only).
-        self._created: tuple[Transaction | None, datetime] = (None, EPOCH_2000)
+        self._created: Stamp = (None, EPOCH_2000)
 
     def columns(self, conn: psycopg.Connection[Any], table: TableName) -> OutboxColumns:
         """No table: records hold bytes, as Kafka does."""
@@ -59,18 +83,7 @@ class LogicalMessages:
         return Transactions(b"M", self._prefix + b"\0", 10, budget=budget)
 
     def records(self, taken: Taken) -> list[MarkedRecord]:
-        out: list[MarkedRecord] = []
-        for (txn, _), message in zip(taken, messages(taken), strict=True):
-            last, created = self._created
-            if txn is not last:
-                created = EPOCH_2000 + timedelta(microseconds=txn.commit_time)
-                self._created = (txn, created)
-            if type(message) is bytes:
-                out.append(self._record(message, created))
-            else:
-                record = decoded(message)
-                record.create_time = created  # not known while the transaction streamed
-                out.append(record)
+        out, self._created = stamped(taken, lambda message, _, created: self._record(message, created), self._created)
         return out
 
     def stream_decoder(self, oid: int) -> Callable[[bytes], MarkedRecord | None]:
