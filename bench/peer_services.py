@@ -39,7 +39,7 @@ def free_port() -> int:
 
 class LogicalPostgres:
     """A private PostgreSQL with ``wal_level=logical`` and replication connections from loopback
-    (deploy/local/services.sh in a temporary directory, as tests/support.py's PrivatePostgres)."""
+    (deploy/local/services.sh in a temporary directory, as tests/support/private_services.py's PrivatePostgres)."""
 
     def __init__(self, state: Path) -> None:
         self.port = free_port()

@@ -12,16 +12,11 @@ from psycopg import sql
 from harvester import HarvesterConfig, Limits
 from harvester.postgres.schema.identifiers import TableName
 from harvester.postgres.schema.migrations import migrate
-from tests.support import (
-    HarvesterFactory,
-    PrivateKafka,
-    Services,
-    create_topics,
-    delete_topics,
-    ensure_services,
-    harvesters,
-    unique,
-)
+from tests.support.harvesters import HarvesterFactory, harvesters
+from tests.support.kafka import create_topics, delete_topics
+from tests.support.names import unique
+from tests.support.private_services import PrivateKafka
+from tests.support.services import Services, ensure_services
 
 # `./dev.sh test` runs two pytest-xdist workers. Tests that share something fixed (private services
 # on fixed ports or directories, the Spark cluster, the restartable broker, the reaper's default HTTP

@@ -23,7 +23,7 @@ import pytest
 
 from tests.chaos.harness import FAULT_KINDS, ChaosSettings, delivery_modes, run_chaos
 from tests.chaos.services import private_services
-from tests.support import PrivateKafka, PrivatePostgres
+from tests.support.private_services import PrivateKafka, PrivatePostgres
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -13,7 +13,7 @@ from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient
 
 from tests.faults.proxy import Mode, Proxy
-from tests.support import ROOT
+from tests.support.paths import ROOT
 
 SCRIPT = ROOT / "deploy" / "local" / "cluster.sh"
 

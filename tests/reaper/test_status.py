@@ -24,13 +24,11 @@ from harvester.postgres.schema.identifiers import TableName
 from harvester.postgres.schema.migrations import dead_letter_table
 from tests.reaper.test_e2e import insert, wait_for
 from tests.reaper.test_http_port import Process, goharvest_yaml
-from tests.support import (
-    Services,
-    create_goharvest_outbox,
-    delete_topics,
-    run_reaper,
-    unique,
-)
+from tests.support.kafka import delete_topics
+from tests.support.names import unique
+from tests.support.postgres import create_goharvest_outbox
+from tests.support.reaper import run_reaper
+from tests.support.services import Services
 
 
 def status(config: Path, *args: str) -> subprocess.CompletedProcess[str]:

@@ -15,7 +15,7 @@ import psycopg
 import yaml
 
 # confluent_kafka.admin imports these from its submodules without re-exporting them explicitly (as
-# tests/support.py's set_topic_config says).
+# tests/support/kafka.py's set_topic_config says).
 from confluent_kafka.admin import (  # type: ignore[attr-defined]
     AclBinding,
     AclOperation,
@@ -30,7 +30,9 @@ from confluent_kafka.admin import (  # type: ignore[attr-defined]
 from confluent_kafka.cimpl import NewTopic
 from psycopg import sql
 
-from tests.support import REAPER, ROOT, SERVICES, reaper_environment, run_reaper, unique
+from tests.support.names import unique
+from tests.support.paths import ROOT, SERVICES
+from tests.support.reaper import REAPER, reaper_environment, run_reaper
 
 PG_PORT = 5442
 KAFKA_PORT = 9192

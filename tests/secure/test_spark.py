@@ -22,7 +22,9 @@ from harvester.spark import register
 from tests.secure import services as s
 from tests.secure.test_drain import acls
 from tests.spark.cluster import PYTHON_PATIENCE
-from tests.support import read_messages, run_reaper, text, unique
+from tests.support.kafka import read_messages, text
+from tests.support.names import unique
+from tests.support.reaper import run_reaper
 
 
 def writer(config: Path) -> str:

@@ -28,7 +28,9 @@ from tests.spark.cluster import (
     packed_environment,
 )
 from tests.spark.drivers import SharedDriver
-from tests.support import ROOT, Services, build_wheel
+from tests.support.paths import ROOT
+from tests.support.services import Services
+from tests.support.wheel import build_wheel
 
 
 @pytest.fixture(scope="session")

@@ -22,7 +22,8 @@ from harvester.postgres.schema.identifiers import TableName
 from harvester.spark import register
 from tests.dedup.kafka import consumer, ends, read_to
 from tests.spark.cluster import PYTHON_PATIENCE
-from tests.support import Services, consumed_headers
+from tests.support.kafka import consumed_headers
+from tests.support.services import Services
 
 
 @pytest.fixture(scope="session")
