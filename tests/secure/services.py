@@ -4,6 +4,7 @@ principal with a SCRAM password and exactly the ACLs the test names, and the rea
 
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
 from collections.abc import Iterable
@@ -32,6 +33,7 @@ from psycopg import sql
 
 from tests.support.names import unique
 from tests.support.paths import ROOT, SERVICES
+from tests.support.private_services import QUICK_JVM
 from tests.support.reaper import REAPER, reaper_environment, run_reaper
 
 PG_PORT = 5442
@@ -42,7 +44,13 @@ PASSWORD = "rt-secret-pw"  # the runtime role's and principal's; the tests look 
 
 
 def start() -> None:
-    subprocess.run(["bash", str(SERVICES), "start-secure"], check=True, stdout=subprocess.DEVNULL)
+    """Start them, or find them running: under a lock, since both test workers may ask at once (the
+    Spark group's secure test runs beside tests/secure)."""
+    STATE.parent.mkdir(parents=True, exist_ok=True)
+    with (STATE.parent / "secure-start.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
+        env = {**os.environ, "KAFKA_JVM_OPTIONS": QUICK_JVM}
+        subprocess.run(["bash", str(SERVICES), "start-secure"], check=True, stdout=subprocess.DEVNULL, env=env)
 
 
 def pg_dsn(user: str = "harvester", password: str = "local-dev-secret", **extra: str) -> str:
