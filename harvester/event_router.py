@@ -116,6 +116,11 @@ class EventRouter(BaseModel):
         named += [p.column for p in self.headers]
         return tuple(dict.fromkeys(named))
 
+    @property
+    def places(self) -> bool:
+        """Whether records get a timestamp of their own (``table.field.event.timestamp``)."""
+        return self.event_timestamp is not None
+
     def router(self) -> Router:
         """The topic router of these options."""
         regex = re.compile(python_regex(self.route_topic_regex))

@@ -156,3 +156,15 @@ class Failure:
     error: str
     attempts: int
     first_failure: datetime | None
+
+
+@dataclass(slots=True)
+class PlacedRecord(MarkedRecord):
+    """A record with a Kafka timestamp of its own, as Debezium's ``EventRouter`` takes one from a
+    column (``table.field.event.timestamp``). Only the layouts that place records make these, and
+    only the placing publishers read the field, so no other record costs anything more.
+
+    ``timestamp`` is in milliseconds since the epoch; 0 leaves it to the producer (its clock).
+    """
+
+    timestamp: int = 0

@@ -2,19 +2,24 @@
 both delivery modes: rows deleted in the transaction that inserted them are published and nothing
 is deleted for them; rows that stay are deleted in bulk by the retention window (at least once) or
 left (exactly once, no window); a bytea payload goes out as its bytes; a row with a NULL key is a
-dead letter and its key's other rows go on."""
+dead letter and its key's other rows go on. With ``table.field.event.timestamp``, each record's Kafka
+timestamp is that column's (each publisher), a NULL leaving it to the producer."""
 
 from __future__ import annotations
 
 import json
+import time
+from datetime import UTC, datetime
 from pathlib import Path
 
 import psycopg
 import pytest
+from confluent_kafka import TIMESTAMP_CREATE_TIME
 from psycopg import sql
 
 from harvester import HarvesterConfig
-from harvester.postgres.schema.migrations import dead_letter_table
+from harvester.postgres.log import logical
+from harvester.postgres.schema.migrations import dead_letter_table, ensure
 from tests.engine.workload import wait_until
 from tests.log.conftest import (
     drop_slot,
@@ -115,3 +120,62 @@ def test_insert_then_delete_and_rows_that_stay(
             conn.execute(sql.SQL("DROP PUBLICATION IF EXISTS {}").format(sql.Identifier(config.publication)))
             conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
             delete_topics(services.bootstrap, [f"{schema}.Order"])
+
+
+# Each publisher that gives records their timestamps: the producer process's, the in-process one's,
+# the transactional one's.
+PUBLISHERS = pytest.mark.parametrize(
+    "delivery,in_child", [("at_least_once", True), ("at_least_once", False), ("exactly_once", True)]
+)
+
+
+@PUBLISHERS
+def test_the_event_timestamp_column_is_the_records_timestamp(
+    services: Services,
+    logical_dsn: str,  # noqa: F811 (the fixture)
+    delivery: str,
+    in_child: bool,
+) -> None:
+    schema = unique("dbzts")
+    config = HarvesterConfig.model_validate(
+        {
+            "dataSource": logical_dsn,
+            "outboxTable": f"{schema}.outboxevent",
+            "source": "log",
+            "layout": "debezium",
+            "delivery": delivery,
+            "producerProcess": in_child,
+            "eventRouter": {"route.topic.replacement": schema, "table.field.event.timestamp": "occurred"},
+            "baseKafkaConfig": {"bootstrap.servers": services.bootstrap},
+        }
+    )
+    times = [datetime(2026, 11, 28, 4, 0, 0, 123456 + i, tzinfo=UTC) for i in range(3)]
+    before = int(time.time() * 1000)
+    create_topics(services.bootstrap, [schema])
+    with psycopg.connect(logical_dsn, autocommit=True) as conn:
+        try:
+            conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(schema)))
+            columns = "id UUID PRIMARY KEY, aggregatetype TEXT, aggregateid TEXT, payload TEXT, occurred TIMESTAMP"
+            conn.execute(sql.SQL("CREATE TABLE {} (" + columns + ")").format(config.table.ident))
+            ensure(conn, config.table, "fence")
+            ensure(conn, config.table, "dead_letter", value_type="BYTEA")
+            logical.create(conn, config.log_setup)
+            insert = sql.SQL(
+                "INSERT INTO {} VALUES (gen_random_uuid(), 'Order', 'k', %s, %s::timestamptz AT TIME ZONE 'UTC')"
+            ).format(config.table.ident)
+            with conn.transaction(), conn.cursor() as cur:
+                cur.executemany(insert, [*((f"v{i}", t) for i, t in enumerate(times)), ("none", None)])
+            with harvesters(lambda: config) as make:
+                make()
+                messages = read_messages(services.bootstrap, [schema], 4, **COMMITTED)
+        finally:
+            drop_slot(conn, config.slot)
+            conn.execute(sql.SQL("DROP PUBLICATION IF EXISTS {}").format(sql.Identifier(config.publication)))
+            conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
+            delete_topics(services.bootstrap, [schema])
+    stamps = {m.value(): m.timestamp() for m in messages}
+    # The column's time in milliseconds, its microseconds cut (EventRouter's MicroTimestamp / 1000).
+    expected = int(times[0].timestamp()) * 1000 + 123
+    assert [stamps[f"v{i}".encode()] for i in range(3)] == [(TIMESTAMP_CREATE_TIME, expected)] * 3
+    kind, produced = stamps[b"none"]  # a NULL: the producer's clock, as without the option
+    assert kind == TIMESTAMP_CREATE_TIME and produced >= before

@@ -15,18 +15,22 @@ from datetime import UTC, datetime
 from uuid import UUID
 
 from harvester.core.protocols import StoreError
-from harvester.core.records import MarkedRecord
+from harvester.core.records import MarkedRecord, PlacedRecord
 from harvester.event_router import EventRouter
 from harvester.postgres.log import pgoutput
 from harvester.postgres.log.records import Columns
 
 # Type oids (PostgreSQL's pg_type.dat), by how their binary form reads as text.
 _INTEGERS = {20: struct.Struct("!q"), 23: struct.Struct("!i"), 21: struct.Struct("!h")}
+_MICROS = _INTEGERS[20]
 _TEXTS = frozenset({25, 1043, 1042, 19, 114})  # text, varchar, char, name, json: the text's UTF-8
 _JSONB, _BYTEA, _UUID, _BOOL = 3802, 17, 2950, 16
+_TIMESTAMPS = frozenset({1114, 1184})  # timestamp, timestamptz: microseconds since 2000-01-01 UTC
+_INFINITIES = (-(1 << 63), (1 << 63) - 1)  # PostgreSQL's -infinity and infinity
 _TEXTUAL = frozenset(_INTEGERS) | _TEXTS | {_JSONB, _UUID, _BOOL}
 _INSERT_VALUES = 8  # 'I', the relation's oid, 'N', the column count
 _EPOCH = datetime(2000, 1, 1, tzinfo=UTC)
+_EPOCH_MICROS = 946_684_800_000_000  # 2000-01-01 after 1970-01-01, in microseconds
 _ID_BITS = (1 << 63) - 1
 # java.util.Properties text: a key ends at its first unescaped '=' or ':'; '\\x' stands for x.
 _SEPARATOR = re.compile(r"(?<!\\)[=:]")
@@ -58,6 +62,8 @@ class RouterColumns(Columns):
             (router.route_by_field, "route.by.field", _TEXTUAL),
             *((p.column, "table.fields.additional.placement", _TEXTUAL) for p in router.headers),
         ]
+        if router.event_timestamp is not None:
+            roles.append((router.event_timestamp, "table.field.event.timestamp", _TIMESTAMPS))
         for column, option, readable in roles:
             if column not in index:
                 table = f"{relation.schema}.{relation.name}"
@@ -68,6 +74,7 @@ class RouterColumns(Columns):
         self.types = relation.types
         self.event_id, self.key, self.payload, self.route = (index[r[0]] for r in roles[:4])
         self.placed = [(p.header, index[p.column]) for p in router.headers]
+        self.timestamp = None if router.event_timestamp is None else index[router.event_timestamp]
         # The tracing span context column, when the table has one of a text type (optional, as it is
         # to EventRouter): its W3C trace context is carried as the record's.
         tracing = index.get(router.tracing_span_context_field)
@@ -115,7 +122,19 @@ def router_record(data: bytes, c: RouterColumns, created: datetime = _EPOCH) -> 
         headers.append((name, None if raw is None else _text(raw, types[i])))
     if c.tracing is not None and values[c.tracing] is not None:
         headers += trace_context(values[c.tracing] or b"")
-    return MarkedRecord(rid, created, topic, key, payload, headers, malformed=why)
+    if c.timestamp is None:
+        return MarkedRecord(rid, created, topic, key, payload, headers, malformed=why)
+    # EventRouter's record timestamp: the column's, in milliseconds (Java's division, toward zero);
+    # a NULL leaves it to the relay, as Debezium's falls back to when it processed the change.
+    timestamp, raw_time = 0, values[c.timestamp]
+    if raw_time is not None:
+        micros = _MICROS.unpack(raw_time)[0]
+        since_1970 = micros + _EPOCH_MICROS
+        timestamp = since_1970 // 1000 if since_1970 >= 0 else -(-since_1970 // 1000)
+        if micros in _INFINITIES or timestamp < 0:
+            why = why or "the event timestamp is not a time Kafka takes (before 1970, or infinite)"
+            timestamp = 0
+    return PlacedRecord(rid, created, topic, key, payload, headers, malformed=why, timestamp=timestamp)
 
 
 def trace_context(properties: bytes) -> list[tuple[str, str | bytes | None]]:
