@@ -197,15 +197,16 @@ def publisher(
     """The at-least-once publisher: one that keeps order where the store releases a key at its
     acknowledgement (the log source), and then, with ``in_child``, its producer in a child process.
     The log source's drain is bound by the harvester's interpreter; mark-purge's, by its database.
-    With ``placing``, one that gives records their own timestamps (:func:`places`)."""
+    With ``placing``, one that gives records their own timestamps and partitions (:func:`places`)."""
     if in_order and in_child and runs_in_child(kafka):
         return (PlacingProcessPublisher if placing else ProcessPublisher)(kafka, callback, in_order=True)
     return (PlacingPublisher if placing else KafkaPublisher)(kafka, callback, in_order=in_order)
 
 
 def places(config: HarvesterConfig) -> bool:
-    """Whether the outbox's records may have timestamps of their own (Debezium's layout with
-    ``table.field.event.timestamp``): only then are the placing publishers, which read them, used."""
+    """Whether the outbox's records may have timestamps or partitions of their own (Debezium's layout
+    with ``table.field.event.timestamp`` or a ``partition`` placement): only then are the placing
+    publishers, which read them, used."""
     return config.event_router is not None and config.event_router.places
 
 

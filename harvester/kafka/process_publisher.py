@@ -40,7 +40,7 @@ from confluent_kafka import KafkaError, KafkaException
 
 from harvester.core.identity import Stamp
 from harvester.core.protocols import DeliveryCallback, RefusedError
-from harvester.core.records import MarkedRecord, PlacedRecord
+from harvester.core.records import MarkedRecord, placement
 from harvester.kafka.frames import receive, send
 from harvester.kafka.publisher import DeliveryError, delivery_settings, refusal
 
@@ -54,10 +54,10 @@ _BLOCKED = "an earlier record of its key failed with a producer process that exi
 # Beyond the flush's timeout, how long a close waits for the child to report and exit.
 _CLOSE_MARGIN = 10.0
 # One record as it crosses the pipe: (number, topic, key, value, own headers, id, identity stamp), and
-# for a placing publisher its timestamp.
+# for a placing publisher its timestamp and partition.
 _Outgoing = (
     tuple[int, str, str, bytes | None, Any, int, Stamp | None]
-    | tuple[int, str, str, bytes | None, Any, int, Stamp | None, int]
+    | tuple[int, str, str, bytes | None, Any, int, Stamp | None, int, int]
 )
 
 
@@ -79,7 +79,8 @@ class _Child:
 class ProcessPublisher:
     """:class:`harvester.core.protocols.Publisher` whose producer runs in a child process."""
 
-    # Whether records may have timestamps of their own: the child then reads frames with one more field.
+    # Whether records may be placed (timestamps, partitions of their own): the child then reads frames
+    # with two more fields.
     _placing = False
 
     def __init__(self, config: Mapping[str, Any], on_delivery: DeliveryCallback, *, in_order: bool = False) -> None:
@@ -277,17 +278,17 @@ class ProcessPublisher:
 
 
 class PlacingProcessPublisher(ProcessPublisher):
-    """A :class:`ProcessPublisher` of records that may have a timestamp of their own
+    """A :class:`ProcessPublisher` of records that may have a timestamp or partition of their own
     (:class:`~harvester.core.records.PlacedRecord`): a publish of its own, so that
     :class:`ProcessPublisher`'s does no more per record for the layouts that place none."""
 
     _placing = True
 
     def publish(self, record: MarkedRecord) -> None:
-        """:meth:`ProcessPublisher.publish`, the record's timestamp in its frame."""
+        """:meth:`ProcessPublisher.publish`, the record's timestamp and partition in its frame."""
         if self._refused is not None:
             raise self._refused
-        timestamp = record.timestamp if isinstance(record, PlacedRecord) else 0
+        timestamp, partition = placement(record)
         with self._lock:
             if self._blocked and record.key in self._blocked:
                 if record.id > self._blocked[record.key]:
@@ -300,7 +301,17 @@ class PlacingProcessPublisher(ProcessPublisher):
             if not self._outgoing:
                 self._wake.set()
             self._outgoing.append(
-                (seq, record.topic, record.key, record.value, record.headers, record.id, record.stamp, timestamp)
+                (
+                    seq,
+                    record.topic,
+                    record.key,
+                    record.value,
+                    record.headers,
+                    record.id,
+                    record.stamp,
+                    timestamp,
+                    partition,
+                )
             )
 
 

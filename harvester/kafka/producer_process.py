@@ -5,7 +5,8 @@ confluent-kafka producer fed by frames from the harvester, its delivery reports 
 writes them to ``OUT`` (:mod:`harvester.kafka.frames`). In: first ``(settings, forward_logs,
 forward_errors, placing)``, then batches ``[(seq, topic, key, value, headers, id, stamp), ...]`` (the
 child appends the identity headers of ``stamp``, a :class:`harvester.core.identity.Stamp` or None;
-with ``placing``, each tuple ends with the record's timestamp in milliseconds, 0 for now), then
+with ``placing``, each tuple ends with the record's timestamp in milliseconds, 0 for now, and its
+partition, -1 for the partitioner's), then
 ``("close", timeout)``. Out: first ``"ready"`` once the producer exists or ``(code, reason)`` when it
 could not be made, then reports ``(acked seqs, [(seq, code, reason)], [(level, text)], [(code,
 reason, fatal)], [(code, reason)])``, the last the producer's fatal error once it has one (Kafka refused
@@ -120,9 +121,18 @@ class _Relay:
             self._fail(seq, error)
 
     def produce_placed(
-        self, seq: int, topic: str, key: str, value: bytes | None, headers: Any, rid: int, stamp: Stamp | None, ts: int
+        self,
+        seq: int,
+        topic: str,
+        key: str,
+        value: bytes | None,
+        headers: Any,
+        rid: int,
+        stamp: Stamp | None,
+        timestamp: int,
+        partition: int,
     ) -> None:
-        """:meth:`produce`, at the record's timestamp (a placing publisher's frames)."""
+        """:meth:`produce`, at the record's timestamp, on its partition (a placing publisher's frames)."""
         if stamp is not None:
             headers = [*headers, *stamp.headers(rid)]
 
@@ -132,7 +142,8 @@ class _Relay:
             else:
                 self._fail(seq, err)
 
-        error = enqueue(Placing(self.producer, ts), topic, key, value, headers, delivered, self._exit_if_orphaned)
+        placing = Placing(self.producer, timestamp, partition)
+        error = enqueue(placing, topic, key, value, headers, delivered, self._exit_if_orphaned)
         if error is not None:
             self._fail(seq, error)
 

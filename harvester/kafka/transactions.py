@@ -22,7 +22,7 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 
 from harvester.core.protocols import ProducerFencedError, RefusedError, TransactionAbortedError
-from harvester.core.records import MarkedRecord, PlacedRecord
+from harvester.core.records import MarkedRecord, placement
 from harvester.kafka.publisher import DeliveryError
 
 
@@ -157,7 +157,7 @@ class KafkaTransactionalPublisher:
 
 
 class PlacingTransactionalPublisher(KafkaTransactionalPublisher):
-    """A :class:`KafkaTransactionalPublisher` of records that may have a timestamp of their own
+    """A :class:`KafkaTransactionalPublisher` of records that may have a timestamp or partition of their own
     (:class:`~harvester.core.records.PlacedRecord`): a produce of its own, so that the base class's
     does no more per record for the layouts that place none."""
 
@@ -166,13 +166,15 @@ class PlacingTransactionalPublisher(KafkaTransactionalPublisher):
             if err is not None:
                 self._failures[record.id] = DeliveryError(err, record.topic)
 
+        timestamp, partition = placement(record)
         try:
             producer.produce(
                 record.topic,
                 value=record.value,
                 key=record.key.encode(),
                 headers=record.kafka_headers(),
-                timestamp=record.timestamp if isinstance(record, PlacedRecord) else 0,
+                timestamp=timestamp,
+                partition=partition,
                 on_delivery=report,
             )
         except KafkaException as exc:

@@ -2,8 +2,9 @@
 both delivery modes: rows deleted in the transaction that inserted them are published and nothing
 is deleted for them; rows that stay are deleted in bulk by the retention window (at least once) or
 left (exactly once, no window); a bytea payload goes out as its bytes; a row with a NULL key is a
-dead letter and its key's other rows go on. With ``table.field.event.timestamp``, each record's Kafka
-timestamp is that column's (each publisher), a NULL leaving it to the producer."""
+dead letter and its key's other rows go on. With ``table.field.event.timestamp`` and a ``partition``
+placement, each record's Kafka timestamp and partition are those columns' (each publisher), a NULL
+leaving them to the producer, a negative partition or one the topic lacks a dead letter."""
 
 from __future__ import annotations
 
@@ -130,7 +131,7 @@ PUBLISHERS = pytest.mark.parametrize(
 
 
 @PUBLISHERS
-def test_the_event_timestamp_column_is_the_records_timestamp(
+def test_timestamp_and_partition_columns_place_the_records(
     services: Services,
     logical_dsn: str,  # noqa: F811 (the fixture)
     delivery: str,
@@ -145,29 +146,39 @@ def test_the_event_timestamp_column_is_the_records_timestamp(
             "layout": "debezium",
             "delivery": delivery,
             "producerProcess": in_child,
-            "eventRouter": {"route.topic.replacement": schema, "table.field.event.timestamp": "occurred"},
+            "eventRouter": {
+                "route.topic.replacement": schema,
+                "table.field.event.timestamp": "occurred",
+                "table.fields.additional.placement": "shard:partition",
+            },
             "baseKafkaConfig": {"bootstrap.servers": services.bootstrap},
         }
     )
     times = [datetime(2026, 11, 28, 4, 0, 0, 123456 + i, tzinfo=UTC) for i in range(3)]
     before = int(time.time() * 1000)
-    create_topics(services.bootstrap, [schema])
+    create_topics(services.bootstrap, [schema], 3)
     with psycopg.connect(logical_dsn, autocommit=True) as conn:
         try:
             conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(schema)))
-            columns = "id UUID PRIMARY KEY, aggregatetype TEXT, aggregateid TEXT, payload TEXT, occurred TIMESTAMP"
+            columns = (
+                "id UUID PRIMARY KEY, aggregatetype TEXT, aggregateid TEXT, payload TEXT, occurred TIMESTAMP, shard INT"
+            )
             conn.execute(sql.SQL("CREATE TABLE {} (" + columns + ")").format(config.table.ident))
             ensure(conn, config.table, "fence")
             ensure(conn, config.table, "dead_letter", value_type="BYTEA")
             logical.create(conn, config.log_setup)
             insert = sql.SQL(
-                "INSERT INTO {} VALUES (gen_random_uuid(), 'Order', 'k', %s, %s::timestamptz AT TIME ZONE 'UTC')"
+                "INSERT INTO {} VALUES (gen_random_uuid(), 'Order', 'k', %s, %s::timestamptz AT TIME ZONE 'UTC', %s)"
             ).format(config.table.ident)
+            rows = [*((f"v{i}", t, 2 - i) for i, t in enumerate(times)), ("none", None, None), ("neg", times[0], -1)]
+            rows.append(("far", times[0], 3))  # a partition the topic lacks: Kafka refuses it for good
             with conn.transaction(), conn.cursor() as cur:
-                cur.executemany(insert, [*((f"v{i}", t) for i, t in enumerate(times)), ("none", None)])
+                cur.executemany(insert, rows)
             with harvesters(lambda: config) as make:
                 make()
                 messages = read_messages(services.bootstrap, [schema], 4, **COMMITTED)
+                dead = sql.SQL("SELECT kafka_value FROM {} ORDER BY 1").format(dead_letter_table(config.table).ident)
+                assert wait_until(lambda: conn.execute(dead).fetchall() == [(b"far",), (b"neg",)])
         finally:
             drop_slot(conn, config.slot)
             conn.execute(sql.SQL("DROP PUBLICATION IF EXISTS {}").format(sql.Identifier(config.publication)))
@@ -179,3 +190,5 @@ def test_the_event_timestamp_column_is_the_records_timestamp(
     assert [stamps[f"v{i}".encode()] for i in range(3)] == [(TIMESTAMP_CREATE_TIME, expected)] * 3
     kind, produced = stamps[b"none"]  # a NULL: the producer's clock, as without the option
     assert kind == TIMESTAMP_CREATE_TIME and produced >= before
+    partitions = {m.value(): m.partition() for m in messages}
+    assert [partitions[f"v{i}".encode()] for i in range(3)] == [2, 1, 0]  # each on the column's

@@ -57,11 +57,24 @@ def test_header_placements_in_their_order() -> None:
     assert router.columns[-2:] == ("type", "tenant")
 
 
+def test_the_last_partition_placement_is_the_partition() -> None:
+    router = event_router_of({"table.fields.additional.placement": "a:partition,type:header,b:PARTITION:alias"})
+    assert router.headers == (Placement("type", "type"),)
+    assert router.partition == "b" and router.places
+    assert router.columns[-3:] == ("a", "type", "b")
+    # table.fields.additional.error.on.missing false: EventRouter skips a placement whose column is absent.
+    optional = event_router_of(
+        {"table.fields.additional.placement": "a:partition", "table.fields.additional.error.on.missing": False}
+    )
+    assert "a" not in optional.columns and optional.partition == "a"
+    assert not event_router_of({}).places and event_router_of({"table.field.event.timestamp": "at"}).places
+
+
 @pytest.mark.parametrize(
     ("options", "error"),
     [
-        ({"table.fields.additional.placement": "type:envelope"}, "placement 'envelope' is not supported"),
-        ({"table.fields.additional.placement": "type:partition"}, "placement 'partition' is not supported"),
+        ({"table.fields.additional.placement": "type:envelope"}, "an envelope makes the value a Connect struct"),
+        ({"table.fields.additional.placement": "type:body"}, "placement 'body' is not one of header, partition"),
         ({"table.fields.additional.placement": "type"}, "use column:placement[:alias]"),
         ({"table.expand.json.payload": "true"}, "table.expand.json.payload is not supported"),
         ({"table.field.event.schema.version": "v"}, "table.field.event.schema.version is not supported"),

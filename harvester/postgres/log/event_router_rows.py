@@ -22,9 +22,9 @@ from harvester.postgres.log.records import Columns
 
 # Type oids (PostgreSQL's pg_type.dat), by how their binary form reads as text.
 _INTEGERS = {20: struct.Struct("!q"), 23: struct.Struct("!i"), 21: struct.Struct("!h")}
-_MICROS = _INTEGERS[20]
+_MICROS, _PARTITION = _INTEGERS[20], _INTEGERS[23]
 _TEXTS = frozenset({25, 1043, 1042, 19, 114})  # text, varchar, char, name, json: the text's UTF-8
-_JSONB, _BYTEA, _UUID, _BOOL = 3802, 17, 2950, 16
+_JSONB, _BYTEA, _UUID, _BOOL, _INT4 = 3802, 17, 2950, 16, 23
 _TIMESTAMPS = frozenset({1114, 1184})  # timestamp, timestamptz: microseconds since 2000-01-01 UTC
 _INFINITIES = (-(1 << 63), (1 << 63) - 1)  # PostgreSQL's -infinity and infinity
 _TEXTUAL = frozenset(_INTEGERS) | _TEXTS | {_JSONB, _UUID, _BOOL}
@@ -55,15 +55,23 @@ class RouterColumns(Columns):
 
     def __init__(self, relation: pgoutput.Relation, router: EventRouter) -> None:
         index = {name: i for i, name in enumerate(relation.columns)}
+        # Without table.fields.additional.error.on.missing, EventRouter skips a placement whose column
+        # the table lacks.
+        headers = [p for p in router.headers if router.additional_error_on_missing or p.column in index]
+        partition = router.partition
+        if partition is not None and not router.additional_error_on_missing and partition not in index:
+            partition = None
         roles = [
             (router.event_id, "table.field.event.id", _TEXTUAL),
             (router.event_key, "table.field.event.key", _TEXTUAL),
             (router.event_payload, "table.field.event.payload", _TEXTUAL | {_BYTEA}),
             (router.route_by_field, "route.by.field", _TEXTUAL),
-            *((p.column, "table.fields.additional.placement", _TEXTUAL) for p in router.headers),
+            *((p.column, "table.fields.additional.placement", _TEXTUAL) for p in headers),
         ]
         if router.event_timestamp is not None:
             roles.append((router.event_timestamp, "table.field.event.timestamp", _TIMESTAMPS))
+        if partition is not None:  # EventRouter reads it as an INT32: an integer column, not smallint or bigint
+            roles.append((partition, "table.fields.additional.placement partition", frozenset({_INT4})))
         for column, option, readable in roles:
             if column not in index:
                 table = f"{relation.schema}.{relation.name}"
@@ -73,8 +81,10 @@ class RouterColumns(Columns):
                 raise StoreError(f"the log source cannot read {column} ({option}) of type oid {oid}")
         self.types = relation.types
         self.event_id, self.key, self.payload, self.route = (index[r[0]] for r in roles[:4])
-        self.placed = [(p.header, index[p.column]) for p in router.headers]
+        self.placed = [(p.header, index[p.column]) for p in headers]
         self.timestamp = None if router.event_timestamp is None else index[router.event_timestamp]
+        self.partition = None if partition is None else index[partition]
+        self.places = self.timestamp is not None or self.partition is not None
         # The tracing span context column, when the table has one of a text type (optional, as it is
         # to EventRouter): its W3C trace context is carried as the record's.
         tracing = index.get(router.tracing_span_context_field)
@@ -122,19 +132,36 @@ def router_record(data: bytes, c: RouterColumns, created: datetime = _EPOCH) -> 
         headers.append((name, None if raw is None else _text(raw, types[i])))
     if c.tracing is not None and values[c.tracing] is not None:
         headers += trace_context(values[c.tracing] or b"")
-    if c.timestamp is None:
+    if not c.places:
         return MarkedRecord(rid, created, topic, key, payload, headers, malformed=why)
-    # EventRouter's record timestamp: the column's, in milliseconds (Java's division, toward zero);
-    # a NULL leaves it to the relay, as Debezium's falls back to when it processed the change.
-    timestamp, raw_time = 0, values[c.timestamp]
-    if raw_time is not None:
-        micros = _MICROS.unpack(raw_time)[0]
+    timestamp, partition, unplaceable = _placement(values, c)
+    why = why or unplaceable
+    return PlacedRecord(
+        rid, created, topic, key, payload, headers, malformed=why, timestamp=timestamp, partition=partition
+    )
+
+
+def _placement(values: list[bytes | None], c: RouterColumns) -> tuple[int, int, str | None]:
+    """A row's timestamp (milliseconds, 0: the producer's clock) and partition (-1: the partitioner's),
+    and why they cannot be a record's. EventRouter's timestamp is the column's in milliseconds
+    (Java's division, toward zero), its partition the column's; a NULL leaves either to the relay
+    (Debezium's timestamp is then when it processed the change)."""
+    timestamp, partition, why = 0, -1, None
+    raw = None if c.timestamp is None else values[c.timestamp]
+    if raw is not None:
+        micros = _MICROS.unpack(raw)[0]
         since_1970 = micros + _EPOCH_MICROS
         timestamp = since_1970 // 1000 if since_1970 >= 0 else -(-since_1970 // 1000)
         if micros in _INFINITIES or timestamp < 0:
-            why = why or "the event timestamp is not a time Kafka takes (before 1970, or infinite)"
+            why = "the event timestamp is not a time Kafka takes (before 1970, or infinite)"
             timestamp = 0
-    return PlacedRecord(rid, created, topic, key, payload, headers, malformed=why, timestamp=timestamp)
+    raw = None if c.partition is None else values[c.partition]
+    if raw is not None:
+        partition = _PARTITION.unpack(raw)[0]
+        if partition < 0:
+            why = why or f"the partition column's value {partition} is negative"
+            partition = -1
+    return timestamp, partition, why
 
 
 def trace_context(properties: bytes) -> list[tuple[str, str | bytes | None]]:
