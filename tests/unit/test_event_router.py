@@ -11,7 +11,7 @@ import pytest
 from harvester.config import HarvesterConfig
 from harvester.daemon.cli import main
 from harvester.event_router import EventRouter, EventRouterError, Placement, event_router_of, from_connector
-from harvester.postgres.log.event_router_rows import trace_context
+from harvester.postgres.log.event_router_rows import roles, trace_context, unreadable
 
 CONNECTOR = {
     "name": "orders-outbox",
@@ -155,3 +155,22 @@ def test_the_tracing_span_context_of_java_properties() -> None:
     text = b"#Sat Nov 28 04:00:00 UTC 2026\ntraceparent=00-0af7-b7ad-01\ntracestate=rojo\\=00f0\\:1\nother=1\n!x\n"
     assert trace_context(text) == [("traceparent", b"00-0af7-b7ad-01"), ("tracestate", b"rojo=00f0:1")]
     assert trace_context(b"") == []
+
+
+def test_placed_columns_of_a_type_eventrouter_does_not_read_are_named() -> None:
+    router = event_router_of(
+        {"table.fields.additional.placement": "shard:partition,tag:header", "table.field.event.timestamp": "at"}
+    )
+    text, uuid = 25, 2950
+    table = {"id": uuid, "aggregateid": text, "payload": text, "aggregatetype": text, "tag": text}
+    problems = [unreadable(r, {**table, "shard": 20, "at": text}, "s.t") for r in roles(router, table)]
+    assert [p for p in problems if p] == [
+        "the log source cannot read at (table.field.event.timestamp) of type oid 25:"
+        " it must be timestamp or timestamptz",
+        "the log source cannot read shard (table.fields.additional.placement partition) of type oid 20:"
+        " it must be integer",
+    ]
+    assert [unreadable(r, {**table, "shard": 23, "at": 1184}, "s.t") for r in roles(router, table)] == [None] * 7
+    # table.fields.additional.error.on.missing false: a placed column the table lacks is not read.
+    optional = event_router_of({**router.model_dump(by_alias=True), "table.fields.additional.error.on.missing": False})
+    assert [r[0] for r in roles(optional, table)] == ["id", "aggregateid", "payload", "aggregatetype", "tag", "at"]

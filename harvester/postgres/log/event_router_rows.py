@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import re
 import struct
+from collections.abc import Container, Mapping
 from datetime import UTC, datetime
 from uuid import UUID
 
@@ -27,6 +28,8 @@ _TEXTS = frozenset({25, 1043, 1042, 19, 114})  # text, varchar, char, name, json
 _JSONB, _BYTEA, _UUID, _BOOL, _INT4 = 3802, 17, 2950, 16, 23
 _TIMESTAMPS = frozenset({1114, 1184})  # timestamp, timestamptz: microseconds since 2000-01-01 UTC
 _INFINITIES = (-(1 << 63), (1 << 63) - 1)  # PostgreSQL's -infinity and infinity
+_PARTITIONS = frozenset({_INT4})  # EventRouter reads a partition as an INT32: not smallint, not bigint
+_PLACEMENT = "table.fields.additional.placement"
 _TEXTUAL = frozenset(_INTEGERS) | _TEXTS | {_JSONB, _UUID, _BOOL}
 _INSERT_VALUES = 8  # 'I', the relation's oid, 'N', the column count
 _EPOCH = datetime(2000, 1, 1, tzinfo=UTC)
@@ -50,47 +53,66 @@ def _text(raw: bytes, oid: int) -> bytes:
     return str(_INTEGERS[oid].unpack(raw)[0]).encode()
 
 
+Role = tuple[str, str, frozenset[int]]  # a column, the option naming it, the type oids it may have
+
+
+def roles(router: EventRouter, columns: Container[str]) -> list[Role]:
+    """The columns EventRouter reads of a table with ``columns``: id, key, payload, route, then the
+    placed headers, the timestamp and the partition, those of the table's they may be."""
+    # Without table.fields.additional.error.on.missing, EventRouter skips a placement whose column
+    # the table lacks.
+    optional = not router.additional_error_on_missing
+    out: list[Role] = [
+        (router.event_id, "table.field.event.id", _TEXTUAL),
+        (router.event_key, "table.field.event.key", _TEXTUAL),
+        (router.event_payload, "table.field.event.payload", _TEXTUAL | {_BYTEA}),
+        (router.route_by_field, "route.by.field", _TEXTUAL),
+        *((p.column, _PLACEMENT, _TEXTUAL) for p in router.headers if not optional or p.column in columns),
+    ]
+    if router.event_timestamp is not None:
+        out.append((router.event_timestamp, "table.field.event.timestamp", _TIMESTAMPS))
+    partition = router.partition
+    if partition is not None and (not optional or partition in columns):
+        out.append((partition, _PLACEMENT + " partition", _PARTITIONS))
+    return out
+
+
+def unreadable(role: Role, types: Mapping[str, int], table: str) -> str | None:
+    """Why ``role`` cannot be read of a table whose columns have ``types`` (their oids), if it cannot."""
+    column, option, readable = role
+    if column not in types:
+        return f"the outbox table {table} has no column {column} ({option})"
+    if types[column] not in readable:
+        kinds = "timestamp or timestamptz" if readable is _TIMESTAMPS else "integer" if readable is _PARTITIONS else ""
+        need = f": it must be {kinds}" if kinds else ""
+        return f"the log source cannot read {column} ({option}) of type oid {types[column]}{need}"
+    return None
+
+
 class RouterColumns(Columns):
     """Where the columns EventRouter reads are in a Relation message's tuple, and their types."""
 
     def __init__(self, relation: pgoutput.Relation, router: EventRouter) -> None:
         index = {name: i for i, name in enumerate(relation.columns)}
-        # Without table.fields.additional.error.on.missing, EventRouter skips a placement whose column
-        # the table lacks.
-        headers = [p for p in router.headers if router.additional_error_on_missing or p.column in index]
-        partition = router.partition
-        if partition is not None and not router.additional_error_on_missing and partition not in index:
-            partition = None
-        roles = [
-            (router.event_id, "table.field.event.id", _TEXTUAL),
-            (router.event_key, "table.field.event.key", _TEXTUAL),
-            (router.event_payload, "table.field.event.payload", _TEXTUAL | {_BYTEA}),
-            (router.route_by_field, "route.by.field", _TEXTUAL),
-            *((p.column, "table.fields.additional.placement", _TEXTUAL) for p in headers),
-        ]
-        if router.event_timestamp is not None:
-            roles.append((router.event_timestamp, "table.field.event.timestamp", _TIMESTAMPS))
-        if partition is not None:  # EventRouter reads it as an INT32: an integer column, not smallint or bigint
-            roles.append((partition, "table.fields.additional.placement partition", frozenset({_INT4})))
-        for column, option, readable in roles:
-            if column not in index:
-                table = f"{relation.schema}.{relation.name}"
-                raise StoreError(f"the outbox table {table} has no column {column} ({option})")
-            oid = relation.types[index[column]]
-            if oid not in readable:
-                raise StoreError(f"the log source cannot read {column} ({option}) of type oid {oid}")
+        read = roles(router, index)
+        types = {name: relation.types[i] for name, i in index.items()}
+        for role in read:
+            why = unreadable(role, types, f"{relation.schema}.{relation.name}")
+            if why is not None:
+                raise StoreError(why)
         self.types = relation.types
-        self.event_id, self.key, self.payload, self.route = (index[r[0]] for r in roles[:4])
-        self.placed = [(p.header, index[p.column]) for p in headers]
+        self.event_id, self.key, self.payload, self.route = (index[r[0]] for r in read[:4])
+        self.placed = [(p.header, index[p.column]) for p in router.headers if p.column in index]
         self.timestamp = None if router.event_timestamp is None else index[router.event_timestamp]
-        self.partition = None if partition is None else index[partition]
+        partition = router.partition
+        self.partition = None if partition is None or partition not in index else index[partition]
         self.places = self.timestamp is not None or self.partition is not None
         # The tracing span context column, when the table has one of a text type (optional, as it is
         # to EventRouter): its W3C trace context is carried as the record's.
         tracing = index.get(router.tracing_span_context_field)
         self.tracing = tracing if tracing is not None and relation.types[tracing] in _TEXTS else None
-        read = [index[r[0]] for r in roles]
-        self.needed = 1 + max(read if self.tracing is None else [*read, self.tracing])
+        at = [index[r[0]] for r in read]
+        self.needed = 1 + max(at if self.tracing is None else [*at, self.tracing])
         self.integer_id = self.types[self.event_id] in _INTEGERS
         self.tombstones = router.route_tombstone_on_empty_payload
         self.router = router.router()
