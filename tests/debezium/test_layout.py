@@ -2,9 +2,10 @@
 both delivery modes: rows deleted in the transaction that inserted them are published and nothing
 is deleted for them; rows that stay are deleted in bulk by the retention window (at least once) or
 left (exactly once, no window); a bytea payload goes out as its bytes; a row with a NULL key is a
-dead letter and its key's other rows go on. With ``table.field.event.timestamp`` and a ``partition``
-placement, each record's Kafka timestamp and partition are those columns' (each publisher), a NULL
-leaving them to the producer, a negative partition or one the topic lacks a dead letter."""
+dead letter (which ``reaper dlq replay`` refuses to write back as a row) and its key's other rows go
+on. With ``table.field.event.timestamp`` and a ``partition`` placement, each record's Kafka timestamp
+and partition are those columns' (each publisher), a NULL leaving them to the producer, a negative
+partition or one the topic lacks a dead letter."""
 
 from __future__ import annotations
 
@@ -111,6 +112,11 @@ def test_insert_then_delete_and_rows_that_stay(
                 assert ("traceparent", TRACEPARENT.encode()) in (consumed_headers(traced) or [])
                 dead = sql.SQL("SELECT kafka_value FROM {}").format(dead_letter_table(config.table).ident)
                 assert wait_until(lambda: conn.execute(dead).fetchall() == [(b"no key",)])
+                if delivery == "exactly_once":  # once: replay is refused in one line, the dead letter kept
+                    replay = run_reaper("dlq", "replay", "--all", "--yes", "-f", str(tmp_path / "reaper.yaml"))
+                    assert replay.returncode == 2 and "cannot be written back as a row" in replay.stderr
+                    assert len(replay.stderr.splitlines()) == 1, replay.stderr
+                    assert conn.execute(dead).fetchall() == [(b"no key",)]
                 left = sql.SQL("SELECT count(*) FROM {}").format(config.table.ident)
                 if delivery == "at_least_once":  # the window deletes the rows that stayed, the dead letter's too
                     assert wait_until(lambda: conn.execute(left).fetchone() == (0,), timeout=60)
