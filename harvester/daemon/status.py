@@ -207,8 +207,9 @@ def _report(settings: ReaperSettings, timeout: float) -> tuple[Status, bool]:
     led = {s for m in members for s in m.shards}
     reported = [b.in_flight for shard, b in beats.items() if shard in led and b.in_flight is not None]
     lag: float | None = oldest or 0.0
-    if settings.harvest.log_messages or settings.harvest.log_retention:
-        # The table, if any, keeps delivered rows: what is not done is in the leader's memory.
+    if settings.harvest.log_messages or settings.harvest.log_retention or settings.harvest.event_router:
+        # The table, if any, keeps delivered rows (Debezium's layout: rows that stay, or none at all):
+        # what is not done is in the leader's memory.
         lags = [b.lag_seconds for shard, b in beats.items() if shard in led and b.lag_seconds is not None]
         lag = max(lags) if lags else None
     report = Status(
@@ -411,6 +412,9 @@ def _database(
             ).fetchone()
             has_outbox, has_fence, has_dead = found if found else (False, False, False)
             tableless = settings.harvest.log_messages  # the backlog is in the slot's lag then
+            # Debezium's layout: a table, but its rows say nothing of the backlog (deleted as they are
+            # inserted, or kept as Debezium keeps them); the slot's lag does.
+            rowless = tableless or settings.harvest.event_router is not None
             if not has_outbox and not tableless:
                 raise FailError(
                     f"harvest.outboxTable: outbox table {table} does not exist (run 'reaper migrate')", code=1
@@ -430,7 +434,7 @@ def _database(
                         leader_id=str(row[0]) if row[0] else None, epoch=int(row[1]), since=row[2].astimezone(UTC)
                     )
             counts: Any = (0, None)
-            if not tableless:
+            if not rowless:
                 counts = conn.execute(
                     sql.SQL(
                         "SELECT count(*),"

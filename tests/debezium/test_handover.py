@@ -2,11 +2,14 @@
 goes on writing, each row deleted in the transaction that inserted it (the framework extensions'
 pattern, so the records exist only in the log), and the other takes over from the position the fence
 row stores done: nothing is lost, each key keeps its order, and what at-least-once publishes twice
-is dropped by ``DedupReader``'s rule."""
+is dropped by ``DedupReader``'s rule. ``reaper status`` then reports a leader, and the slot as the
+backlog."""
 
 from __future__ import annotations
 
+import json
 import threading
+from pathlib import Path
 
 import psycopg
 import pytest
@@ -22,7 +25,15 @@ from harvester.postgres.schema.migrations import ensure
 from tests.engine.workload import check, wait_until
 from tests.log.conftest import drop_slot, logical_dsn, stored_done  # noqa: F401 (logical_dsn: the fixture)
 from tests.proc.processes import HarvesterProcess, harvester_spec
-from tests.support import Services, consumed_headers, create_topics, delete_topics, read_messages, unique
+from tests.support import (
+    Services,
+    consumed_headers,
+    create_topics,
+    delete_topics,
+    read_messages,
+    run_reaper,
+    unique,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -61,6 +72,7 @@ def past_dedup(messages: list[Message]) -> list[Message]:
 def test_the_other_harvester_takes_over_with_nothing_lost(
     services: Services,
     logical_dsn: str,  # noqa: F811 (the fixture)
+    tmp_path: Path,
 ) -> None:
     schema = unique("dbzho")
     table = TableName(schema, "outboxevent")
@@ -75,6 +87,7 @@ def test_the_other_harvester_takes_over_with_nothing_lost(
 
     settings = {k: v for k, v in spec("setup").items() if k != "session_timeout"}  # the process's, not a field
     setup = HarvesterConfig.model_validate(settings).log_setup
+    (tmp_path / "reaper.yaml").write_text(json.dumps({"harvest": settings}))  # YAML reads JSON
     create_topics(services.bootstrap, [schema], 3)
     a = b = None
     with psycopg.connect(logical_dsn, autocommit=True) as conn:
@@ -98,6 +111,11 @@ def test_the_other_harvester_takes_over_with_nothing_lost(
             assert b.wait_for("LeaderAcquired", timeout=30), b.log
             writer.join()
             messages = read_messages(services.bootstrap, [schema], KEYS * TRANSACTIONS, timeout=90)
+            # reaper status: a leader; the backlog is the slot's, the table's rows do not tell it.
+            status = run_reaper("status", "--json", "-f", str(tmp_path / "reaper.yaml"))
+            assert status.returncode == 0, status.stderr
+            report = json.loads(status.stdout)
+            assert report["leader"] is not None and report["backlog_records"] == 0 and report["slot"] is not None
         finally:
             for p in (a, b):
                 if p is not None:
