@@ -31,13 +31,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import harvest
 import psycopg
+import workload
 from confluent_kafka import Producer
 from cpu import CpuMeter
-from harvest import VALUE, fresh_outbox, fresh_topic
 from peer_services import BOOTSTRAP, PARTITIONS, MissingError, drop_slot
 from psycopg import sql
+from workload import VALUE, fresh_outbox, fresh_topic
 
 from harvester import TableName
 from harvester.core.identity import IdentityHeaders, Stamp
@@ -136,14 +136,14 @@ def decode_ceiling(conn: psycopg.Connection[Any], dsn: str, records: int, keys: 
 
 def produce_ceiling(conn: psycopg.Connection[Any], records: int, keys: int) -> Ceiling:
     """The produce-only ceiling: the burst's records through one producer with the harvester's
-    settings (``harvest.PRODUCER`` over ``producer_config``'s defaults) into a fresh topic, in a
+    settings (``workload.PRODUCER`` over ``producer_config``'s defaults) into a fresh topic, in a
     process of its own (what librdkafka keeps allocated stays out of this process's memory, which
     the in-process harvester's figure holds)."""
     topic = fresh_topic(PARTITIONS)
     meter = CpuMeter(conn)
     before = meter.sample()
     done = subprocess.run(
-        [sys.executable, __file__, topic, str(records), str(keys), json.dumps(harvest.PRODUCER)],
+        [sys.executable, __file__, topic, str(records), str(keys), json.dumps(workload.PRODUCER)],
         capture_output=True,
         text=True,
         timeout=900,

@@ -14,8 +14,8 @@ import time
 import uuid
 from typing import Any
 
-import harvest
 import psycopg
+import workload
 
 from harvester import Engine, Limits, PostgresStore, TableName
 from harvester.core.at_least_once import at_least_once
@@ -46,8 +46,8 @@ class TimedTransactions(KafkaTransactionalPublisher):
 
 
 def start(table: TableName, limits: Limits, mode: str, acked: dict[int, float]) -> tuple[Engine, PostgresStore]:
-    store = PostgresStore.open(harvest.DSN, table)
-    config = producer_config({"bootstrap.servers": harvest.BOOTSTRAP}, {})
+    store = PostgresStore.open(workload.DSN, table)
+    config = producer_config({"bootstrap.servers": workload.BOOTSTRAP}, {})
     dispatcher: DispatcherFactory
 
     def factory(cb: DeliveryCallback) -> KafkaPublisher:
@@ -73,25 +73,25 @@ def start(table: TableName, limits: Limits, mode: str, acked: dict[int, float]) 
 
 
 def drain(conn: psycopg.Connection[Any], records: int, keys: int, limits: Limits, mode: str) -> float:
-    table, topic = harvest.fresh_outbox(conn), harvest.fresh_topic()
-    harvest.preload(conn, table, topic, records, keys)
+    table, topic = workload.fresh_outbox(conn), workload.fresh_topic()
+    workload.preload(conn, table, topic, records, keys)
     started = time.perf_counter()
     engine, store = start(table, limits, mode, {})
-    harvest.wait_empty(conn, table)
+    workload.wait_empty(conn, table)
     elapsed = time.perf_counter() - started
-    harvest.stop(engine, store)
+    workload.stop(engine, store)
     return records / elapsed
 
 
 def latency(conn: psycopg.Connection[Any], rate: float, seconds: float, limits: Limits, mode: str) -> list[float]:
-    table, topic = harvest.fresh_outbox(conn), harvest.fresh_topic()
+    table, topic = workload.fresh_outbox(conn), workload.fresh_topic()
     acked: dict[int, float] = {}
     engine, store = start(table, limits, mode, acked)
     time.sleep(1.0)
     commits: dict[int, float] = {}
-    harvest.writer_loop(table, topic, 1000, time.monotonic() + seconds, rate, commits)
-    harvest.wait_empty(conn, table)
-    harvest.stop(engine, store)
+    workload.writer_loop(table, topic, 1000, time.monotonic() + seconds, rate, commits)
+    workload.wait_empty(conn, table)
+    workload.stop(engine, store)
     return sorted((acked[i] - c) * 1000 for i, c in commits.items() if i in acked)
 
 
@@ -110,7 +110,7 @@ def main() -> None:
     )
     print(f"{'mode':<15}{'uniform (1000 keys)':>22}{'hot keys (10 keys)':>22}{'p50 @rate':>12}{'p99 @rate':>12}")
     results: dict[str, tuple[float, float]] = {}
-    with psycopg.connect(harvest.DSN, autocommit=True) as conn:
+    with psycopg.connect(workload.DSN, autocommit=True) as conn:
         try:
             for mode in ("at_least_once", "exactly_once"):
                 uniform = drain(conn, args.records, 1000, limits, mode)
@@ -119,10 +119,10 @@ def main() -> None:
                 results[mode] = (uniform, hot)
                 print(
                     f"{mode:<15}{uniform:>16.0f} rec/s{hot:>16.0f} rec/s"
-                    f"{harvest.pct(lat, 0.5):>9.1f} ms{harvest.pct(lat, 0.99):>9.1f} ms"
+                    f"{workload.pct(lat, 0.5):>9.1f} ms{workload.pct(lat, 0.99):>9.1f} ms"
                 )
         finally:
-            harvest.cleanup(conn)
+            workload.cleanup(conn)
     alo, eos = results["at_least_once"], results["exactly_once"]
     print(f"exactly-once / at-least-once: uniform {eos[0] / alo[0]:.0%}, hot keys {eos[1] / alo[1]:.0%}")
 

@@ -20,7 +20,7 @@ p50 and p99 commit-to-append latency of records committed and appended outside f
 fault and the 30 s after it; the first 10 s are left out too) (commit: the ledger row's
 ``clock_timestamp()``; append: the broker's LogAppendTime, in exactly-once mode before the
 transaction commits), and per fault kind the longest time without any append from the fault's start
-to 30 s after its end. Private services only, on ports from ``tests.support.free_ports`` (82 of them).
+to 30 s after its end. Private services only, on ports from ``tests.support.ports.free_ports`` (82 of them).
 Exits 1 on any violation.
 """
 
@@ -53,7 +53,7 @@ from tests.faults.pgpair import PgPair
 from tests.faults.proxy import Mode, Proxy
 from tests.faults.scenario import Outcome, Scenario, settings
 from tests.proc.processes import HarvesterProcess
-from tests.support import free_ports
+from tests.support.ports import free_ports
 
 CLUSTER_PORTS = 80  # with three proxied listener sets (deploy/local/cluster.sh)
 PGPAIR_PORTS = 2

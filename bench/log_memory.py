@@ -25,9 +25,9 @@ import threading
 import time
 from typing import Any
 
-import harvest
 import peer_relays
 import psycopg
+import workload
 from confluent_kafka import Consumer
 from cpu import own_seconds
 from peer_bursts import LOG, wait_published
@@ -48,9 +48,9 @@ def write_at_once(table: TableName, topic: str, records: int, writers: int, keys
     def write(n: int) -> None:
         try:
             rows = range(n * records // writers, (n + 1) * records // writers)
-            with psycopg.connect(harvest.DSN) as conn, conn.transaction():
+            with psycopg.connect(workload.DSN) as conn, conn.transaction():
                 for at in range(rows.start, rows.stop, _PART):
-                    harvest.copy_part(conn, table, topic, range(at, min(at + _PART, rows.stop)), keys)
+                    workload.copy_part(conn, table, topic, range(at, min(at + _PART, rows.stop)), keys)
                 ready.wait()
         except BaseException as exc:  # reported by the caller
             ready.abort()
@@ -75,11 +75,13 @@ def peak_rss() -> int:
 
 def run_one(records: int, writers: int, keys: int, memory: int) -> dict[str, float]:
     """One drain under ``memory``, in this process."""
-    harvest.PRODUCER = {"compression.type": "lz4"}
-    consumer = Consumer({"bootstrap.servers": harvest.BOOTSTRAP, "group.id": "log_memory", "enable.auto.commit": False})
+    workload.PRODUCER = {"compression.type": "lz4"}
+    consumer = Consumer(
+        {"bootstrap.servers": workload.BOOTSTRAP, "group.id": "log_memory", "enable.auto.commit": False}
+    )
     try:
         with (
-            psycopg.connect(harvest.DSN, autocommit=True) as conn,
+            psycopg.connect(workload.DSN, autocommit=True) as conn,
             peer_relays.harvester_relay(conn, Limits(), LOG, memory) as relay,
         ):
             committed = write_at_once(relay.table, relay.topic, records, writers, keys)
@@ -116,7 +118,7 @@ def main() -> None:
     budgets = {"default 1GiB (baseline)": DEFAULT, f"--memory {args.memory / 2**20:g}MiB": args.memory}
     print(
         f"workload: {args.records} records in {args.writers} transactions written at once, {args.keys} keys,"
-        f" {len(harvest.VALUE)}-byte values; log source in-process, default limits, lz4; {args.rounds} rounds",
+        f" {len(workload.VALUE)}-byte values; log source in-process, default limits, lz4; {args.rounds} rounds",
         flush=True,
     )
     results: dict[str, list[dict[str, Any]]] = {name: [] for name in budgets}

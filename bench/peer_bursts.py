@@ -10,13 +10,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import harvest
 import psycopg
+import workload
 from confluent_kafka import Consumer, TopicPartition
 from cpu import backend_pid, process_seconds
 from debezium_connect import JvmHeap
-from harvest import VALUE
 from peer_services import PARTITIONS
+from workload import VALUE
 
 from harvester import OutboxRecord, TableName
 from harvester.postgres.schema.message_format import encode
@@ -100,10 +100,10 @@ def copy_burst(
         with conn.transaction():
             part = -(-records // SPREAD_PARTS)
             for at in range(0, records, part):
-                harvest.copy_part(conn, table, topic, range(at, min(at + part, records)), keys)
+                workload.copy_part(conn, table, topic, range(at, min(at + part, records)), keys)
                 time.sleep(spread / SPREAD_PARTS)
     else:
-        harvest.copy_rows(conn, table, topic, records, keys)
+        workload.copy_rows(conn, table, topic, records, keys)
     committed = time.time()
     return committed, _backend_cpu(conn) - cpu_before
 

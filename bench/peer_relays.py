@@ -11,8 +11,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import harvest
 import psycopg
+import workload
 from confluent_kafka import Consumer, TopicPartition
 from cpu import CollectorTime, CpuMeter, own_seconds
 from debezium_connect import (
@@ -21,7 +21,6 @@ from debezium_connect import (
     connector_config,
     streaming_connector,
 )
-from harvest import VALUE, fresh_outbox, fresh_topic, run_engine, stop, wait_empty
 from peer_bursts import (
     GOHARVEST_DDL,
     MARK_PURGE,
@@ -41,6 +40,7 @@ from peer_services import BOOTSTRAP, PARTITIONS, LogicalPostgres, drop_slot
 from psycopg import sql
 from rss import PeakRss, own_pids
 from steady import Steady, steady
+from workload import VALUE, fresh_outbox, fresh_topic, run_engine, stop, wait_empty
 
 from harvester import Limits, TableName
 from harvester.compose import log_store as compose_log_store
@@ -176,7 +176,7 @@ def harvester_relay(
         every = limits.vacuum_every_records
         retention = RETENTION if source == RETAIN else None
         log_store = compose_log_store(
-            harvest.DSN, setup, retention=retention, vacuum_every=every, transaction_memory=memory
+            workload.DSN, setup, retention=retention, vacuum_every=every, transaction_memory=memory
         )
         log_store.prepare()
     engine, store = run_engine(table, limits, store=log_store)
@@ -250,7 +250,7 @@ def harvester_burst(
 
 def steady_through(relay: Relay, rate: float, seconds: float, keys: int) -> Steady:
     return steady(
-        harvest.DSN,
+        workload.DSN,
         BOOTSTRAP,
         relay.table,
         relay.topic,

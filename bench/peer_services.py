@@ -11,15 +11,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-import harvest
 import psycopg
+import workload
 from psycopg import sql
 
 from harvester import Limits
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVICES = ROOT / "deploy" / "local" / "services.sh"
-BOOTSTRAP = harvest.BOOTSTRAP
+BOOTSTRAP = workload.BOOTSTRAP
 PARTITIONS = 4
 TUNED = Limits(mark_query_records=500, max_in_flight_records=5000)
 
@@ -39,7 +39,7 @@ def free_port() -> int:
 
 class LogicalPostgres:
     """A private PostgreSQL with ``wal_level=logical`` and replication connections from loopback
-    (deploy/local/services.sh in a temporary directory, as tests/support.py's PrivatePostgres)."""
+    (deploy/local/services.sh in a temporary directory, as tests/support/private_services.py's PrivatePostgres)."""
 
     def __init__(self, state: Path) -> None:
         self.port = free_port()

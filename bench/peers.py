@@ -120,14 +120,15 @@ from typing import Any
 import cpu
 import harvest
 import psycopg
+import workload
 from ceilings import Ceiling, decode_ceiling, produce_ceiling
 from debezium_connect import DEBEZIUM_VERSION, KAFKA_VERSION, ConnectWorker, resolve_jars
-from harvest import VALUE
 from peer_bursts import LOG, MARK_PURGE, MESSAGES, RETAIN, RETENTION, SPREAD_PARTS, Burst, Source, copy_burst
 from peer_relays import RelayContext, debezium_burst, debezium_relay, harvester_burst, harvester_relay, steady_through
 from peer_report import document, report, report_ceilings, report_shares, report_steady
 from peer_services import PARTITIONS, TUNED, LogicalPostgres, MissingError
 from steady import Steady
+from workload import VALUE
 
 from harvester import Limits
 
@@ -229,8 +230,8 @@ def run(o: Options) -> None:
     connect = ConnectWorker(state / "connect", o.compression)
     try:
         pg.start()
-        harvest.DSN = pg.dsn  # bench/harvest.py's helpers (run_engine) connect to harvest.DSN
-        harvest.PRODUCER = {"compression.type": o.compression}
+        workload.DSN = pg.dsn  # bench/workload.py's helpers (run_engine) and harvest.ceiling_delete connect to it
+        workload.PRODUCER = {"compression.type": o.compression}
         connect.start()
         if connect.proc is not None:  # a child of this process, not the in-process harvester's
             cpu.NOT_OURS.add(connect.proc.pid)

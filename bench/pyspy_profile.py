@@ -34,8 +34,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import harvest
 import psycopg
+import workload
 from confluent_kafka import Consumer
 from cpu import librdkafka_seconds, proc_stat, process_seconds
 from peer_bursts import LOG, MARK_PURGE, copy_burst, wait_published
@@ -50,7 +50,7 @@ _FRAME = re.compile(r"^(?P<function>.*) \((?P<file>[^():]*)(?::\d+)?\)$")
 
 def relay(source: str) -> None:
     """The relay's process: the harvester over a fresh outbox until this process's stdin closes."""
-    with psycopg.connect(harvest.DSN, autocommit=True) as conn, harvester_relay(conn, Limits(), source) as r:
+    with psycopg.connect(workload.DSN, autocommit=True) as conn, harvester_relay(conn, Limits(), source) as r:
         where = {"schema": r.table.schema, "name": r.table.name, "topic": r.topic}
         print("relay " + json.dumps(where), flush=True)  # among the harvester's log lines
         sys.stdin.read()
@@ -145,12 +145,12 @@ def main() -> None:
         )
         time.sleep(2.0)  # py-spy attached to the relay and its producer process
         consumer = Consumer({"bootstrap.servers": BOOTSTRAP, "group.id": "profile_count", "enable.auto.commit": False})
-        with psycopg.connect(harvest.DSN, autocommit=True) as conn:
+        with psycopg.connect(workload.DSN, autocommit=True) as conn:
             cpu_before = relay_cpu(child.pid)
             committed, _ = copy_burst(conn, table, topic, args.records, args.keys)
             published = wait_published(consumer, topic, args.records)
             if args.source == MARK_PURGE:
-                harvest.wait_empty(conn, table)
+                workload.wait_empty(conn, table)
             done = time.time()
             cpu_after = relay_cpu(child.pid)
         consumer.close()

@@ -35,8 +35,8 @@ from typing import Any
 import psycopg
 from confluent_kafka.admin import AdminClient
 from cpu import CpuMeter, librdkafka_seconds, process_seconds
-from harvest import BOOTSTRAP, DSN, copy_rows, fresh_topic
 from psycopg import sql
+from workload import BOOTSTRAP, DSN, copy_rows, fresh_topic
 
 from harvester import TableName, migrate
 from harvester.postgres.schema.migrations import ensure_shard_index
@@ -134,7 +134,7 @@ def spread(reapers: list[Reaper], shards: int) -> bool:
 
 
 def drain(conn: psycopg.Connection[Any], shards: int, processes: int, workers: int, records: int, keys: int) -> Run:
-    # Not "bench_": bench/harvest.py drops every such schema when it cleans up, other runs' too.
+    # Not "bench_": bench/workload.py drops every such schema when it cleans up, other runs' too.
     table = TableName(f"shardbench_{uuid.uuid4().hex[:8]}", "outbox")
     migrate(conn, table)
     topic = fresh_topic()

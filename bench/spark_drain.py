@@ -27,10 +27,10 @@ from typing import Any
 
 import psycopg
 from confluent_kafka.admin import AdminClient
-from harvest import BOOTSTRAP, DSN, copy_rows, fresh_topic
 from psycopg import sql
 from pyspark.sql import SparkSession
 from shards import drain as reaper_drain
+from workload import BOOTSTRAP, DSN, copy_rows, fresh_topic
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 

@@ -58,7 +58,7 @@ from pyspark.sql.types import StructType
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from harvest import fresh_topic, run_engine, stop
+from workload import fresh_topic, run_engine, stop
 
 from harvester import Limits
 from harvester.postgres.schema.identifiers import TableName

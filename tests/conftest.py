@@ -12,16 +12,11 @@ from psycopg import sql
 from harvester import HarvesterConfig, Limits
 from harvester.postgres.schema.identifiers import TableName
 from harvester.postgres.schema.migrations import migrate
-from tests.support import (
-    HarvesterFactory,
-    PrivateKafka,
-    Services,
-    create_topics,
-    delete_topics,
-    ensure_services,
-    harvesters,
-    unique,
-)
+from tests.support.harvesters import HarvesterFactory, harvesters
+from tests.support.kafka import create_topics, delete_topics
+from tests.support.names import unique
+from tests.support.private_services import PrivateKafka
+from tests.support.services import Services, ensure_services
 
 # `./dev.sh test` runs two pytest-xdist workers. Tests that share something fixed (private services
 # on fixed ports or directories, the Spark cluster, the restartable broker, the reaper's default HTTP
@@ -36,7 +31,7 @@ _GROUPS = (  # path prefix -> group, longest first
     ("tests/chaos/test_chaos.py", "chaos"),
     ("tests/faults/", "faults"),
     ("tests/reaper/", "reaper"),
-    ("tests/secure/", "secure"),  # deploy/local/services.sh start-secure's services, started once
+    ("tests/secure/", "secure"),
     ("tests/compat/", "compat"),
     ("tests/packaging/", "packaging"),  # out of the reaper group: its first run downloads a venv per Python
     ("tests/deadletter/test_poison.py", "private_kafka"),  # these use the private_kafka broker
@@ -111,6 +106,15 @@ def topics(services: Services) -> Iterator[Callable[..., str]]:
 
     yield make
     delete_topics(services.bootstrap, made)
+
+
+@pytest.fixture(scope="session")
+def secure() -> None:
+    """``deploy/local/services.sh start-secure``'s services (tests/secure and the Spark group's secure
+    test: either worker may start them first)."""
+    from tests.secure import services as secure_services
+
+    secure_services.start()
 
 
 @pytest.fixture(scope="session")

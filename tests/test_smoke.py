@@ -9,7 +9,8 @@ import pytest
 from confluent_kafka import Producer
 
 from harvester.postgres.schema.identifiers import TableName
-from tests.support import Services, read_messages
+from tests.support.kafka import read_messages
+from tests.support.services import Services
 
 pytestmark = pytest.mark.integration
 

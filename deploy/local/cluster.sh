@@ -19,6 +19,7 @@
 #   KAFKA_CLUSTER_PORT    first port (default 39100); the cluster uses this port to +20K+19
 #   KAFKA_CLUSTER_PROXIED number of proxied listeners K (default 1, at most 3)
 #   KAFKA_HEAP            each broker's JVM heap (default 512m)
+#   KAFKA_JVM_OPTIONS     the brokers' other JVM options (default -XX:+UseG1GC)
 #   HARVESTER_LOCAL_DIR   data, logs and pid files go to its kafka-cluster/ (default <repo>/.local)
 #   KAFKA_VERSION         as in services.sh, which resolves the jars
 set -euo pipefail
@@ -31,6 +32,7 @@ PROXIED=${KAFKA_CLUSTER_PROXIED:-1}
 BASE=${KAFKA_CLUSTER_PORT:-39100}
 KAFKA_VERSION=${KAFKA_VERSION:-4.1.1}
 KAFKA_HEAP=${KAFKA_HEAP:-512m}
+KAFKA_JVM_OPTIONS=${KAFKA_JVM_OPTIONS:--XX:+UseG1GC}
 LIBS=$CACHE/kafka-$KAFKA_VERSION/libs
 
 say() { printf '%s\n' "$*"; }
@@ -46,7 +48,7 @@ pid_file() { echo "$(node_dir "$1")/kafka.pid"; }
 
 running() { local f; f=$(pid_file "$1"); [ -f "$f" ] && kill -0 "$(cat "$f")" 2>/dev/null; }
 
-java_cp() { java -Xms128m -Xmx"$KAFKA_HEAP" -XX:+UseG1GC -Dlog4j2.configurationFile="$STATE/log4j2.properties" -cp "$LIBS/*" "$@"; }
+java_cp() { java -Xms128m -Xmx"$KAFKA_HEAP" $KAFKA_JVM_OPTIONS -Dlog4j2.configurationFile="$STATE/log4j2.properties" -cp "$LIBS/*" "$@"; }
 
 configure() {
   local i=$1 dir voters="" j rf=$((NODES < 3 ? NODES : 3)) isr=$((NODES < 3 ? 1 : 2))
@@ -104,7 +106,7 @@ start_node() {
     java_cp kafka.tools.StorageTool format -t "$(cat "$STATE/cluster.id")" -c "$dir/server.properties" >"$dir/format.log" 2>&1 ||
       { tail -n 20 "$dir/format.log" >&2; die "formatting node $i failed"; }
   fi
-  nohup java -Xms128m -Xmx"$KAFKA_HEAP" -XX:+UseG1GC -Dlog4j2.configurationFile="$STATE/log4j2.properties" \
+  nohup java -Xms128m -Xmx"$KAFKA_HEAP" $KAFKA_JVM_OPTIONS -Dlog4j2.configurationFile="$STATE/log4j2.properties" \
     -cp "$LIBS/*" kafka.Kafka "$dir/server.properties" >>"$dir/kafka.log" 2>&1 </dev/null &
   echo $! >"$(pid_file "$i")"
 }

@@ -19,140 +19,28 @@ Every POM and jar is checked against the ``.sha1`` Maven Central publishes besid
 used; verified files are kept in a local repository under ``--cache`` (default: the project's
 cache directory, as deploy/local/services.sh uses), so a second resolution downloads nothing.
 ``MAVEN_REPOSITORY`` names another repository with Maven Central's layout (a mirror).
+
+This file reads the POMs and walks the graph; ``maven_model.py`` beside it holds the coordinates,
+dependencies and models, ``maven_repository.py`` the verified downloads.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import re
 import shutil
 import sys
-import tempfile
-import urllib.error
-import urllib.request
 import xml.etree.ElementTree as ET
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
+
+from maven_model import Coordinate, Dependency, Key, Management, Model, ResolveError
+from maven_repository import Repository
 
 CENTRAL = "https://repo.maven.apache.org/maven2"
 KEPT_SCOPES = {"compile", "runtime"}
-Key = tuple[str, str, str, str]  # group, artifact, classifier, type: what conflict resolution compares
-Management = dict[Key, "Dependency"]
-TIMEOUT = 60.0
-
-
-class ResolveError(Exception):
-    """Resolution cannot go on; the message says why (one line)."""
-
-
-@dataclass(frozen=True)
-class Coordinate:
-    group: str
-    artifact: str
-    version: str
-    classifier: str = ""
-    type: str = "jar"
-
-    @property
-    def key(self) -> Key:
-        return (self.group, self.artifact, self.classifier, self.type)
-
-    def path(self, extension: str, classifier: str = "") -> str:
-        suffix = f"-{classifier}" if classifier else ""
-        return (
-            f"{self.group.replace('.', '/')}/{self.artifact}/{self.version}/"
-            f"{self.artifact}-{self.version}{suffix}.{extension}"
-        )
-
-    def __str__(self) -> str:
-        return f"{self.group}:{self.artifact}:{self.version}"
-
-
-@dataclass
-class Dependency:
-    group: str
-    artifact: str
-    version: str
-    scope: str
-    classifier: str
-    type: str
-    optional: bool
-    exclusions: frozenset[tuple[str, str]]
-
-    @property
-    def key(self) -> Key:
-        return (self.group, self.artifact, self.classifier, self.type)
-
-
-@dataclass
-class Model:
-    """A POM after inheritance: raw strings until ``effective`` interpolates them."""
-
-    group: str
-    artifact: str
-    version: str
-    parent_version: str
-    properties: dict[str, str]
-    managed: list[Dependency]
-    dependencies: list[Dependency]
-    relocation: tuple[str, str, str] | None = None
-    # Managed entries after interpolation and BOM imports, by key (the first one wins).
-    management: Management = field(default_factory=dict)
-
-
-class Repository:
-    """Remote repository with a verified local copy of every file fetched."""
-
-    def __init__(self, cache: Path, url: str) -> None:
-        self.root = cache
-        self.url = url.rstrip("/")
-
-    def fetch(self, relative: str) -> Path:
-        local = self.root / relative
-        recorded = local.with_name(local.name + ".sha1")
-        if local.exists() and recorded.exists() and _sha1(local) == recorded.read_text().strip():
-            return local
-        expected = self._get(relative + ".sha1").decode("ascii", "replace").split()
-        if not expected or not re.fullmatch(r"[0-9a-f]{40}", expected[0]):
-            raise ResolveError(f"{relative}.sha1 does not hold a SHA-1 checksum")
-        body = self._get(relative)
-        actual = hashlib.sha1(body).hexdigest()
-        if actual != expected[0]:
-            raise ResolveError(f"{relative}: SHA-1 {actual} does not match the published {expected[0]}")
-        local.parent.mkdir(parents=True, exist_ok=True)
-        _write_atomically(local, body)
-        _write_atomically(local.with_name(local.name + ".sha1"), actual.encode())
-        return local
-
-    def _get(self, relative: str) -> bytes:
-        url = f"{self.url}/{relative}"
-        try:
-            with urllib.request.urlopen(url, timeout=TIMEOUT) as answer:
-                body: bytes = answer.read()
-                return body
-        except urllib.error.HTTPError as exc:
-            raise ResolveError(f"{url}: HTTP {exc.code}") from None
-        except (urllib.error.URLError, OSError) as exc:
-            raise ResolveError(f"{url}: {getattr(exc, 'reason', exc)}") from None
-
-
-def _sha1(path: Path) -> str:
-    digest = hashlib.sha1()
-    with path.open("rb") as source:
-        for chunk in iter(lambda: source.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _write_atomically(path: Path, body: bytes) -> None:
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(handle, "wb") as out:
-        out.write(body)
-    os.replace(temporary, path)
 
 
 # ---------------------------------------------------------------- POMs
@@ -296,9 +184,8 @@ class Resolver:
             properties=values,
             managed=[interpolated(d) for d in raw.managed],
             dependencies=[interpolated(d) for d in raw.dependencies],
-            relocation=raw.relocation and (
-                expand(raw.relocation[0]), expand(raw.relocation[1]), expand(raw.relocation[2])
-            ),
+            relocation=raw.relocation
+            and (expand(raw.relocation[0]), expand(raw.relocation[1]), expand(raw.relocation[2])),
         )
         imports = []
         for managed in model.managed:

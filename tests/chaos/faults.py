@@ -14,7 +14,7 @@ import psycopg
 
 from tests.chaos.harvesters import HarvesterGroup
 from tests.chaos.settings import FAULT_WEIGHTS, ChaosSettings, Log
-from tests.support import PrivateKafka, PrivatePostgres
+from tests.support.private_services import PrivateKafka, PrivatePostgres
 
 
 @dataclass(frozen=True)

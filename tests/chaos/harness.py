@@ -28,16 +28,11 @@ from tests.chaos.report import ChaosReport
 from tests.chaos.services import Tables, log_setup, private_services, wal_end
 from tests.chaos.settings import FAULT_KINDS, ChaosSettings, Log, delivery_modes
 from tests.chaos.writers import Writers
-from tests.support import (
-    ROOT,
-    PrivateKafka,
-    PrivatePostgres,
-    create_topics,
-    delete_topics,
-    streamed_transactions,
-    streaming,
-    unique,
-)
+from tests.support.kafka import create_topics, delete_topics
+from tests.support.names import unique
+from tests.support.paths import ROOT
+from tests.support.postgres import streamed_transactions, streaming
+from tests.support.private_services import PrivateKafka, PrivatePostgres
 
 # What the fault tests and the soak benches import from here.
 __all__ = [

@@ -12,7 +12,7 @@ from typing import Any
 from harvester.postgres.schema.identifiers import TableName
 from tests.chaos.settings import ChaosSettings
 from tests.proc.processes import HarvesterProcess, harvester_spec
-from tests.support import unique
+from tests.support.names import unique
 
 LEADERSHIP = ("LeaderAcquired", "LeaderRevoked", "LeaderFenced")
 # A table-less outbox accepts to lose what a failover would lose: the private PostgreSQL 15 has no

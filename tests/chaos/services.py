@@ -18,11 +18,8 @@ from harvester.postgres.schema.migrations import ensure, fence_table, migrate
 from tests.chaos import audit
 from tests.chaos.settings import ChaosSettings
 from tests.engine.workload import wait_drained
-from tests.support import (
-    PrivateKafka,
-    PrivatePostgres,
-    unique,
-)
+from tests.support.names import unique
+from tests.support.private_services import PrivateKafka, PrivatePostgres
 
 
 @contextmanager

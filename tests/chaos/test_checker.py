@@ -15,7 +15,7 @@ from harvester.postgres.schema.identifiers import TableName
 from tests.chaos.audit import TERM, Change, confirmations, past_fence
 from tests.chaos.harness import FAULT_KINDS, ChaosReport, ChaosSettings, Fault, analyse, first_copies
 from tests.proc.processes import START_REFUSED, HarvesterProcess, harvester_spec
-from tests.support import free_ports
+from tests.support.ports import free_ports
 
 pytestmark = pytest.mark.unit
 

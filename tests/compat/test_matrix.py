@@ -4,7 +4,7 @@ wheel, started by an unprivileged user as the local services start without root 
 Kafka); ``reaper status`` reads the group of each.
 
 The private services come from deploy/local/services.sh (KAFKA_VERSION, PG_FROM=wheel) on free ports
-(``tests.support.free_ports``), never on the suite's fixed ones, and are stopped at the end of the module.
+(``tests.support.ports.free_ports``), never on the suite's fixed ones, and are stopped at the end of the module.
 """
 
 from __future__ import annotations
@@ -27,18 +27,13 @@ from harvester.postgres.schema.identifiers import TableName
 from harvester.postgres.schema.migrations import migrate
 from tests.engine.workload import check, wait_drained, writing
 from tests.proc.processes import HarvesterProcess, harvester_spec
-from tests.support import (
-    ROOT,
-    PrivateKafka,
-    PrivatePostgres,
-    Services,
-    create_topics,
-    delete_topics,
-    free_ports,
-    read_messages,
-    run_reaper,
-    unique,
-)
+from tests.support.kafka import create_topics, delete_topics, read_messages
+from tests.support.names import unique
+from tests.support.paths import ROOT
+from tests.support.ports import free_ports
+from tests.support.private_services import PrivateKafka, PrivatePostgres
+from tests.support.reaper import run_reaper
+from tests.support.services import Services
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -15,17 +15,12 @@ import pytest
 from psycopg import sql
 
 from harvester.daemon.cli import main
-from tests.support import (
-    REAPER,
-    ROOT,
-    Services,
-    consumed_headers,
-    free_ports,
-    read_messages,
-    reaper_environment,
-    run_reaper,
-    unique,
-)
+from tests.support.kafka import consumed_headers, read_messages
+from tests.support.names import unique
+from tests.support.paths import ROOT
+from tests.support.ports import free_ports
+from tests.support.reaper import REAPER, reaper_environment, run_reaper
+from tests.support.services import Services
 
 DOC = (ROOT / "docs" / "writers.md").read_text()
 IDENTITY = ["outbox-id", "outbox-epoch", "outbox-producer"]

@@ -17,7 +17,9 @@ from harvester import PostgresStore
 from harvester.core.records import Failure
 from harvester.postgres.schema.identifiers import TableName
 from tests.engine.workload import insert
-from tests.support import Services, create_goharvest_outbox, run_reaper
+from tests.support.postgres import create_goharvest_outbox
+from tests.support.reaper import run_reaper
+from tests.support.services import Services
 
 pytestmark = pytest.mark.integration
 

@@ -13,7 +13,9 @@ from harvester.postgres.schema.identifiers import TableName
 from tests.deadletter.test_poison import FAST, dead_letters, raw_insert
 from tests.engine.workload import wait_drained
 from tests.log.test_log_source import COMMITTED, DELIVERY
-from tests.support import HarvesterFactory, Services, read_messages, text
+from tests.support.harvesters import HarvesterFactory
+from tests.support.kafka import read_messages, text
+from tests.support.services import Services
 
 pytestmark = pytest.mark.integration
 

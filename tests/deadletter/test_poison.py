@@ -17,16 +17,11 @@ from harvester.postgres.schema.identifiers import TableName
 from harvester.postgres.schema.migrations import dead_letter_table
 from tests.engine.workload import check, insert, wait_drained, wait_until
 from tests.proc.processes import HarvesterProcess, harvester_spec
-from tests.support import (
-    HarvesterFactory,
-    PrivateKafka,
-    Services,
-    create_topics,
-    delete_topics,
-    read_messages,
-    set_topic_config,
-    unique,
-)
+from tests.support.harvesters import HarvesterFactory
+from tests.support.kafka import create_topics, delete_topics, read_messages, set_topic_config
+from tests.support.names import unique
+from tests.support.private_services import PrivateKafka
+from tests.support.services import Services
 
 pytestmark = pytest.mark.integration
 

@@ -27,17 +27,12 @@ from harvester.postgres.schema.identifiers import TableName
 from harvester.postgres.schema.migrations import ensure
 from tests.log.conftest import drop_slot as drop_harvester_slot
 from tests.log.conftest import logical_dsn  # noqa: F401 (the fixture)
-from tests.support import (
-    ROOT,
-    Services,
-    consumed_headers,
-    create_topics,
-    delete_topics,
-    free_ports,
-    harvesters,
-    read_messages,
-    unique,
-)
+from tests.support.harvesters import harvesters
+from tests.support.kafka import consumed_headers, create_topics, delete_topics, read_messages
+from tests.support.names import unique
+from tests.support.paths import ROOT
+from tests.support.ports import free_ports
+from tests.support.services import Services
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -25,15 +25,10 @@ from harvester.postgres.schema.migrations import ensure
 from tests.engine.workload import check, wait_until
 from tests.log.conftest import drop_slot, logical_dsn, stored_done  # noqa: F401 (logical_dsn: the fixture)
 from tests.proc.processes import HarvesterProcess, harvester_spec
-from tests.support import (
-    Services,
-    consumed_headers,
-    create_topics,
-    delete_topics,
-    read_messages,
-    run_reaper,
-    unique,
-)
+from tests.support.kafka import consumed_headers, create_topics, delete_topics, read_messages
+from tests.support.names import unique
+from tests.support.reaper import run_reaper
+from tests.support.services import Services
 
 pytestmark = pytest.mark.integration
 

@@ -28,16 +28,11 @@ from tests.log.conftest import (
     logical_dsn,  # noqa: F401 (the fixture)
 )
 from tests.log.test_log_source import COMMITTED, DELIVERY
-from tests.support import (
-    Services,
-    consumed_headers,
-    create_topics,
-    delete_topics,
-    harvesters,
-    read_messages,
-    run_reaper,
-    unique,
-)
+from tests.support.harvesters import harvesters
+from tests.support.kafka import consumed_headers, create_topics, delete_topics, read_messages
+from tests.support.names import unique
+from tests.support.reaper import run_reaper
+from tests.support.services import Services
 
 pytestmark = pytest.mark.integration
 

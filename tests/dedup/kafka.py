@@ -13,7 +13,9 @@ from confluent_kafka import Consumer, Message, Producer, TopicPartition
 from harvester.client.dedup import DedupReader
 from harvester.core.identity import IdentityHeaders
 from tests.dedup.model import Copy, first_copies
-from tests.support import Services, text, unique
+from tests.support.kafka import text
+from tests.support.names import unique
+from tests.support.services import Services
 
 PRODUCER = "db-1/public.outbox"
 

@@ -16,7 +16,9 @@ from harvester.core.identity import Identity
 from harvester.postgres.schema.identifiers import TableName
 from tests.dedup.kafka import consumer, ends, read_to
 from tests.engine.workload import insert, wait_drained, wait_until
-from tests.support import HarvesterFactory, ManualElector, Services, consumed_headers, text
+from tests.support.harvesters import HarvesterFactory, ManualElector
+from tests.support.kafka import consumed_headers, text
+from tests.support.services import Services
 
 pytestmark = pytest.mark.integration
 

@@ -21,7 +21,8 @@ from psycopg import sql
 from harvester.client.dedup import DedupReader
 from tests.dedup.kafka import by_key, consumer, ends, expected, produce, read_to
 from tests.dedup.model import Copy, first_copies, random_stream
-from tests.support import Services, text
+from tests.support.kafka import text
+from tests.support.services import Services
 
 pytestmark = pytest.mark.integration
 

@@ -20,7 +20,9 @@ from harvester.postgres.schema.identifiers import TableName
 from tests.dedup.kafka import consumer, ends, read_to
 from tests.engine.workload import insert, wait_drained, wait_until
 from tests.proc.processes import HarvesterProcess, harvester_spec
-from tests.support import Services, delete_topics, end_offsets, unique
+from tests.support.kafka import delete_topics, end_offsets
+from tests.support.names import unique
+from tests.support.services import Services
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -13,7 +13,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 from harvester import AsyncStasher, ColumnLimits, OutboxMissingError, OutboxRecord, RecordError
 from harvester.postgres.schema.identifiers import TableName
 from tests.engine.test_stasher import rows
-from tests.support import Services
+from tests.support.services import Services
 
 pytestmark = pytest.mark.integration
 

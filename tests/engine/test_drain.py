@@ -8,7 +8,9 @@ import pytest
 
 from harvester.postgres.schema.identifiers import TableName
 from tests.engine.workload import check, wait_drained, write_concurrently
-from tests.support import HarvesterFactory, Services, read_messages
+from tests.support.harvesters import HarvesterFactory
+from tests.support.kafka import read_messages
+from tests.support.services import Services
 
 pytestmark = pytest.mark.integration
 

@@ -11,15 +11,11 @@ from confluent_kafka.admin import AdminClient
 
 from harvester.postgres.schema.identifiers import TableName
 from tests.engine.workload import check, insert, wait_drained, wait_until, write_concurrently, writing
-from tests.support import (
-    HarvesterFactory,
-    PrivateKafka,
-    Services,
-    create_topics,
-    read_messages,
-    set_topic_config,
-    unique,
-)
+from tests.support.harvesters import HarvesterFactory
+from tests.support.kafka import create_topics, read_messages, set_topic_config
+from tests.support.names import unique
+from tests.support.private_services import PrivateKafka
+from tests.support.services import Services
 
 pytestmark = pytest.mark.integration
 

@@ -20,7 +20,9 @@ from harvester.core.records import MarkedRecord
 from harvester.kafka.publisher import KafkaPublisher, producer_config
 from harvester.postgres.schema.identifiers import TableName
 from tests.engine.workload import check, insert, wait_drained, wait_until, write_concurrently
-from tests.support import HarvesterFactory, ManualElector, Services, consumed_headers, read_messages
+from tests.support.harvesters import HarvesterFactory, ManualElector
+from tests.support.kafka import consumed_headers, read_messages
+from tests.support.services import Services
 
 pytestmark = pytest.mark.integration
 

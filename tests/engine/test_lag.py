@@ -16,7 +16,10 @@ from psycopg import sql
 from harvester import Harvester, HarvesterConfig, Limits
 from harvester.postgres.schema.identifiers import TableName
 from tests.engine.workload import wait_until
-from tests.support import Services, delete_topics, free_ports, unique
+from tests.support.kafka import delete_topics
+from tests.support.names import unique
+from tests.support.ports import free_ports
+from tests.support.services import Services
 
 
 def lag(h: Harvester) -> float:

@@ -28,7 +28,9 @@ from harvester.postgres.schema.migrations import ensure_shard_index
 from tests.engine.workload import check, wait_until
 from tests.log.conftest import log_outbox, logical_dsn, message_outbox, stored_done, tableless  # noqa: F401  (fixtures)
 from tests.proc.processes import HarvesterProcess, harvester_spec
-from tests.support import Services, delete_topics, reader, unique
+from tests.support.kafka import delete_topics, reader
+from tests.support.names import unique
+from tests.support.services import Services
 
 pytestmark = pytest.mark.integration
 

@@ -16,7 +16,8 @@ from harvester import Harvester, PostgresStore
 from harvester.postgres.schema.identifiers import TableName
 from harvester.postgres.table.statements import dense_range
 from tests.engine.workload import insert, wait_until
-from tests.support import HarvesterFactory, Services
+from tests.support.harvesters import HarvesterFactory
+from tests.support.services import Services
 
 pytestmark = pytest.mark.integration
 

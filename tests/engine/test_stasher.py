@@ -10,7 +10,7 @@ from sqlalchemy.orm import Session
 
 from harvester import OutboxRecord, RecordError, Stasher, stash
 from harvester.postgres.schema.identifiers import TableName
-from tests.support import Services
+from tests.support.services import Services
 
 pytestmark = pytest.mark.integration
 

@@ -16,7 +16,8 @@ from harvester import Harvester, HarvesterConfig, Limits, OutboxRecord, Stasher
 from harvester.core.events import Event, LeaderAcquired
 from harvester.postgres.schema.identifiers import TableName
 from tests.engine.workload import wait_drained
-from tests.support import Services, unique
+from tests.support.names import unique
+from tests.support.services import Services
 
 pytestmark = pytest.mark.integration
 

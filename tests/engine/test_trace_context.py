@@ -24,7 +24,10 @@ from harvester.postgres.schema.identifiers import TableName
 from tests.engine.test_stasher import rows
 from tests.engine.workload import wait_drained, wait_until
 from tests.log.conftest import logical_dsn, message_outbox, tableless  # noqa: F401  (fixtures)
-from tests.support import HarvesterFactory, Services, consumed_headers, delete_topics, harvesters, read_messages, unique
+from tests.support.harvesters import HarvesterFactory, harvesters
+from tests.support.kafka import consumed_headers, delete_topics, read_messages
+from tests.support.names import unique
+from tests.support.services import Services
 
 pytestmark = pytest.mark.integration
 

@@ -11,7 +11,8 @@ from psycopg import sql
 
 from harvester.postgres.schema.identifiers import TableName
 from tests.engine.workload import wait_drained, wait_until
-from tests.support import HarvesterFactory, Services
+from tests.support.harvesters import HarvesterFactory
+from tests.support.services import Services
 
 pytestmark = pytest.mark.integration
 

@@ -12,7 +12,9 @@ from harvester import Harvester, HarvesterConfig, Limits
 from harvester.core.events import Event, LeaderAcquired
 from harvester.postgres.schema.identifiers import TableName
 from tests.engine.workload import check, wait_drained, wait_until, write_concurrently
-from tests.support import Services, read_messages, unique
+from tests.support.kafka import read_messages
+from tests.support.names import unique
+from tests.support.services import Services
 
 pytestmark = pytest.mark.integration
 

@@ -24,7 +24,10 @@ from harvester.postgres.schema.identifiers import TableName
 from harvester.postgres.schema.migrations import fence_table
 from tests.engine.workload import check, insert, wait_drained, wait_until, write_concurrently, writing
 from tests.proc.processes import HarvesterProcess, blocked_statement, harvester_spec
-from tests.support import ManualElector, Services, delete_topics, read_messages, reader, unique
+from tests.support.harvesters import ManualElector
+from tests.support.kafka import delete_topics, read_messages, reader
+from tests.support.names import unique
+from tests.support.services import Services
 
 pytestmark = pytest.mark.integration
 

@@ -13,7 +13,8 @@ from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient
 
 from tests.faults.proxy import Mode, Proxy
-from tests.support import ROOT
+from tests.support.paths import ROOT
+from tests.support.private_services import QUICK_JVM
 
 SCRIPT = ROOT / "deploy" / "local" / "cluster.sh"
 
@@ -43,6 +44,7 @@ class KafkaCluster:
             "KAFKA_CLUSTER_PORT": str(port),
             "KAFKA_CLUSTER_NODES": str(nodes),
             "KAFKA_CLUSTER_PROXIED": str(proxied),
+            "KAFKA_JVM_OPTIONS": QUICK_JVM,
         }
         self._admin: AdminClient | None = None
 

@@ -8,9 +8,9 @@ import pytest
 
 from tests.faults.cluster import KafkaCluster
 from tests.faults.pgpair import PgPair
-from tests.support import free_ports
+from tests.support.ports import free_ports
 
-# Ports from tests.support.free_ports, outside the kernel's ephemeral range: the cluster takes 60
+# Ports from tests.support.ports.free_ports, outside the kernel's ephemeral range: the cluster takes 60
 # from its first, with two proxied listener sets (see deploy/local/cluster.sh), the PostgreSQL pair 2.
 CLUSTER_PORTS = 60
 PGPAIR_PORTS = 2

@@ -13,7 +13,7 @@ from psycopg import sql
 
 from harvester.postgres.schema.identifiers import TableName
 from harvester.postgres.schema.migrations import fence_table
-from tests.support import ROOT
+from tests.support.paths import ROOT
 
 SCRIPT = ROOT / "deploy" / "local" / "pgpair.sh"
 

@@ -28,7 +28,8 @@ from tests.chaos.harness import (
 )
 from tests.engine.workload import wait_drained
 from tests.proc.processes import HarvesterProcess
-from tests.support import delete_topics, unique
+from tests.support.kafka import delete_topics
+from tests.support.names import unique
 
 
 def settings(delivery: str = "at_least_once", **overrides: Any) -> ChaosSettings:

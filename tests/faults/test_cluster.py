@@ -11,7 +11,7 @@ import pytest
 
 from tests.faults.cluster import KafkaCluster
 from tests.faults.scenario import Scenario, settings
-from tests.support import Services
+from tests.support.services import Services
 
 pytestmark = [pytest.mark.integration]
 

@@ -19,7 +19,8 @@ from harvester.postgres.deadline import tcp_settings
 from harvester.postgres.schema.identifiers import TableName
 from harvester.postgres.table.store import PostgresStore
 from tests.faults.proxy import Proxy
-from tests.support import ManualElector, Services
+from tests.support.harvesters import ManualElector
+from tests.support.services import Services
 
 pytestmark = [pytest.mark.integration]
 

@@ -13,7 +13,7 @@ from harvester import HarvesterConfig
 from tests.chaos.harness import delivery_modes
 from tests.faults.pgpair import PgPair
 from tests.faults.scenario import Scenario, settings
-from tests.support import Services
+from tests.support.services import Services
 
 pytestmark = [pytest.mark.integration]
 

@@ -18,7 +18,8 @@ from tests.faults.cluster import KafkaCluster
 from tests.faults.proxy import Mode, Proxy
 from tests.faults.scenario import Scenario, exit_counters, settings
 from tests.proc.processes import HarvesterProcess
-from tests.support import Services, consumed_headers
+from tests.support.kafka import consumed_headers
+from tests.support.services import Services
 
 pytestmark = [pytest.mark.integration]
 

@@ -11,7 +11,7 @@ import pytest
 from harvester.core.protocols import StoreUnreachableError
 from harvester.postgres.schema.identifiers import TableName
 from harvester.postgres.table.store import PostgresStore
-from tests.support import Services
+from tests.support.services import Services
 
 
 def terminate(dsn: str, pid: int) -> None:

@@ -20,7 +20,9 @@ from harvester.core.records import Failure
 from harvester.kafka.publisher import KafkaPublisher, producer_config
 from harvester.postgres.schema.identifiers import TableName
 from tests.engine.workload import insert, wait_until
-from tests.support import ManualElector, Services, read_messages
+from tests.support.harvesters import ManualElector
+from tests.support.kafka import read_messages
+from tests.support.services import Services
 
 pytestmark = pytest.mark.integration
 

@@ -20,7 +20,9 @@ from harvester.postgres.schema.identifiers import TableName
 from tests.chaos import audit
 from tests.engine.workload import check, insert, wait_drained, wait_until, writing
 from tests.proc.processes import HarvesterProcess, blocked_statement, harvester_spec
-from tests.support import Services, read_messages, unique
+from tests.support.kafka import read_messages
+from tests.support.names import unique
+from tests.support.services import Services
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -7,7 +7,9 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from examples.leader_demo import Competitor, DemoSettings
-from tests.support import Services, delete_topics, unique
+from tests.support.kafka import delete_topics
+from tests.support.names import unique
+from tests.support.services import Services
 
 Spawn = Callable[..., list[Competitor]]
 

@@ -19,7 +19,9 @@ from leader import (
     LeaderTopicError,
     NeliElector,
 )
-from tests.support import Services, delete_topics, unique
+from tests.support.kafka import delete_topics
+from tests.support.names import unique
+from tests.support.services import Services
 
 pytestmark = pytest.mark.integration
 

@@ -14,7 +14,7 @@ import pytest
 
 from examples.leader_demo import Competitor, DemoSettings, leaders, max_overlap, wait_new_leader, wait_single_leader
 from tests.leader.conftest import Spawn
-from tests.support import PrivateKafka
+from tests.support.private_services import PrivateKafka
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -20,7 +20,10 @@ from confluent_kafka import Consumer
 from confluent_kafka.admin import AdminClient
 
 from leader.members import group_members
-from tests.support import ROOT, PrivateKafka, create_topics, delete_topics, unique
+from tests.support.kafka import create_topics, delete_topics
+from tests.support.names import unique
+from tests.support.paths import ROOT
+from tests.support.private_services import PrivateKafka
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

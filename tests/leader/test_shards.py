@@ -18,7 +18,9 @@ from leader import (
     NeliElector,
 )
 from tests.leader.test_election import TIMING, Recorder
-from tests.support import Services, create_topics, delete_topics, unique
+from tests.support.kafka import create_topics, delete_topics
+from tests.support.names import unique
+from tests.support.services import Services
 
 pytestmark = pytest.mark.integration
 

@@ -23,7 +23,11 @@ from harvester import HarvesterConfig, Limits, MessageStasher, OutboxRecord
 from harvester.postgres.log import logical
 from harvester.postgres.schema.identifiers import TableName
 from harvester.postgres.schema.migrations import ensure, fence_table, migrate
-from tests.support import HarvesterFactory, PrivatePostgres, Services, free_ports, harvesters, unique
+from tests.support.harvesters import HarvesterFactory, harvesters
+from tests.support.names import unique
+from tests.support.ports import free_ports
+from tests.support.private_services import PrivatePostgres
+from tests.support.services import Services
 
 # The suite's PostgreSQL is a single server: a failover would lose a table-less outbox's records not
 # yet delivered, which a table-less harvester refuses unless told (docs/log-source.md#failover).

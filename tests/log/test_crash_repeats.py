@@ -17,7 +17,9 @@ from harvester.postgres.schema.identifiers import TableName
 from tests.engine.workload import check, insert, wait_until
 from tests.log.conftest import SINGLE_SERVER, stash
 from tests.proc.processes import HarvesterProcess, harvester_spec
-from tests.support import Services, consumed_headers, end_offsets, read_distinct, unique
+from tests.support.kafka import consumed_headers, end_offsets, read_distinct
+from tests.support.names import unique
+from tests.support.services import Services
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -25,7 +25,10 @@ from tests.deadletter.test_poison import FAST, dead_letters
 from tests.engine.workload import check, insert, wait_drained, wait_until
 from tests.log.conftest import slot_position
 from tests.log.test_log_source import COMMITTED, DELIVERY, at_or_after, lsn, mark_all
-from tests.support import HarvesterFactory, Services, read_messages, run_reaper, set_topic_config, text
+from tests.support.harvesters import HarvesterFactory
+from tests.support.kafka import read_messages, set_topic_config, text
+from tests.support.reaper import run_reaper
+from tests.support.services import Services
 
 pytestmark = pytest.mark.integration
 

@@ -26,7 +26,7 @@ from harvester.postgres.schema.migrations import migrate
 from harvester.postgres.table.store import PostgresStore
 from tests.log.conftest import drop_slot
 from tests.log.test_log_source import mark_all
-from tests.support import unique
+from tests.support.names import unique
 
 pytestmark = pytest.mark.integration
 

@@ -17,7 +17,11 @@ from harvester.postgres.schema.identifiers import TableName
 from harvester.postgres.schema.migrations import migrate
 from tests.engine.workload import check, insert, wait_until
 from tests.log.test_lost_slot import made, recoveries
-from tests.support import PrivatePostgres, Services, free_ports, read_messages, unique
+from tests.support.kafka import read_messages
+from tests.support.names import unique
+from tests.support.ports import free_ports
+from tests.support.private_services import PrivatePostgres
+from tests.support.services import Services
 
 pytestmark = pytest.mark.integration
 

@@ -25,7 +25,12 @@ from tests.engine.workload import wait_until
 from tests.log.conftest import stash
 from tests.reaper.test_e2e import wait_for
 from tests.reaper.test_http_port import Process
-from tests.support import HarvesterFactory, Services, delete_topics, free_ports, harvesters, run_reaper, unique
+from tests.support.harvesters import HarvesterFactory, harvesters
+from tests.support.kafka import delete_topics
+from tests.support.names import unique
+from tests.support.ports import free_ports
+from tests.support.reaper import run_reaper
+from tests.support.services import Services
 
 pytestmark = pytest.mark.integration
 

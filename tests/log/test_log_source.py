@@ -29,7 +29,10 @@ from tests.chaos import audit
 from tests.engine.workload import check, insert, wait_drained, wait_until, writing
 from tests.log.conftest import slot_position, stored_done
 from tests.proc.processes import HarvesterProcess, harvester_spec
-from tests.support import HarvesterFactory, Services, read_messages, unique
+from tests.support.harvesters import HarvesterFactory
+from tests.support.kafka import read_messages
+from tests.support.names import unique
+from tests.support.services import Services
 
 pytestmark = pytest.mark.integration
 

@@ -24,7 +24,9 @@ from harvester.postgres.schema.migrations import fence_table
 from tests.engine.workload import check, insert, wait_drained, wait_until, writing
 from tests.faults.proxy import Proxy
 from tests.log.conftest import SINGLE_SERVER, stash
-from tests.support import HarvesterFactory, Services, consumed_headers, harvesters, read_distinct, read_messages
+from tests.support.harvesters import HarvesterFactory, harvesters
+from tests.support.kafka import consumed_headers, read_distinct, read_messages
+from tests.support.services import Services
 
 pytestmark = pytest.mark.integration
 

@@ -27,7 +27,8 @@ from harvester.core.protocols import DeliveryReport
 from harvester.core.records import MarkedRecord
 from harvester.kafka.process_publisher import ProcessPublisher, runs_in_child
 from harvester.kafka.publisher import DeliveryError, KafkaPublisher, producer_config
-from tests.support import Services, read_messages, text
+from tests.support.kafka import read_messages, text
+from tests.support.services import Services
 
 Reports = queue.SimpleQueue[DeliveryReport]
 

@@ -19,7 +19,9 @@ from harvester import HarvesterConfig
 from harvester.postgres.schema.identifiers import TableName
 from tests.engine.workload import check, insert, wait_until
 from tests.log.test_lost_slot import made, past_dedup
-from tests.support import Services, read_distinct, unique
+from tests.support.kafka import read_distinct
+from tests.support.names import unique
+from tests.support.services import Services
 
 pytestmark = pytest.mark.integration
 

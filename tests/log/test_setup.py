@@ -16,7 +16,8 @@ from harvester import HarvesterConfig
 from harvester.daemon import logs
 from harvester.daemon.cli import main
 from harvester.postgres.schema.identifiers import TableName
-from tests.support import Services, unique
+from tests.support.names import unique
+from tests.support.services import Services
 
 pytestmark = pytest.mark.integration
 

@@ -26,7 +26,10 @@ from harvester.postgres.schema.identifiers import TableName
 from tests.engine.workload import check, insert, wait_drained, wait_until
 from tests.log.conftest import SINGLE_SERVER, slot_position, stash
 from tests.log.test_log_source import COMMITTED, DELIVERY, at_or_after, lsn, mark_all, slot_reader
-from tests.support import HarvesterFactory, Services, read_messages, streamed_transactions, streaming
+from tests.support.harvesters import HarvesterFactory
+from tests.support.kafka import read_messages
+from tests.support.postgres import streamed_transactions, streaming
+from tests.support.services import Services
 
 pytestmark = pytest.mark.integration
 
@@ -39,7 +42,7 @@ def slot_of(table: TableName) -> str:
 def leading_store(
     dsn: str, table: TableName, memory: int = 1 << 30, spill_directory: str | None = None
 ) -> tuple[LogStore, UUID]:
-    """A log store over ``table`` whose stream streams (see :func:`tests.support.streaming`), leading a
+    """A log store over ``table`` whose stream streams (see :func:`tests.support.postgres.streaming`), leading a
     term; past ``memory`` (its transactions' records together), a large one's further records are
     spilled (in ``spill_directory``)."""
     config = HarvesterConfig(outbox_table=table.qualified)

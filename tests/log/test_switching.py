@@ -19,7 +19,10 @@ from harvester.postgres.schema.identifiers import TableName
 from harvester.postgres.schema.migrations import migrate
 from tests.engine.workload import check, wait_drained, wait_until
 from tests.log.conftest import drop_slot
-from tests.support import Services, harvesters, read_messages, unique
+from tests.support.harvesters import harvesters
+from tests.support.kafka import read_messages
+from tests.support.names import unique
+from tests.support.services import Services
 
 pytestmark = pytest.mark.integration
 

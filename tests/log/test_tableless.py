@@ -34,7 +34,10 @@ from tests.engine.workload import check, wait_until
 from tests.log.conftest import SINGLE_SERVER, slot_position, stash, stored_done
 from tests.log.test_log_source import COMMITTED, DELIVERY, mark_all, slot_reader
 from tests.proc.processes import HarvesterProcess, harvester_spec
-from tests.support import HarvesterFactory, Services, harvesters, read_messages, unique
+from tests.support.harvesters import HarvesterFactory, harvesters
+from tests.support.kafka import read_messages
+from tests.support.names import unique
+from tests.support.services import Services
 
 pytestmark = pytest.mark.integration
 

@@ -19,7 +19,9 @@ from pathlib import Path
 import pytest
 
 from tests.reaper.test_packaging import PROJECT
-from tests.support import ROOT, Services, session_wheel
+from tests.support.paths import ROOT
+from tests.support.services import Services
+from tests.support.wheel import session_wheel
 
 # The Pythons the wheel is run on besides the suite's own (3.11): pyproject.toml's classifiers name these.
 TESTED_PYTHONS = ("3.12", "3.13")

@@ -13,7 +13,7 @@ from typing import Any
 import psycopg
 
 from harvester.postgres.schema.identifiers import TableName
-from tests.support import ROOT
+from tests.support.paths import ROOT
 
 # run_harvester's exit code when PostgreSQL or Kafka refused its start (printed as ``start_refused``).
 START_REFUSED = 3

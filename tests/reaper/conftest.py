@@ -11,7 +11,8 @@ import pytest
 from psycopg.conninfo import make_conninfo
 
 from harvester.daemon import logs
-from tests.support import PrivatePostgres, free_ports
+from tests.support.ports import free_ports
+from tests.support.private_services import PrivatePostgres
 
 
 @pytest.fixture(autouse=True)

@@ -13,7 +13,9 @@ from psycopg import sql
 
 from harvester.daemon.cli import main
 from harvester.postgres.schema.identifiers import TableName
-from tests.support import Services, create_goharvest_outbox, unique
+from tests.support.names import unique
+from tests.support.postgres import create_goharvest_outbox
+from tests.support.services import Services
 
 REAPER = str(Path(sys.executable).parent / "reaper")
 PG_SECRET = "Pg-Cli-S3cret"

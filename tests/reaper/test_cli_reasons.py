@@ -23,17 +23,13 @@ from harvester import migrate
 from harvester.daemon.outboxes import start_error
 from harvester.kafka.topics import KafkaUnreachableError, ensure_checkpoints
 from harvester.postgres.schema.identifiers import TableName
-from tests.support import (
-    REAPER,
-    ROOT,
-    PrivatePostgres,
-    Services,
-    delete_topics,
-    free_ports,
-    reaper_environment,
-    run_reaper,
-    unique,
-)
+from tests.support.kafka import delete_topics
+from tests.support.names import unique
+from tests.support.paths import ROOT
+from tests.support.ports import free_ports
+from tests.support.private_services import PrivatePostgres
+from tests.support.reaper import REAPER, reaper_environment, run_reaper
+from tests.support.services import Services
 
 pytestmark = pytest.mark.integration
 

@@ -13,7 +13,7 @@ import yaml
 from harvester import __version__
 from harvester.daemon.loading import load
 from harvester.daemon.settings import ReaperSettings
-from tests.support import ROOT
+from tests.support.paths import ROOT
 
 pytestmark = pytest.mark.unit
 

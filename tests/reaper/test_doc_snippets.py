@@ -17,7 +17,7 @@ import yaml
 
 from harvester.daemon.loading import load
 from harvester.daemon.settings import SettingsError
-from tests.support import ROOT
+from tests.support.paths import ROOT
 
 pytestmark = pytest.mark.unit
 

@@ -19,7 +19,8 @@ from psycopg import sql
 
 from harvester.daemon.cli import main
 from tests.reaper.test_doc_snippets import DOCS
-from tests.support import ROOT, Services
+from tests.support.paths import ROOT
+from tests.support.services import Services
 
 BLOCK = re.compile(r"^```sql\n(.*?)^```", re.DOTALL | re.MULTILINE)
 NOT_RUN = re.compile(r"-- not run: \S")

@@ -24,7 +24,7 @@ from harvester import __version__
 from harvester.daemon.http import HttpServer
 from harvester.daemon.settings import HttpSettings
 from tests.reaper.test_packaging import PROJECT, linked_file, urls
-from tests.support import ROOT
+from tests.support.paths import ROOT
 
 DOCKERFILE = ROOT / "Dockerfile"
 LOCK = ROOT / "requirements.lock"  # the runtime dependencies

@@ -15,7 +15,7 @@ from pydantic import AliasChoices, BaseModel
 from harvester.core.metrics import HarvesterMetrics
 from harvester.daemon.environment import iter_env_names
 from harvester.daemon.settings import ReaperSettings
-from tests.support import ROOT
+from tests.support.paths import ROOT
 
 pytestmark = pytest.mark.unit
 

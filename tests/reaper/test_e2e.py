@@ -22,7 +22,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from psycopg import sql
 
 from harvester.postgres.schema.identifiers import TableName
-from tests.support import Services, delete_topics, read_messages, unique
+from tests.support.kafka import delete_topics, read_messages
+from tests.support.names import unique
+from tests.support.services import Services
 
 pytestmark = pytest.mark.integration
 

@@ -22,16 +22,11 @@ from harvester.daemon.loading import load
 from harvester.daemon.settings import DEFAULT_HTTP_PORT
 from harvester.postgres.schema.identifiers import TableName
 from tests.reaper.test_e2e import insert, outbox_count, wait_for
-from tests.support import (
-    REAPER,
-    ROOT,
-    Services,
-    delete_topics,
-    read_messages,
-    reaper_environment,
-    run_reaper,
-    unique,
-)
+from tests.support.kafka import delete_topics, read_messages
+from tests.support.names import unique
+from tests.support.paths import ROOT
+from tests.support.reaper import REAPER, reaper_environment, run_reaper
+from tests.support.services import Services
 
 STAY_UP = 15.0  # seconds every reaper must keep running
 

@@ -20,7 +20,11 @@ from psycopg import sql
 from harvester.postgres.schema.identifiers import TableName
 from tests.reaper.test_e2e import outbox_count, wait_for
 from tests.reaper.test_http_port import Process, goharvest_yaml
-from tests.support import ROOT, Services, delete_topics, run_reaper, unique
+from tests.support.kafka import delete_topics
+from tests.support.names import unique
+from tests.support.paths import ROOT
+from tests.support.reaper import run_reaper
+from tests.support.services import Services
 
 DASHBOARD = ROOT / "deploy" / "grafana" / "reaper-dashboard.json"
 RULES = ROOT / "deploy" / "prometheus" / "reaper-alerts.yaml"

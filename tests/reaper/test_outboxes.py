@@ -19,7 +19,9 @@ from psycopg import sql
 from harvester.postgres.schema.identifiers import TableName
 from harvester.postgres.schema.migrations import dead_letter_table, fence_table
 from tests.reaper.test_e2e import REAPER, Reaper, insert, outbox_count, wait_for
-from tests.support import Services, create_topics, delete_topics, read_messages, unique
+from tests.support.kafka import create_topics, delete_topics, read_messages
+from tests.support.names import unique
+from tests.support.services import Services
 
 pytestmark = pytest.mark.integration
 

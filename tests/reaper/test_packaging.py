@@ -3,7 +3,7 @@
 URLs and ``reaper --help``'s links on files of the repository. The wheel on each Python it claims:
 tests/packaging/test_pythons.py.
 
-The wheel is built from a copy of the checkout, once per test session (``tests.support.session_wheel``).
+The wheel is built from a copy of the checkout, once per test session (``tests.support.wheel.session_wheel``).
 """
 
 from __future__ import annotations
@@ -32,7 +32,9 @@ from harvester.daemon import cli
 from harvester.postgres.schema.identifiers import TableName
 from harvester.postgres.schema.migrations import applied
 from tests.reaper.test_docs import anchors
-from tests.support import ROOT, Services, session_wheel
+from tests.support.paths import ROOT
+from tests.support.services import Services
+from tests.support.wheel import session_wheel
 
 # sha256 of https://www.apache.org/licenses/LICENSE-2.0.txt (also Debian's /usr/share/common-licenses/Apache-2.0).
 APACHE_2_0_SHA256 = "cfc7749b96f63bd31c3c42b5c471bf756814053e847c10f3eb003417bc523d30"

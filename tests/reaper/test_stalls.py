@@ -28,7 +28,12 @@ from harvester.postgres.schema.identifiers import TableName
 from tests.reaper.test_cli_reasons import error_lines
 from tests.reaper.test_e2e import outbox_count, wait_for
 from tests.reaper.test_http_port import Process
-from tests.support import PrivateKafka, PrivatePostgres, Services, create_topics, free_ports, run_reaper, unique
+from tests.support.kafka import create_topics
+from tests.support.names import unique
+from tests.support.ports import free_ports
+from tests.support.private_services import PrivateKafka, PrivatePostgres
+from tests.support.reaper import run_reaper
+from tests.support.services import Services
 
 pytestmark = pytest.mark.integration
 

@@ -19,18 +19,16 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from harvester.daemon.status import Heartbeat, Member, Status, Term
+from harvester.daemon.status_report import Heartbeat, Member, Status, Term
 from harvester.postgres.schema.identifiers import TableName
 from harvester.postgres.schema.migrations import dead_letter_table
 from tests.reaper.test_e2e import insert, wait_for
 from tests.reaper.test_http_port import Process, goharvest_yaml
-from tests.support import (
-    Services,
-    create_goharvest_outbox,
-    delete_topics,
-    run_reaper,
-    unique,
-)
+from tests.support.kafka import delete_topics
+from tests.support.names import unique
+from tests.support.postgres import create_goharvest_outbox
+from tests.support.reaper import run_reaper
+from tests.support.services import Services
 
 
 def status(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -222,15 +220,15 @@ def test_a_leader_without_recent_heartbeats_is_flagged(age: float, warned: bool)
 @pytest.mark.unit
 def test_a_group_lookup_that_aborts_is_a_one_line_failure(monkeypatch: pytest.MonkeyPatch) -> None:
     # librdkafka can abort the process during a broker restart: only the lookup's child dies.
-    from harvester.daemon import status as module
+    from harvester.daemon import status_kafka
     from harvester.daemon.errors import FailError
 
-    monkeypatch.setattr(module, "_lookup_group", lambda settings, timeout: os.abort())
+    monkeypatch.setattr(status_kafka, "_lookup_group", lambda settings, timeout: os.abort())
     settings = SimpleNamespace(harvest=SimpleNamespace(group_id="g"))
     with pytest.raises(
         FailError, match=r"^Kafka: the lookup of group g ended without an answer: it was killed by signal 6"
     ) as failed:
-        module._group(settings, 5.0)  # type: ignore[arg-type]
+        status_kafka.leader_group(settings, 5.0)  # type: ignore[arg-type]
     assert failed.value.code == 1  # a runtime failure: try again
 
 

@@ -23,7 +23,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from harvester.postgres.schema.identifiers import TableName
 from tests.engine.workload import check
 from tests.reaper.test_e2e import REAPER, free_port, outbox_count, wait_for
-from tests.support import Services, create_topics, delete_topics, read_messages, unique
+from tests.support.kafka import create_topics, delete_topics, read_messages
+from tests.support.names import unique
+from tests.support.services import Services
 
 pytestmark = pytest.mark.integration
 

@@ -4,6 +4,7 @@ principal with a SCRAM password and exactly the ACLs the test names, and the rea
 
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
 from collections.abc import Iterable
@@ -15,7 +16,7 @@ import psycopg
 import yaml
 
 # confluent_kafka.admin imports these from its submodules without re-exporting them explicitly (as
-# tests/support.py's set_topic_config says).
+# tests/support/kafka.py's set_topic_config says).
 from confluent_kafka.admin import (  # type: ignore[attr-defined]
     AclBinding,
     AclOperation,
@@ -30,7 +31,10 @@ from confluent_kafka.admin import (  # type: ignore[attr-defined]
 from confluent_kafka.cimpl import NewTopic
 from psycopg import sql
 
-from tests.support import REAPER, ROOT, SERVICES, reaper_environment, run_reaper, unique
+from tests.support.names import unique
+from tests.support.paths import ROOT, SERVICES
+from tests.support.private_services import QUICK_JVM
+from tests.support.reaper import REAPER, reaper_environment, run_reaper
 
 PG_PORT = 5442
 KAFKA_PORT = 9192
@@ -40,7 +44,13 @@ PASSWORD = "rt-secret-pw"  # the runtime role's and principal's; the tests look 
 
 
 def start() -> None:
-    subprocess.run(["bash", str(SERVICES), "start-secure"], check=True, stdout=subprocess.DEVNULL)
+    """Start them, or find them running: under a lock, since both test workers may ask at once (the
+    Spark group's secure test runs beside tests/secure)."""
+    STATE.parent.mkdir(parents=True, exist_ok=True)
+    with (STATE.parent / "secure-start.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
+        env = {**os.environ, "KAFKA_JVM_OPTIONS": QUICK_JVM}
+        subprocess.run(["bash", str(SERVICES), "start-secure"], check=True, stdout=subprocess.DEVNULL, env=env)
 
 
 def pg_dsn(user: str = "harvester", password: str = "local-dev-secret", **extra: str) -> str:

@@ -12,7 +12,8 @@ import pytest
 from confluent_kafka.admin import AclOperation, ResourceType  # type: ignore[attr-defined]
 
 from tests.secure import services as s
-from tests.support import read_messages, run_reaper, text
+from tests.support.kafka import read_messages, text
+from tests.support.reaper import run_reaper
 
 
 def acls(group: str, topic: str, exactly_once: bool) -> list[s.Acl]:

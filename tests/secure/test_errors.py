@@ -15,7 +15,8 @@ from psycopg import sql
 
 from tests.secure import services as s
 from tests.secure.test_drain import acls
-from tests.support import run_reaper, unique
+from tests.support.names import unique
+from tests.support.reaper import run_reaper
 
 
 @pytest.fixture(scope="module")

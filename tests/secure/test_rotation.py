@@ -19,7 +19,7 @@ from psycopg import sql
 
 from tests.secure import services as s
 from tests.secure.test_drain import acls, drained
-from tests.support import read_messages, text
+from tests.support.kafka import read_messages, text
 
 NEW_PASSWORD = "rt-rotated-pw"  # looked for in every log line too
 

@@ -19,7 +19,9 @@ from harvester.core.shards import shard_of
 from harvester.postgres.schema.identifiers import TableName
 from harvester.postgres.schema.migrations import fence_table
 from tests.engine.workload import check, wait_drained, wait_until, write_concurrently
-from tests.support import Services, consumed_headers, delete_topics, read_messages, unique
+from tests.support.kafka import consumed_headers, delete_topics, read_messages
+from tests.support.names import unique
+from tests.support.services import Services
 
 pytestmark = pytest.mark.integration
 

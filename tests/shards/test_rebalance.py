@@ -28,15 +28,11 @@ from harvester.postgres.schema.migrations import fence_table
 from tests.chaos import audit
 from tests.engine.workload import check, wait_drained, wait_until
 from tests.proc.processes import HarvesterProcess, harvester_spec
-from tests.support import (
-    ROOT,
-    Services,
-    consumed_headers,
-    create_goharvest_outbox,
-    delete_topics,
-    read_messages,
-    unique,
-)
+from tests.support.kafka import consumed_headers, delete_topics, read_messages
+from tests.support.names import unique
+from tests.support.paths import ROOT
+from tests.support.postgres import create_goharvest_outbox
+from tests.support.services import Services
 
 pytestmark = pytest.mark.integration
 

@@ -22,7 +22,9 @@ from harvester.postgres.schema.migrations import Migration, available, ensure, e
 from harvester.postgres.schema.sharding import shard_expression, shard_index
 from harvester.postgres.table.statements import id_array
 from tests.engine.workload import insert
-from tests.support import ROOT, Services, create_goharvest_outbox
+from tests.support.paths import ROOT
+from tests.support.postgres import create_goharvest_outbox
+from tests.support.services import Services
 
 pytestmark = pytest.mark.integration
 

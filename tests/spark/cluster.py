@@ -25,6 +25,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pyspark
+from pyspark.sql import SparkSession
+
+from examples.spark_pipeline import KAFKA_PACKAGE
+from harvester.spark import register
+from tests.support.private_services import QUICK_JVM
 
 SPARK_HOME = Path(pyspark.__file__).resolve().parent
 # Port layout from the base: master, its UI, then per worker its port and UI; the submitted
@@ -36,9 +41,7 @@ DEFAULT_BASE_PORT = 17070
 # cluster) takes one executor of EXECUTOR_CORES on each worker, so the workers offer room for three.
 EXECUTOR_CORES, APP_CORES, EXECUTOR_MEMORY, DAEMON_MEMORY, CONNECT_MEMORY = 2, 4, "512m", "256m", "768m"
 WORKER_CORES, WORKER_MEMORY = 3 * EXECUTOR_CORES, "2g"
-# Every JVM here runs seconds of work: the C1 compiler alone and the serial collector start them far
-# cheaper than the defaults (C2 and parallel GC threads), which matters on two shared cores.
-JAVA_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
+JAVA_OPTIONS = QUICK_JVM  # every JVM here runs seconds of work
 # A Python worker or a data source's Python runner that has not connected back to its JVM within
 # Spark's 15 s fails the query (CANNOT_OPEN_SOCKET), which a load average of 30 on two cores causes.
 PYTHON_PATIENCE = ("spark.python.authenticate.socketTimeout", "120s")
@@ -222,6 +225,31 @@ class StandaloneCluster:
             "spark.driver.memory": "512m",
             "spark.sql.shuffle.partitions": "4",
         }
+
+
+def local_session(app: str) -> SparkSession:
+    """The tests' one local-mode session (``getOrCreate``: tests/spark's and tests/spark_drain's
+    fixtures share it, whichever runs first makes it): ``local[2,2]``, two cores and a failed task
+    retried once (local mode's default is never), which the failure-injection tests rely on; Spark's
+    Kafka connector (resolved from Maven Central, as users do) for the example pipeline and the drain
+    through Spark's Kafka sink; the ``outbox`` data source registered."""
+    os.environ["PYSPARK_PYTHON"] = sys.executable  # Python workers import harvester, psycopg, pyarrow
+    session = (
+        SparkSession.builder.master("local[2,2]")
+        .appName(app)
+        .config("spark.ui.enabled", "false")
+        .config("spark.sql.shuffle.partitions", "2")
+        .config("spark.default.parallelism", "2")
+        .config("spark.sql.streaming.stopTimeout", "10s")
+        .config("spark.driver.memory", "1g")
+        .config("spark.driver.extraJavaOptions", JAVA_OPTIONS)
+        .config(*PYTHON_PATIENCE)
+        .config("spark.jars.packages", KAFKA_PACKAGE)
+        .getOrCreate()
+    )
+    session.sparkContext.setLogLevel("ERROR")
+    register(session)
+    return session
 
 
 def app_conf(port: int) -> dict[str, str]:

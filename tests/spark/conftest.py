@@ -4,9 +4,7 @@ shipped to them."""
 
 from __future__ import annotations
 
-import os
 import shutil
-import sys
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,43 +13,26 @@ import pytest
 from pyspark import cloudpickle
 from pyspark.sql import SparkSession
 
-from examples.spark_pipeline import KAFKA_PACKAGE
 from harvester.postgres.schema.identifiers import TableName
-from harvester.spark import register
 from tests.spark import faults
 from tests.spark.cluster import (
-    PYTHON_PATIENCE,
     ConnectServer,
     StandaloneCluster,
     bare_environment,
     base_port,
+    local_session,
     packed_environment,
 )
 from tests.spark.drivers import SharedDriver
-from tests.support import ROOT, Services, build_wheel
+from tests.support.paths import ROOT
+from tests.support.services import Services
+from tests.support.wheel import build_wheel
 
 
 @pytest.fixture(scope="session")
 def spark() -> Iterator[SparkSession]:
-    """``local[2,2]``: two cores, and a failed task is retried once (local mode's default is never),
-    which the failure-injection tests rely on."""
-    # Python workers must run this interpreter, which has harvester, psycopg and pyarrow.
-    os.environ["PYSPARK_PYTHON"] = sys.executable
-    session = (
-        SparkSession.builder.master("local[2,2]")
-        .appName("harvester-tests")
-        .config("spark.ui.enabled", "false")
-        .config("spark.sql.shuffle.partitions", "2")
-        .config("spark.default.parallelism", "2")
-        .config("spark.sql.streaming.stopTimeout", "10s")
-        .config("spark.driver.memory", "1g")
-        .config(*PYTHON_PATIENCE)
-        # The example pipeline's Kafka source; loaded here so that its test shares this session.
-        .config("spark.jars.packages", KAFKA_PACKAGE)
-        .getOrCreate()
-    )
-    session.sparkContext.setLogLevel("ERROR")
-    register(session)
+    """:func:`local_session`, and the fault-injecting source."""
+    session = local_session("harvester-tests")
     # Ship the fault-injecting source by value: Python workers need not find the tests package.
     cloudpickle.register_pickle_by_value(faults)  # type: ignore[no-untyped-call]
     session.dataSource.register(faults.FaultyOutbox)

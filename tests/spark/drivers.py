@@ -12,7 +12,7 @@ from typing import Any
 
 from examples.spark_pipeline import KAFKA_PACKAGE
 from tests.spark.cluster import StandaloneCluster, kill_tree, spark_submit
-from tests.support import unique
+from tests.support.names import unique
 
 JOB = Path(__file__).with_name("cluster_job.py")
 DRIVER_SECONDS = 480.0

@@ -23,17 +23,10 @@ from tests.spark.drivers import LOST_ROWS, Driver, SharedDriver
 from tests.spark.test_batch import leftovers, records, wait_for_stragglers
 from tests.spark.test_stream import PER_FILE, write_inputs
 from tests.spark_drain.conftest import deduplicated, preload, remaining
-from tests.support import (
-    Services,
-    consumed_headers,
-    create_topics,
-    delete_topics,
-    end_offsets,
-    read_messages,
-    run_reaper,
-    text,
-    unique,
-)
+from tests.support.kafka import consumed_headers, create_topics, delete_topics, end_offsets, read_messages, text
+from tests.support.names import unique
+from tests.support.reaper import run_reaper
+from tests.support.services import Services
 
 # Every driver and server is a JVM of its own: minutes on a loaded two-core machine.
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]

@@ -24,7 +24,9 @@ from tests.spark.jobs import harvester_file, numbered, run_stream
 from tests.spark.test_batch import leftovers, records
 from tests.spark.test_stream import PER_FILE, write_inputs
 from tests.spark_drain.conftest import preload, remaining
-from tests.support import Services, end_offsets, read_messages, text, unique
+from tests.support.kafka import end_offsets, read_messages, text
+from tests.support.names import unique
+from tests.support.services import Services
 
 # Every driver and server is a JVM of its own: minutes on a loaded two-core machine.
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]

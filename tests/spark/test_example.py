@@ -13,7 +13,9 @@ from psycopg import sql
 from pyspark.sql import SparkSession
 
 from examples.spark_pipeline import order, parse_args, run
-from tests.support import Services, delete_topics, read_messages, unique
+from tests.support.kafka import delete_topics, read_messages
+from tests.support.names import unique
+from tests.support.services import Services
 
 pytestmark = pytest.mark.integration
 

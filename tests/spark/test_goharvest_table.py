@@ -17,7 +17,9 @@ from pyspark.sql import SparkSession
 from harvester.postgres.schema.identifiers import TableName
 from tests.spark.jobs import run_stream
 from tests.spark.test_batch import leftovers
-from tests.support import Services, create_goharvest_outbox, unique
+from tests.support.names import unique
+from tests.support.postgres import create_goharvest_outbox
+from tests.support.services import Services
 
 pytestmark = pytest.mark.integration
 

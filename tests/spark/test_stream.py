@@ -14,7 +14,7 @@ from harvester.postgres.schema.identifiers import TableName
 from harvester.spark.store import SinkTables
 from tests.spark.jobs import run_stream
 from tests.spark.test_batch import leftovers, records
-from tests.support import unique
+from tests.support.names import unique
 
 pytestmark = pytest.mark.integration
 

@@ -3,8 +3,6 @@ the drain tests share: a preloaded outbox, and a query that drains it into Kafka
 
 from __future__ import annotations
 
-import os
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -15,35 +13,19 @@ from confluent_kafka import TopicPartition
 from psycopg import sql
 from pyspark.sql import DataFrame, SparkSession
 
-from examples.spark_pipeline import KAFKA_PACKAGE
 from harvester.client.dedup import DedupReader
 from harvester.core.identity import Identity
 from harvester.postgres.schema.identifiers import TableName
-from harvester.spark import register
 from tests.dedup.kafka import consumer, ends, read_to
-from tests.spark.cluster import PYTHON_PATIENCE
-from tests.support import Services, consumed_headers
+from tests.spark.cluster import local_session
+from tests.support.kafka import consumed_headers
+from tests.support.services import Services
 
 
 @pytest.fixture(scope="session")
 def spark() -> Iterator[SparkSession]:
-    """``local[2,2]`` with Spark's Kafka sink (resolved from Maven Central by ``spark.jars.packages``):
-    the master of tests/spark's session too, as whichever of the two fixtures runs first makes the
-    process's one session (``getOrCreate``), and tests/spark's retried-task tests need the retry."""
-    os.environ["PYSPARK_PYTHON"] = sys.executable  # Python workers import harvester and psycopg
-    session = (
-        SparkSession.builder.master("local[2,2]")
-        .appName("harvester-drain-tests")
-        .config("spark.ui.enabled", "false")
-        .config("spark.sql.shuffle.partitions", "2")
-        .config("spark.sql.streaming.stopTimeout", "10s")
-        .config("spark.driver.memory", "1g")
-        .config(*PYTHON_PATIENCE)
-        .config("spark.jars.packages", KAFKA_PACKAGE)
-        .getOrCreate()
-    )
-    session.sparkContext.setLogLevel("ERROR")
-    register(session)
+    """:func:`local_session`."""
+    session = local_session("harvester-drain-tests")
     yield session
     session.stop()
 

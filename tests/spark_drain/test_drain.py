@@ -21,7 +21,9 @@ from harvester.postgres.schema.identifiers import TableName
 from harvester.postgres.schema.migrations import dead_letter_table
 from harvester.spark.drain.kafka_sink import ACCEPT_OPTION, KafkaPartitionError
 from tests.spark_drain.conftest import Drain, deduplicated, preload, remaining, to_kafka
-from tests.support import Services, consumed_headers, delete_topics, read_messages, text, unique
+from tests.support.kafka import consumed_headers, delete_topics, read_messages, text
+from tests.support.names import unique
+from tests.support.services import Services
 
 pytestmark = pytest.mark.integration
 

@@ -25,7 +25,9 @@ from harvester.core.identity import Identity
 from harvester.postgres.schema.identifiers import TableName
 from tests.engine.workload import wait_until
 from tests.spark_drain.conftest import Drain, deduplicated, preload, remaining
-from tests.support import ROOT, Services, consumed_headers, end_offsets, read_messages, text
+from tests.support.kafka import consumed_headers, end_offsets, read_messages, text
+from tests.support.paths import ROOT
+from tests.support.services import Services
 
 pytestmark = pytest.mark.integration
 

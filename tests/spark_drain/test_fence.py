@@ -18,7 +18,7 @@ from harvester.postgres.schema.migrations import dead_letter_table
 from harvester.postgres.table.rows import malformed
 from harvester.spark.drain import DrainConfigError, DrainOptions, OutboxStreamReader
 from tests.spark_drain.conftest import preload, remaining
-from tests.support import Services
+from tests.support.services import Services
 
 pytestmark = pytest.mark.integration
 

@@ -24,7 +24,9 @@ from harvester.postgres.schema.identifiers import TableName
 from tests.engine.test_late_commit import Topic
 from tests.engine.workload import check, insert, wait_drained, wait_until
 from tests.spark_drain.conftest import Drain
-from tests.support import HarvesterFactory, Services, consumed_headers, reader
+from tests.support.harvesters import HarvesterFactory
+from tests.support.kafka import consumed_headers, reader
+from tests.support.services import Services
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]  # the first test in a worker starts the session
 

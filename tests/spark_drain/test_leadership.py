@@ -22,7 +22,9 @@ from tests.engine.workload import check, wait_drained, wait_until
 from tests.proc.processes import HarvesterProcess, harvester_spec
 from tests.shards.test_rebalance import leading
 from tests.spark_drain.conftest import Drain
-from tests.support import Services, consumed_headers, delete_topics, read_messages, unique
+from tests.support.kafka import consumed_headers, delete_topics, read_messages
+from tests.support.names import unique
+from tests.support.services import Services
 
 pytestmark = pytest.mark.integration
 

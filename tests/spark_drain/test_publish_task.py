@@ -9,7 +9,9 @@ from collections.abc import Callable
 import pytest
 
 from harvester.spark.publish.task import Record, publish
-from tests.support import Services, read_messages, text, unique
+from tests.support.kafka import read_messages, text
+from tests.support.names import unique
+from tests.support.services import Services
 
 pytestmark = pytest.mark.integration
 

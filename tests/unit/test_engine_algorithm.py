@@ -19,7 +19,7 @@ from harvester.core.identity import KEY_RUN
 from harvester.core.metrics import HarvesterMetrics
 from harvester.core.protocols import DeliveryCallback, StoreError
 from harvester.core.records import Failure, MarkedRecord
-from tests.support import ManualElector
+from tests.support.harvesters import ManualElector
 
 pytestmark = pytest.mark.unit
 

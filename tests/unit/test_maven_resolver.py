@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import ROOT
+from tests.support.paths import ROOT
 
 MAVEN = ROOT / "deploy" / "local" / "maven.py"
 CACHE = Path(

@@ -11,7 +11,7 @@ import pytest
 
 from harvester import Harvester, HarvesterConfig
 from harvester.postgres.log.spill import Spill, spill_directory
-from tests.support import ManualElector
+from tests.support.harvesters import ManualElector
 
 pytestmark = pytest.mark.unit
 

@@ -1,5 +1,5 @@
-"""The Spark sink and drain through the secure services, in a local-mode session: a writer role made
-of ``reaper grants --spark-sink`` writes a DataFrame into the outbox with ``format("outbox")``, and
+"""The Spark sink and drain through the secure services, in the Spark tests' local-mode session: a
+writer role made of ``reaper grants --spark-sink`` writes a DataFrame into the outbox with ``format("outbox")``, and
 ``readStream.format("outbox")`` into ``writeStream.format("outbox-publish")`` drains it as the
 reaper's least-privileged role and principal: the CA, the SCRAM credentials and the TLS settings go
 in the options (``dsn`` and ``kafka.*``), as docs/spark.md says. A writer role short of a grant is
@@ -7,10 +7,7 @@ refused before a row moves, in one line naming the GRANT."""
 
 from __future__ import annotations
 
-import os
 import re
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import psycopg
@@ -18,11 +15,11 @@ import pytest
 from psycopg import sql
 from pyspark.sql import SparkSession
 
-from harvester.spark import register
 from tests.secure import services as s
 from tests.secure.test_drain import acls
-from tests.spark.cluster import PYTHON_PATIENCE
-from tests.support import read_messages, run_reaper, text, unique
+from tests.support.kafka import read_messages, text
+from tests.support.names import unique
+from tests.support.reaper import run_reaper
 
 
 def writer(config: Path) -> str:
@@ -37,34 +34,13 @@ def writer(config: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def spark(secure: None) -> Iterator[SparkSession]:
-    """One local-mode session for the module: its JVM and Python workers take minutes on a loaded machine."""
-    os.environ["PYSPARK_PYTHON"] = sys.executable  # Python workers import harvester and psycopg
-    session = (
-        SparkSession.builder.master("local[2]")
-        .appName("harvester-secure")
-        .config("spark.ui.enabled", "false")
-        .config("spark.sql.shuffle.partitions", "2")
-        .config("spark.driver.memory", "1g")
-        .config(*PYTHON_PATIENCE)
-        .getOrCreate()
-    )
-    try:
-        session.sparkContext.setLogLevel("ERROR")
-        register(session)
-        yield session
-    finally:
-        session.stop()
-
-
-@pytest.fixture(scope="module")
 def made(secure: None, tmp_path_factory: pytest.TempPathFactory) -> tuple[s.Outbox, Path]:
     """An outbox migrated by its owner, and the reaper file its grants are printed from."""
     where = tmp_path_factory.mktemp("spark")
     return s.outbox(where, {}), where / "grants.yaml"
 
 
-@pytest.mark.timeout(900)  # a JVM and Python workers: minutes on a loaded machine (11 at load average 50)
+@pytest.mark.timeout(900)  # with the session's start, when this file runs alone
 def test_spark_writes_and_drains_least_privileged(
     spark: SparkSession, made: tuple[s.Outbox, Path], tmp_path: Path
 ) -> None:
@@ -112,7 +88,7 @@ def test_spark_writes_and_drains_least_privileged(
         assert letters.fetchone() == (0,)
 
 
-@pytest.mark.timeout(900)  # the session, when this test runs first
+@pytest.mark.timeout(900)  # with the session's start, when this file runs alone
 def test_a_writer_short_of_a_grant_is_refused_in_one_line_naming_it(
     spark: SparkSession, made: tuple[s.Outbox, Path]
 ) -> None:
