@@ -29,10 +29,10 @@ from harvester.core.meter import HeadGauges
 from harvester.core.metrics import HarvesterMetrics
 from harvester.core.protocols import BatchScope, DeliveryCallback, Elector, Publisher, SourceGauges
 from harvester.event_router import EventRouter
-from harvester.kafka.process_publisher import ProcessPublisher, runs_in_child
-from harvester.kafka.publisher import KafkaPublisher, producer_config
+from harvester.kafka.process_publisher import PlacingProcessPublisher, ProcessPublisher, runs_in_child
+from harvester.kafka.publisher import KafkaPublisher, PlacingPublisher, producer_config
 from harvester.kafka.topics import ensure_checkpoints
-from harvester.kafka.transactions import KafkaTransactionalPublisher
+from harvester.kafka.transactions import KafkaTransactionalPublisher, PlacingTransactionalPublisher
 from harvester.postgres.log.decoding import TableInserts
 from harvester.postgres.log.deletes import Deletes
 from harvester.postgres.log.event_router_layout import RouterInserts
@@ -169,25 +169,45 @@ def dispatcher(config: HarvesterConfig, store: PostgresStore, shard: int) -> Dis
             ensure_checkpoints(config.base_kafka_config, config.checkpoints, config.shards)
             # One shard keeps the group's transactional id of before sharding; several fence per shard.
             transactional_id = f"{config.group_id}.harvester" + (f".{shard}" if config.shards > 1 else "")
-            transactions = KafkaTransactionalPublisher(kafka, transactional_id, config.checkpoints, shard)
+            transactional = PlacingTransactionalPublisher if places(config) else KafkaTransactionalPublisher
+            transactions = transactional(kafka, transactional_id, config.checkpoints, shard)
             return exactly_once(store, transactions)
         case "at_least_once":
 
             def factory(callback: DeliveryCallback) -> Publisher:
-                return publisher(kafka, callback, in_order=store.release_on_ack, in_child=config.producer_process)
+                return publisher(
+                    kafka,
+                    callback,
+                    in_order=store.release_on_ack,
+                    in_child=config.producer_process,
+                    placing=places(config),
+                )
 
             return at_least_once(store, factory)
 
 
 def publisher(
-    kafka: Mapping[str, Any], callback: DeliveryCallback, *, in_order: bool, in_child: bool = True
+    kafka: Mapping[str, Any],
+    callback: DeliveryCallback,
+    *,
+    in_order: bool,
+    in_child: bool = True,
+    placing: bool = False,
 ) -> Publisher:
     """The at-least-once publisher: one that keeps order where the store releases a key at its
     acknowledgement (the log source), and then, with ``in_child``, its producer in a child process.
-    The log source's drain is bound by the harvester's interpreter; mark-purge's, by its database."""
+    The log source's drain is bound by the harvester's interpreter; mark-purge's, by its database.
+    With ``placing``, one that gives records their own timestamps and partitions (:func:`places`)."""
     if in_order and in_child and runs_in_child(kafka):
-        return ProcessPublisher(kafka, callback, in_order=True)
-    return KafkaPublisher(kafka, callback, in_order=in_order)
+        return (PlacingProcessPublisher if placing else ProcessPublisher)(kafka, callback, in_order=True)
+    return (PlacingPublisher if placing else KafkaPublisher)(kafka, callback, in_order=in_order)
+
+
+def places(config: HarvesterConfig) -> bool:
+    """Whether the outbox's records may have timestamps or partitions of their own (Debezium's layout
+    with ``table.field.event.timestamp`` or a ``partition`` placement): only then are the placing
+    publishers, which read them, used."""
+    return config.event_router is not None and config.event_router.places
 
 
 def tracing() -> dict[str, BatchScope]:

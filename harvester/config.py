@@ -201,8 +201,15 @@ class HarvesterConfig(BaseModel):
             if self.event_router is not None:
                 raise ValueError("eventRouter needs layout 'debezium'")
             return self
-        if self.source != "log" or self.log_messages:
-            raise ValueError("layout 'debezium' is read by source 'log' over its table (mark_purge cannot read it yet)")
+        if self.source != "log":
+            # Mark-purge hands a key's rows out in the order of their sequence ids; the layout's id is
+            # a UUID, so only the log, in commit order, knows a key's order.
+            raise ValueError(
+                "layout 'debezium' is read by source 'log': mark_purge orders a key's rows by a sequence id,"
+                " which Debezium's table does not have (its id is a UUID)"
+            )
+        if self.log_messages:
+            raise ValueError("layout 'debezium' is a table: it cannot be read with logMessages (a table-less outbox)")
         return self
 
     @model_validator(mode="before")

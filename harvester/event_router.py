@@ -8,12 +8,13 @@ rewritten by ``route.topic.regex`` and ``route.topic.replacement`` when the rege
 (Kafka Connect's ``RegexRouter``), the key is the ``table.field.event.key`` column, the value the
 ``table.field.event.payload`` column (a tombstone for an empty one with
 ``route.tombstone.on.empty.payload``), and the headers are ``id`` (the ``table.field.event.id``
-column) then each ``table.fields.additional.placement`` column placed as a header, in that order.
-Only inserts are records: a delete (the framework extensions delete the row in the transaction that
-inserted it) is none.
+column) then each ``table.fields.additional.placement`` column placed as a header, in that order. A
+column placed as the partition (an integer column; the last such placement) is the record's
+partition, and the ``table.field.event.timestamp`` column its timestamp. Only inserts are records: a
+delete (the framework extensions delete the row in the transaction that inserted it) is none.
 
-Options whose output this project does not reproduce (an envelope, an expanded JSON payload, a
-partition taken from a column) are refused, one line each (:class:`EventRouterError`).
+Options whose output this project does not reproduce (an envelope, an expanded JSON payload) are
+refused, one line each (:class:`EventRouterError`).
 """
 
 from __future__ import annotations
@@ -47,10 +48,22 @@ class EventRouterError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class Placement:
-    """One ``table.fields.additional.placement`` entry placed as a header."""
+    """One ``table.fields.additional.placement`` entry: a column placed as a header (named ``header``)
+    or as the partition."""
 
     column: str
     header: str
+    kind: Literal["header", "partition"] = "header"
+
+
+# Why an envelope placement is refused: EventRouter then makes the value a Connect struct of the
+# payload and the placed columns, which StringConverter writes as Struct{payload=...} (Java's
+# toString, not a format a consumer parses) and ByteArrayConverter refuses; a consumer reads one only
+# through a JSON or Avro converter, whose output this project does not reproduce.
+_ENVELOPE = (
+    "an envelope makes the value a Connect struct, which only a JSON or Avro converter writes as"
+    " consumers read it (not reproduced: place the column as a header)"
+)
 
 
 class EventRouter(BaseModel):
@@ -105,16 +118,30 @@ class EventRouter(BaseModel):
     @property
     def headers(self) -> tuple[Placement, ...]:
         """The additional columns placed as headers, in their order."""
-        return parse_placements(self.additional_placement)
+        return tuple(p for p in parse_placements(self.additional_placement) if p.kind == "header")
+
+    @property
+    def partition(self) -> str | None:
+        """The column placed as the partition: the last such placement, as EventRouter sets each in turn."""
+        partitions = [p.column for p in parse_placements(self.additional_placement) if p.kind == "partition"]
+        return partitions[-1] if partitions else None
 
     @property
     def columns(self) -> tuple[str, ...]:
-        """Every column a record is made of: id, key, payload, routing, timestamp, header columns."""
+        """The columns a record is made of that the table must have: id, key, payload, routing,
+        timestamp, and the placed columns unless ``table.fields.additional.error.on.missing`` is
+        false (EventRouter then skips a placement whose column is absent)."""
         named = [self.event_id, self.event_key, self.event_payload, self.route_by_field]
         if self.event_timestamp:
             named.append(self.event_timestamp)
-        named += [p.column for p in self.headers]
+        if self.additional_error_on_missing:
+            named += [p.column for p in parse_placements(self.additional_placement)]
         return tuple(dict.fromkeys(named))
+
+    @property
+    def places(self) -> bool:
+        """Whether records get a timestamp or a partition of their own."""
+        return self.event_timestamp is not None or self.partition is not None
 
     def router(self) -> Router:
         """The topic router of these options."""
@@ -123,7 +150,7 @@ class EventRouter(BaseModel):
 
 
 def parse_placements(value: str) -> tuple[Placement, ...]:
-    """``table.fields.additional.placement``: ``column:header[:alias]`` entries, comma-separated."""
+    """``table.fields.additional.placement``: ``column:placement[:alias]`` entries, comma-separated."""
     out: list[Placement] = []
     for entry in (e.strip() for e in value.split(",")):
         if not entry:
@@ -132,9 +159,12 @@ def parse_placements(value: str) -> tuple[Placement, ...]:
         if len(parts) not in (2, 3) or not parts[0]:
             raise ValueError(f"entry {entry!r}: use column:placement[:alias]")
         placement = parts[1].strip().lower()
-        if placement != "header":
-            raise ValueError(f"entry {entry!r}: placement {placement!r} is not supported (only header)")
-        out.append(Placement(parts[0], parts[2] if len(parts) == 3 else parts[0]))
+        if placement == "envelope":
+            raise ValueError(f"entry {entry!r}: {_ENVELOPE}")
+        if placement not in ("header", "partition"):
+            raise ValueError(f"entry {entry!r}: placement {placement!r} is not one of header, partition, envelope")
+        kind: Literal["header", "partition"] = "header" if placement == "header" else "partition"
+        out.append(Placement(parts[0], parts[2] if len(parts) == 3 else parts[0], kind))
     return tuple(out)
 
 

@@ -156,3 +156,23 @@ class Failure:
     error: str
     attempts: int
     first_failure: datetime | None
+
+
+@dataclass(slots=True)
+class PlacedRecord(MarkedRecord):
+    """A record with a Kafka timestamp or partition of its own, as Debezium's ``EventRouter`` takes
+    them from columns (``table.field.event.timestamp``, a ``partition`` placement). Only the layouts
+    that place records make these, and only the placing publishers read the fields, so no other
+    record costs anything more.
+
+    ``timestamp`` is in milliseconds since the epoch, 0 leaving it to the producer (its clock);
+    ``partition`` -1 leaves it to the partitioner.
+    """
+
+    timestamp: int = 0
+    partition: int = -1
+
+
+def placement(record: MarkedRecord) -> tuple[int, int]:
+    """A record's own timestamp and partition, (0, -1) for one not placed (:class:`PlacedRecord`)."""
+    return (record.timestamp, record.partition) if isinstance(record, PlacedRecord) else (0, -1)

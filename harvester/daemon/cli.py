@@ -225,7 +225,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             section = dlq.section(settings, args.outbox)
             with connect_pg(section, 10) as conn:
                 held = section.harvest.dead_letter_policy == "hold_key"
-                return dlq.run(args, conn, section.harvest.table, held_keys=held, prefix=section.harvest.prefix)
+                routed = section.harvest.event_router is not None
+                table, prefix = section.harvest.table, section.harvest.prefix
+                return dlq.run(args, conn, table, held_keys=held, prefix=prefix, routed=routed)
         from harvester.daemon import workers
         from harvester.daemon.run import run
 

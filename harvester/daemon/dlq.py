@@ -143,13 +143,27 @@ def _require_tables(conn: psycopg.Connection[Any], table: TableName, action: str
 
 
 def run(
-    args: argparse.Namespace, conn: psycopg.Connection[Any], table: TableName, *, held_keys: bool, prefix: str | None
+    args: argparse.Namespace,
+    conn: psycopg.Connection[Any],
+    table: TableName,
+    *,
+    held_keys: bool,
+    prefix: str | None,
+    routed: bool = False,
 ) -> int:
     """Carry out one ``dlq`` action; return the exit code. ``prefix``: a table-less outbox's, whose
-    dead letters are replayed as logical messages."""
+    dead letters are replayed as logical messages. ``routed``: the outbox is Debezium's layout, whose
+    records are made of rows by EventRouter's routing, so a record cannot be written back as a row."""
     if args.dlq_command == "replay" and bool(args.ids) == args.all:
         print("reaper dlq replay: error: give record ids or --all (not both)", file=sys.stderr)
         return 2
+    if args.dlq_command == "replay" and routed:
+        raise FailError(
+            f"{table} is Debezium's layout (layout: debezium): a dead letter keeps the record's topic, not"
+            " the route.by.field value it was routed from, so it cannot be written back as a row;"
+            " the application inserts the event again, and 'reaper dlq purge' drops the dead letter",
+            code=2,
+        )
     _require_tables(conn, table, args.dlq_command, prefix is not None)
     if args.dlq_command == "list":
         rows = deadletter.list_dead_letters(conn, table, args.limit)

@@ -8,8 +8,8 @@ the fence row shown is the latest term of any shard, and every shard must have a
 The outbox itself gives the backlog (an exact count) and the oldest record's age, which is the lag
 (the age of the oldest record committed and not acknowledged by Kafka) where a row leaves the table
 once acknowledged; the leaders' heartbeats give the records in flight and, for the log source
-without per-batch deletes (the table-less outbox, the retention window), the lag their meter
-sampled. The dead-letter table gives the dead letters waiting. With the log source,
+without per-batch deletes (the table-less outbox, the retention window, Debezium's layout), the lag
+their meter sampled. The dead-letter table gives the dead letters waiting. With the log source,
 ``pg_replication_slots`` gives the slot's lag and the WAL it retains.
 
 The report, as text or JSON, is :mod:`.status_report`'s; :mod:`.status_kafka` reads the group and
@@ -72,8 +72,9 @@ def _report(settings: ReaperSettings, timeout: float) -> tuple[Status, bool]:
     led = {s for m in members for s in m.shards}
     reported = [b.in_flight for shard, b in beats.items() if shard in led and b.in_flight is not None]
     lag: float | None = oldest or 0.0
-    if settings.harvest.log_messages or settings.harvest.log_retention:
-        # The table, if any, keeps delivered rows: what is not done is in the leader's memory.
+    if settings.harvest.log_messages or settings.harvest.log_retention or settings.harvest.event_router:
+        # The table, if any, keeps delivered rows (Debezium's layout: rows that stay, or none at all):
+        # what is not done is in the leader's memory.
         lags = [b.lag_seconds for shard, b in beats.items() if shard in led and b.lag_seconds is not None]
         lag = max(lags) if lags else None
     report = Status(

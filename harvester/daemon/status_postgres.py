@@ -32,6 +32,9 @@ def outbox_state(
             ).fetchone()
             has_outbox, has_fence, has_dead = found if found else (False, False, False)
             tableless = settings.harvest.log_messages  # the backlog is in the slot's lag then
+            # Debezium's layout: a table, but its rows say nothing of the backlog (deleted as they are
+            # inserted, or kept as Debezium keeps them); the slot's lag does.
+            rowless = tableless or settings.harvest.event_router is not None
             if not has_outbox and not tableless:
                 raise FailError(
                     f"harvest.outboxTable: outbox table {table} does not exist (run 'reaper migrate')", code=1
@@ -51,7 +54,7 @@ def outbox_state(
                         leader_id=str(row[0]) if row[0] else None, epoch=int(row[1]), since=row[2].astimezone(UTC)
                     )
             counts: Any = (0, None)
-            if not tableless:
+            if not rowless:
                 counts = conn.execute(
                     sql.SQL(
                         "SELECT count(*),"

@@ -13,8 +13,25 @@ from confluent_kafka import KafkaError, KafkaException, Message, Producer
 _FULL_WAIT = 0.005  # seconds between tries while librdkafka's local queue is full
 
 
+class Placing:
+    """A producer whose ``produce`` gives one record's timestamp (milliseconds since the epoch; 0: the
+    producer's clock) and partition (-1: the partitioner's), for the records a layout places
+    (:class:`harvester.core.records.PlacedRecord`); the other records go to the producer itself,
+    with nothing more per record."""
+
+    __slots__ = ("_partition", "_producer", "_timestamp")
+
+    def __init__(self, producer: Producer, timestamp: int, partition: int) -> None:
+        self._producer = producer
+        self._timestamp = timestamp
+        self._partition = partition
+
+    def produce(self, topic: str, **kwargs: Any) -> None:
+        self._producer.produce(topic, timestamp=self._timestamp, partition=self._partition, **kwargs)
+
+
 def enqueue(
-    producer: Producer,
+    producer: Producer | Placing,
     topic: str,
     key: str,
     value: bytes | None,

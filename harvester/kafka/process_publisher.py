@@ -40,7 +40,7 @@ from confluent_kafka import KafkaError, KafkaException
 
 from harvester.core.identity import Stamp
 from harvester.core.protocols import DeliveryCallback, RefusedError
-from harvester.core.records import MarkedRecord
+from harvester.core.records import MarkedRecord, placement
 from harvester.kafka.frames import receive, send
 from harvester.kafka.publisher import DeliveryError, delivery_settings, refusal
 
@@ -53,8 +53,12 @@ _EXITED = "the producer process exited"
 _BLOCKED = "an earlier record of its key failed with a producer process that exited"
 # Beyond the flush's timeout, how long a close waits for the child to report and exit.
 _CLOSE_MARGIN = 10.0
-# One record as it crosses the pipe: (number, topic, key, value, own headers, id, identity stamp).
-_Outgoing = tuple[int, str, str, bytes | None, Any, int, Stamp | None]
+# One record as it crosses the pipe: (number, topic, key, value, own headers, id, identity stamp), and
+# for a placing publisher its timestamp and partition.
+_Outgoing = (
+    tuple[int, str, str, bytes | None, Any, int, Stamp | None]
+    | tuple[int, str, str, bytes | None, Any, int, Stamp | None, int, int]
+)
 
 
 def runs_in_child(config: Mapping[str, Any]) -> bool:
@@ -74,6 +78,10 @@ class _Child:
 
 class ProcessPublisher:
     """:class:`harvester.core.protocols.Publisher` whose producer runs in a child process."""
+
+    # Whether records may be placed (timestamps, partitions of their own): the child then reads frames
+    # with two more fields.
+    _placing = False
 
     def __init__(self, config: Mapping[str, Any], on_delivery: DeliveryCallback, *, in_order: bool = False) -> None:
         """Start the child and its producer; raises ``KafkaException`` when the producer's settings
@@ -166,7 +174,7 @@ class ProcessPublisher:
                 os.close(up_write)
         child = _Child(process, os.fdopen(down_write, "wb"), os.fdopen(up_read, "rb"), generation)
         try:
-            send(child.writer, (self._settings, self._logger is not None, self._error_cb is not None))
+            send(child.writer, (self._settings, self._logger is not None, self._error_cb is not None, self._placing))
             started = _answer(child)
         except OSError as exc:
             started = (KafkaError._FAIL, f"the producer process exited at start: {exc}")
@@ -267,6 +275,44 @@ class ProcessPublisher:
             # Reported under the lock: a record of their keys published meanwhile fails after them.
             for record in left:
                 self._on_delivery((record, DeliveryError(KafkaError(KafkaError._FAIL, reason))))
+
+
+class PlacingProcessPublisher(ProcessPublisher):
+    """A :class:`ProcessPublisher` of records that may have a timestamp or partition of their own
+    (:class:`~harvester.core.records.PlacedRecord`): a publish of its own, so that
+    :class:`ProcessPublisher`'s does no more per record for the layouts that place none."""
+
+    _placing = True
+
+    def publish(self, record: MarkedRecord) -> None:
+        """:meth:`ProcessPublisher.publish`, the record's timestamp and partition in its frame."""
+        if self._refused is not None:
+            raise self._refused
+        timestamp, partition = placement(record)
+        with self._lock:
+            if self._blocked and record.key in self._blocked:
+                if record.id > self._blocked[record.key]:
+                    self._on_delivery((record, DeliveryError(KafkaError(KafkaError._FAIL, _BLOCKED))))
+                    return
+                del self._blocked[record.key]
+            seq = self._next
+            self._next = seq + 1
+            self._pending[seq] = record
+            if not self._outgoing:
+                self._wake.set()
+            self._outgoing.append(
+                (
+                    seq,
+                    record.topic,
+                    record.key,
+                    record.value,
+                    record.headers,
+                    record.id,
+                    record.stamp,
+                    timestamp,
+                    partition,
+                )
+            )
 
 
 def _close(child: _Child) -> None:

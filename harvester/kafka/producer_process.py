@@ -3,8 +3,10 @@ confluent-kafka producer fed by frames from the harvester, its delivery reports 
 
 ``python -m harvester.kafka.producer_process IN OUT``: reads frames from file descriptor ``IN`` and
 writes them to ``OUT`` (:mod:`harvester.kafka.frames`). In: first ``(settings, forward_logs,
-forward_errors)``, then batches ``[(seq, topic, key, value, headers, id, stamp), ...]`` (the child
-appends the identity headers of ``stamp``, a :class:`harvester.core.identity.Stamp` or None), then
+forward_errors, placing)``, then batches ``[(seq, topic, key, value, headers, id, stamp), ...]`` (the
+child appends the identity headers of ``stamp``, a :class:`harvester.core.identity.Stamp` or None;
+with ``placing``, each tuple ends with the record's timestamp in milliseconds, 0 for now, and its
+partition, -1 for the partitioner's), then
 ``("close", timeout)``. Out: first ``"ready"`` once the producer exists or ``(code, reason)`` when it
 could not be made, then reports ``(acked seqs, [(seq, code, reason)], [(level, text)], [(code,
 reason, fatal)], [(code, reason)])``, the last the producer's fatal error once it has one (Kafka refused
@@ -31,7 +33,7 @@ from typing import Any, BinaryIO
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
 from harvester.core.identity import Stamp
-from harvester.kafka.enqueue import enqueue
+from harvester.kafka.enqueue import Placing, enqueue
 from harvester.kafka.frames import receive, send
 from harvester.runtime import tune_garbage_collector
 
@@ -118,6 +120,33 @@ class _Relay:
         if error is not None:
             self._fail(seq, error)
 
+    def produce_placed(
+        self,
+        seq: int,
+        topic: str,
+        key: str,
+        value: bytes | None,
+        headers: Any,
+        rid: int,
+        stamp: Stamp | None,
+        timestamp: int,
+        partition: int,
+    ) -> None:
+        """:meth:`produce`, at the record's timestamp, on its partition (a placing publisher's frames)."""
+        if stamp is not None:
+            headers = [*headers, *stamp.headers(rid)]
+
+        def delivered(err: KafkaError | None, _msg: Message) -> None:
+            if err is None:
+                self._acked.append(seq)
+            else:
+                self._fail(seq, err)
+
+        placing = Placing(self.producer, timestamp, partition)
+        error = enqueue(placing, topic, key, value, headers, delivered, self._exit_if_orphaned)
+        if error is not None:
+            self._fail(seq, error)
+
     def _exit_if_orphaned(self) -> None:
         """While the queue is full: a harvester that died is not waited for (its pipe's end is not
         read now)."""
@@ -152,7 +181,7 @@ def main(argv: list[str]) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     inbound = os.fdopen(int(argv[1]), "rb")
     out = os.fdopen(int(argv[2]), "wb")
-    settings, forward_logs, forward_errors = receive(inbound)
+    settings, forward_logs, forward_errors, placing = receive(inbound)
     try:
         relay = _Relay(out, settings, forward_logs, forward_errors)
     except KafkaException as exc:
@@ -163,12 +192,13 @@ def main(argv: list[str]) -> None:
     tune_garbage_collector()
     send(out, "ready")
     relay.start()
+    produce = relay.produce_placed if placing else relay.produce
     while (frame := receive(inbound)) is not None:
         if isinstance(frame, tuple):
             relay.close(frame[1])
             return
         for record in frame:
-            relay.produce(*record)
+            produce(*record)
     os._exit(0)  # the harvester is gone: drop the producer's queue without waiting for it
 
 

@@ -15,8 +15,8 @@ from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
 from harvester.core.failures import PublishError
 from harvester.core.protocols import DeliveryCallback, RefusedError
-from harvester.core.records import MarkedRecord
-from harvester.kafka.enqueue import enqueue
+from harvester.core.records import MarkedRecord, placement
+from harvester.kafka.enqueue import Placing, enqueue
 
 # Errors that concern the record itself, so that publishing it again cannot succeed (too large,
 # invalid, unknown or forbidden topic); every other error is waited out.
@@ -31,6 +31,7 @@ _PERMANENT_NAMES = (
     "POLICY_VIOLATION",
     "UNSUPPORTED_FOR_MESSAGE_FORMAT",
     "_INVALID_ARG",
+    "_UNKNOWN_PARTITION",  # a partition the topic does not have, which only a record's own placement names
     "_BAD_MSG",
 )
 PERMANENT_CODES = frozenset(getattr(KafkaError, n) for n in _PERMANENT_NAMES if hasattr(KafkaError, n))
@@ -172,3 +173,25 @@ class KafkaPublisher:
             self._producer.flush(0)
         self._closing.set()
         self._poller.join()
+
+
+class PlacingPublisher(KafkaPublisher):
+    """A :class:`KafkaPublisher` of records that may have a timestamp or partition of their own
+    (:class:`~harvester.core.records.PlacedRecord`): a publish of its own, so that
+    :class:`KafkaPublisher`'s does no more per record for the layouts that place none."""
+
+    def publish(self, record: MarkedRecord) -> None:
+        """:meth:`KafkaPublisher.publish`, with the record's timestamp and partition."""
+        if self._refused is not None:
+            raise self._refused
+        callback = self._on_delivery
+
+        def report(err: KafkaError | None, _msg: Message) -> None:
+            refused = self._refused
+            failed = None if err is None else (refused or DeliveryError(err, record.topic))
+            callback((record, failed))
+
+        placing = Placing(self._producer, *placement(record))
+        error = enqueue(placing, record.topic, record.key, record.value, record.kafka_headers(), report)
+        if error is not None:
+            callback((record, DeliveryError(error, record.topic)))

@@ -22,7 +22,7 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 
 from harvester.core.protocols import ProducerFencedError, RefusedError, TransactionAbortedError
-from harvester.core.records import MarkedRecord
+from harvester.core.records import MarkedRecord, placement
 from harvester.kafka.publisher import DeliveryError
 
 
@@ -154,6 +154,32 @@ class KafkaTransactionalPublisher:
         if producer is not None and not fenced:
             with contextlib.suppress(KafkaException):
                 producer.flush(timeout)
+
+
+class PlacingTransactionalPublisher(KafkaTransactionalPublisher):
+    """A :class:`KafkaTransactionalPublisher` of records that may have a timestamp or partition of their own
+    (:class:`~harvester.core.records.PlacedRecord`): a produce of its own, so that the base class's
+    does no more per record for the layouts that place none."""
+
+    def _produce(self, producer: Producer, record: MarkedRecord) -> None:
+        def report(err: KafkaError | None, _msg: Message) -> None:
+            if err is not None:
+                self._failures[record.id] = DeliveryError(err, record.topic)
+
+        timestamp, partition = placement(record)
+        try:
+            producer.produce(
+                record.topic,
+                value=record.value,
+                key=record.key.encode(),
+                headers=record.kafka_headers(),
+                timestamp=timestamp,
+                partition=partition,
+                on_delivery=report,
+            )
+        except KafkaException as exc:
+            self._failures[record.id] = DeliveryError(exc.args[0], record.topic)
+            raise
 
 
 def read_checkpoints(

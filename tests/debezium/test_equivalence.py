@@ -4,8 +4,9 @@ as headers, NULL payloads and header values, rows deleted in the transaction tha
 transaction rolled back) drained once by Debezium 3.3.2 in Kafka Connect 4.1.1 standalone
 (bench/debezium_connect.py, as bench/peers.py runs it; the jars from Maven Central on first use) and
 once by the reaper, each into topics of its own, give equal records: topic (but for each relay's
-prefix), partition, key, value and EventRouter's headers (the reaper's identity headers after them),
-in the same order per key."""
+prefix), partition (by key, or a column placed as the partition), key, value, EventRouter's headers
+(the reaper's identity headers after them) and timestamp (``table.field.event.timestamp``), in the
+same order per key."""
 
 from __future__ import annotations
 
@@ -49,6 +50,7 @@ DDL = """CREATE TABLE {} (
   aggregate_id VARCHAR(255) NOT NULL,
   event_type VARCHAR(255) NOT NULL,
   tenant TEXT,
+  shard INTEGER,
   payload JSONB,
   created_at TIMESTAMP NOT NULL DEFAULT now()
 )"""
@@ -61,7 +63,8 @@ def event_router(replacement: str) -> dict[str, str]:
         "table.field.event.payload": "payload",
         "route.by.field": "aggregate_type",
         "route.topic.replacement": replacement,
-        "table.fields.additional.placement": "event_type:header:eventType,tenant:header",
+        "table.fields.additional.placement": "event_type:header:eventType,tenant:header,shard:partition",
+        "table.field.event.timestamp": "created_at",
     }
 
 
@@ -77,13 +80,14 @@ def connect(tmp_path_factory: pytest.TempPathFactory, services: Services) -> Ite
         worker.stop()
 
 
-Row = tuple[str, str, str, str | None, str | None]  # aggregate type, key, event type, tenant, payload
+# aggregate type, key, event type, tenant, shard (the partition placed), payload
+Row = tuple[str, str, str, str | None, int | None, str | None]
 
 
 def write(conn: psycopg.Connection[Any], table: TableName) -> int:
     """The transactions of the test, committed or not; the number of rows committed."""
-    columns = "event_id, aggregate_type, aggregate_id, event_type, tenant, payload"
-    insert = sql.SQL("INSERT INTO {} (" + columns + ") VALUES (%s, %s, %s, %s, %s, %s)").format(table.ident)
+    columns = "event_id, aggregate_type, aggregate_id, event_type, tenant, shard, payload"
+    insert = sql.SQL("INSERT INTO {} (" + columns + ") VALUES (%s, %s, %s, %s, %s, %s, %s)").format(table.ident)
 
     def txn(rows: Sequence[Row], *, delete: bool = False, commit: bool = True) -> int:
         with conn.transaction(force_rollback=not commit), conn.cursor() as cur:
@@ -96,20 +100,27 @@ def write(conn: psycopg.Connection[Any], table: TableName) -> int:
     def payload(i: int) -> str:
         return f'{{"n": {i}, "items": [1, 2], "note": "caf\\u00e9 {i}"}}'
 
-    committed = txn([(AGGREGATES[i % 3], f"k{i % 4}", "Created", "acme", payload(i)) for i in range(6)])  # rows stay
-    committed += txn([(AGGREGATES[i % 3], f"k{i % 5}", "Updated", "acme", payload(i)) for i in range(5)], delete=True)
-    committed += txn([("Order", "k1", "Deleted", None, None), ("Customer", "k9", "Deleted", "", None)])  # NULLs
-    committed += txn([("Order", "k1", "Lost", "acme", payload(99))] * 3, commit=False)  # rolled back
-    runs = [(AGGREGATES[i % 3], f"k{i % 3}", "Seq", "acme", payload(100 + i)) for i in range(30)]
+    def shard(i: int) -> int | None:  # a partition of the row's own for some, the key's for the others
+        return (i * 3) % PARTITIONS if i % 2 else None
+
+    committed = txn([(AGGREGATES[i % 3], f"k{i % 4}", "Created", "acme", shard(i), payload(i)) for i in range(6)])
+    committed += txn(
+        [(AGGREGATES[i % 3], f"k{i % 5}", "Updated", "acme", shard(i), payload(i)) for i in range(5)], delete=True
+    )
+    committed += txn([("Order", "k1", "Deleted", None, None, None), ("Customer", "k9", "Deleted", "", 2, None)])
+    committed += txn([("Order", "k1", "Lost", "acme", None, payload(99))] * 3, commit=False)  # rolled back
+    runs = [(AGGREGATES[i % 3], f"k{i % 3}", "Seq", "acme", None, payload(100 + i)) for i in range(30)]
     committed += txn(runs, delete=True)  # a run of each key, for their order
     return committed
 
 
-Compared = tuple[str, int, bytes | None, list[tuple[str, bytes | None]]]  # topic, partition, value, headers
+# topic, partition, value, headers, (timestamp type, timestamp)
+Compared = tuple[str, int, bytes | None, list[tuple[str, bytes | None]], tuple[int, int]]
 
 
 def by_key(messages: list[Message], prefix: str, identity: bool) -> dict[bytes | None, list[Compared]]:
-    """Each key's records in their order (one partition per key), the relay's topic prefix cut."""
+    """Each key's records in their order (a partition's, then the next's: a placed partition takes a
+    record from its key's), the relay's topic prefix cut."""
     out: dict[bytes | None, list[Compared]] = defaultdict(list)
     for m in sorted(messages, key=lambda m: (m.topic(), m.partition(), m.offset())):
         topic = str(m.topic())
@@ -119,7 +130,7 @@ def by_key(messages: list[Message], prefix: str, identity: bool) -> dict[bytes |
         if identity:  # EventRouter's, then the reaper's identity headers
             assert names[-3:] == ["outbox-id", "outbox-epoch", "outbox-producer"], names
             headers = headers[:-3]
-        out[m.key()].append((topic[len(prefix) :], int(m.partition() or 0), m.value(), headers))
+        out[m.key()].append((topic[len(prefix) :], int(m.partition() or 0), m.value(), headers, m.timestamp()))
     return out
 
 
@@ -177,6 +188,9 @@ def test_the_reaper_publishes_what_debeziums_event_router_publishes(
     expected = by_key(debezium, dbz, identity=False)
     assert by_key(reaper, rpr, identity=True) == expected
     # The comparison covers what it is meant to: keys spread over partitions, a NULL payload and header.
-    assert len({p for records in expected.values() for _, p, _, _ in records}) > 1
-    assert any(v is None for records in expected.values() for _, _, v, _ in records)
-    assert any(h == ("tenant", None) for records in expected.values() for *_, hs in records for h in hs)
+    assert len({p for records in expected.values() for _, p, *_ in records}) > 1
+    assert any(v is None for records in expected.values() for _, _, v, *_ in records)
+    assert any(h == ("tenant", None) for records in expected.values() for *_, hs, _ in records for h in hs)
+    # A record on a partition of its own, beside its key's (the timestamps are the rows', as they are
+    # equal: a relay's own would differ).
+    assert any(len({p for _, p, *_ in records}) > 1 for records in expected.values())

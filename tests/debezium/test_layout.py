@@ -2,19 +2,26 @@
 both delivery modes: rows deleted in the transaction that inserted them are published and nothing
 is deleted for them; rows that stay are deleted in bulk by the retention window (at least once) or
 left (exactly once, no window); a bytea payload goes out as its bytes; a row with a NULL key is a
-dead letter and its key's other rows go on."""
+dead letter (which ``reaper dlq replay`` refuses to write back as a row) and its key's other rows go
+on. With ``table.field.event.timestamp`` and a ``partition`` placement, each record's Kafka timestamp
+and partition are those columns' (each publisher), a NULL leaving them to the producer, a negative
+partition or one the topic lacks a dead letter."""
 
 from __future__ import annotations
 
 import json
+import time
+from datetime import UTC, datetime
 from pathlib import Path
 
 import psycopg
 import pytest
+from confluent_kafka import TIMESTAMP_CREATE_TIME
 from psycopg import sql
 
 from harvester import HarvesterConfig
-from harvester.postgres.schema.migrations import dead_letter_table
+from harvester.postgres.log import logical
+from harvester.postgres.schema.migrations import dead_letter_table, ensure
 from tests.engine.workload import wait_until
 from tests.log.conftest import (
     drop_slot,
@@ -100,6 +107,11 @@ def test_insert_then_delete_and_rows_that_stay(
                 assert ("traceparent", TRACEPARENT.encode()) in (consumed_headers(traced) or [])
                 dead = sql.SQL("SELECT kafka_value FROM {}").format(dead_letter_table(config.table).ident)
                 assert wait_until(lambda: conn.execute(dead).fetchall() == [(b"no key",)])
+                if delivery == "exactly_once":  # once: replay is refused in one line, the dead letter kept
+                    replay = run_reaper("dlq", "replay", "--all", "--yes", "-f", str(tmp_path / "reaper.yaml"))
+                    assert replay.returncode == 2 and "cannot be written back as a row" in replay.stderr
+                    assert len(replay.stderr.splitlines()) == 1, replay.stderr
+                    assert conn.execute(dead).fetchall() == [(b"no key",)]
                 left = sql.SQL("SELECT count(*) FROM {}").format(config.table.ident)
                 if delivery == "at_least_once":  # the window deletes the rows that stayed, the dead letter's too
                     assert wait_until(lambda: conn.execute(left).fetchone() == (0,), timeout=60)
@@ -110,3 +122,74 @@ def test_insert_then_delete_and_rows_that_stay(
             conn.execute(sql.SQL("DROP PUBLICATION IF EXISTS {}").format(sql.Identifier(config.publication)))
             conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
             delete_topics(services.bootstrap, [f"{schema}.Order"])
+
+
+# Each publisher that gives records their timestamps: the producer process's, the in-process one's,
+# the transactional one's.
+PUBLISHERS = pytest.mark.parametrize(
+    "delivery,in_child", [("at_least_once", True), ("at_least_once", False), ("exactly_once", True)]
+)
+
+
+@PUBLISHERS
+def test_timestamp_and_partition_columns_place_the_records(
+    services: Services,
+    logical_dsn: str,  # noqa: F811 (the fixture)
+    delivery: str,
+    in_child: bool,
+) -> None:
+    schema = unique("dbzts")
+    config = HarvesterConfig.model_validate(
+        {
+            "dataSource": logical_dsn,
+            "outboxTable": f"{schema}.outboxevent",
+            "source": "log",
+            "layout": "debezium",
+            "delivery": delivery,
+            "producerProcess": in_child,
+            "eventRouter": {
+                "route.topic.replacement": schema,
+                "table.field.event.timestamp": "occurred",
+                "table.fields.additional.placement": "shard:partition",
+            },
+            "baseKafkaConfig": {"bootstrap.servers": services.bootstrap},
+        }
+    )
+    times = [datetime(2026, 11, 28, 4, 0, 0, 123456 + i, tzinfo=UTC) for i in range(3)]
+    before = int(time.time() * 1000)
+    create_topics(services.bootstrap, [schema], 3)
+    with psycopg.connect(logical_dsn, autocommit=True) as conn:
+        try:
+            conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(schema)))
+            columns = (
+                "id UUID PRIMARY KEY, aggregatetype TEXT, aggregateid TEXT, payload TEXT, occurred TIMESTAMP, shard INT"
+            )
+            conn.execute(sql.SQL("CREATE TABLE {} (" + columns + ")").format(config.table.ident))
+            ensure(conn, config.table, "fence")
+            ensure(conn, config.table, "dead_letter", value_type="BYTEA")
+            logical.create(conn, config.log_setup)
+            insert = sql.SQL(
+                "INSERT INTO {} VALUES (gen_random_uuid(), 'Order', 'k', %s, %s::timestamptz AT TIME ZONE 'UTC', %s)"
+            ).format(config.table.ident)
+            rows = [*((f"v{i}", t, 2 - i) for i, t in enumerate(times)), ("none", None, None), ("neg", times[0], -1)]
+            rows.append(("far", times[0], 3))  # a partition the topic lacks: Kafka refuses it for good
+            with conn.transaction(), conn.cursor() as cur:
+                cur.executemany(insert, rows)
+            with harvesters(lambda: config) as make:
+                make()
+                messages = read_messages(services.bootstrap, [schema], 4, **COMMITTED)
+                dead = sql.SQL("SELECT kafka_value FROM {} ORDER BY 1").format(dead_letter_table(config.table).ident)
+                assert wait_until(lambda: conn.execute(dead).fetchall() == [(b"far",), (b"neg",)])
+        finally:
+            drop_slot(conn, config.slot)
+            conn.execute(sql.SQL("DROP PUBLICATION IF EXISTS {}").format(sql.Identifier(config.publication)))
+            conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
+            delete_topics(services.bootstrap, [schema])
+    stamps = {m.value(): m.timestamp() for m in messages}
+    # The column's time in milliseconds, its microseconds cut (EventRouter's MicroTimestamp / 1000).
+    expected = int(times[0].timestamp()) * 1000 + 123
+    assert [stamps[f"v{i}".encode()] for i in range(3)] == [(TIMESTAMP_CREATE_TIME, expected)] * 3
+    kind, produced = stamps[b"none"]  # a NULL: the producer's clock, as without the option
+    assert kind == TIMESTAMP_CREATE_TIME and produced >= before
+    partitions = {m.value(): m.partition() for m in messages}
+    assert [partitions[f"v{i}".encode()] for i in range(3)] == [2, 1, 0]  # each on the column's

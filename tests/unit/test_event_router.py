@@ -11,7 +11,7 @@ import pytest
 from harvester.config import HarvesterConfig
 from harvester.daemon.cli import main
 from harvester.event_router import EventRouter, EventRouterError, Placement, event_router_of, from_connector
-from harvester.postgres.log.event_router_rows import trace_context
+from harvester.postgres.log.event_router_rows import roles, trace_context, unreadable
 
 CONNECTOR = {
     "name": "orders-outbox",
@@ -57,11 +57,24 @@ def test_header_placements_in_their_order() -> None:
     assert router.columns[-2:] == ("type", "tenant")
 
 
+def test_the_last_partition_placement_is_the_partition() -> None:
+    router = event_router_of({"table.fields.additional.placement": "a:partition,type:header,b:PARTITION:alias"})
+    assert router.headers == (Placement("type", "type"),)
+    assert router.partition == "b" and router.places
+    assert router.columns[-3:] == ("a", "type", "b")
+    # table.fields.additional.error.on.missing false: EventRouter skips a placement whose column is absent.
+    optional = event_router_of(
+        {"table.fields.additional.placement": "a:partition", "table.fields.additional.error.on.missing": False}
+    )
+    assert "a" not in optional.columns and optional.partition == "a"
+    assert not event_router_of({}).places and event_router_of({"table.field.event.timestamp": "at"}).places
+
+
 @pytest.mark.parametrize(
     ("options", "error"),
     [
-        ({"table.fields.additional.placement": "type:envelope"}, "placement 'envelope' is not supported"),
-        ({"table.fields.additional.placement": "type:partition"}, "placement 'partition' is not supported"),
+        ({"table.fields.additional.placement": "type:envelope"}, "an envelope makes the value a Connect struct"),
+        ({"table.fields.additional.placement": "type:body"}, "placement 'body' is not one of header, partition"),
         ({"table.fields.additional.placement": "type"}, "use column:placement[:alias]"),
         ({"table.expand.json.payload": "true"}, "table.expand.json.payload is not supported"),
         ({"table.field.event.schema.version": "v"}, "table.field.event.schema.version is not supported"),
@@ -76,8 +89,10 @@ def test_unsupported_options_are_one_line_errors(options: dict[str, str], error:
 
 
 def test_layout_needs_the_log_source() -> None:
-    with pytest.raises(ValueError, match="layout 'debezium' is read by source 'log'"):
+    with pytest.raises(ValueError, match="layout 'debezium' is read by source 'log': mark_purge orders"):
         HarvesterConfig.model_validate({"layout": "debezium"})
+    with pytest.raises(ValueError, match="layout 'debezium' is a table: it cannot be read with logMessages"):
+        HarvesterConfig.model_validate({"layout": "debezium", "source": "log", "logMessages": True})
     with pytest.raises(ValueError, match="eventRouter needs layout 'debezium'"):
         HarvesterConfig.model_validate({"eventRouter": {}})
 
@@ -140,3 +155,22 @@ def test_the_tracing_span_context_of_java_properties() -> None:
     text = b"#Sat Nov 28 04:00:00 UTC 2026\ntraceparent=00-0af7-b7ad-01\ntracestate=rojo\\=00f0\\:1\nother=1\n!x\n"
     assert trace_context(text) == [("traceparent", b"00-0af7-b7ad-01"), ("tracestate", b"rojo=00f0:1")]
     assert trace_context(b"") == []
+
+
+def test_placed_columns_of_a_type_eventrouter_does_not_read_are_named() -> None:
+    router = event_router_of(
+        {"table.fields.additional.placement": "shard:partition,tag:header", "table.field.event.timestamp": "at"}
+    )
+    text, uuid = 25, 2950
+    table = {"id": uuid, "aggregateid": text, "payload": text, "aggregatetype": text, "tag": text}
+    problems = [unreadable(r, {**table, "shard": 20, "at": text}, "s.t") for r in roles(router, table)]
+    assert [p for p in problems if p] == [
+        "the log source cannot read at (table.field.event.timestamp) of type oid 25:"
+        " it must be timestamp or timestamptz",
+        "the log source cannot read shard (table.fields.additional.placement partition) of type oid 20:"
+        " it must be integer",
+    ]
+    assert [unreadable(r, {**table, "shard": 23, "at": 1184}, "s.t") for r in roles(router, table)] == [None] * 7
+    # table.fields.additional.error.on.missing false: a placed column the table lacks is not read.
+    optional = event_router_of({**router.model_dump(by_alias=True), "table.fields.additional.error.on.missing": False})
+    assert [r[0] for r in roles(optional, table)] == ["id", "aggregateid", "payload", "aggregatetype", "tag", "at"]

@@ -23,7 +23,7 @@ from harvester.core.records import MarkedRecord
 from harvester.event_router import EventRouter
 from harvester.postgres.log import pgoutput
 from harvester.postgres.log.decoding import stream_decoder
-from harvester.postgres.log.event_router_rows import RouterColumns, router_record
+from harvester.postgres.log.event_router_rows import RouterColumns, roles, router_record, unreadable
 from harvester.postgres.log.messages import BYTES_COLUMNS, EPOCH_2000, stamped
 from harvester.postgres.log.records import Columns
 from harvester.postgres.log.spill import Budget
@@ -32,17 +32,19 @@ from harvester.postgres.schema.catalog import OutboxColumns
 from harvester.postgres.schema.identifiers import TableName
 
 _COLUMNS_SQL = (
-    "SELECT a.attname FROM pg_attribute a WHERE a.attrelid = to_regclass(%s) AND a.attnum > 0 AND NOT a.attisdropped"
+    "SELECT a.attname, a.atttypid::int FROM pg_attribute a"
+    " WHERE a.attrelid = to_regclass(%s) AND a.attnum > 0 AND NOT a.attisdropped"
 )
 
 
 def missing_columns(conn: psycopg.Connection[Any], table: TableName, router: EventRouter) -> list[str]:
-    """Why ``table`` cannot be read as ``router`` reads it: absent, or a column it names absent."""
-    names = {str(r[0]) for r in conn.execute(_COLUMNS_SQL, (table.quoted,)).fetchall()}
-    if not names:
+    """Why ``table`` cannot be read as ``router`` reads it: absent, or a column it names absent or
+    of a type the log source does not read for it (the stream checks them again as it names them)."""
+    types = {str(r[0]): int(r[1]) for r in conn.execute(_COLUMNS_SQL, (table.quoted,)).fetchall()}
+    if not types:
         return [f"outbox table {table} does not exist (Debezium's layout: the application creates it)"]
-    absent = [c for c in router.columns if c not in names]
-    return [f"outbox table {table} has no column {c}, which eventRouter names" for c in absent]
+    problems = (unreadable(role, types, str(table)) for role in roles(router, types))
+    return [why for why in problems if why is not None]
 
 
 class RouterInserts:
