@@ -164,11 +164,12 @@ class StandaloneCluster:
         )
 
     def alive_workers(self) -> int:
-        """How many workers the master counts as alive (0 while it is not answering yet)."""
+        """How many workers the master counts as alive (0 while it is not answering yet, or answers
+        ``/json/`` with an HTML page, as it did once while booting)."""
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{self.port + MASTER_UI}/json/", timeout=5) as answer:
                 return int(json.load(answer)["aliveworkers"])
-        except OSError:
+        except (OSError, ValueError, KeyError):  # JSONDecodeError is a ValueError
             return 0
 
     def check(self) -> None:
