@@ -66,6 +66,25 @@ def librdkafka_seconds(pid: int) -> float:
 NOT_OURS: set[int] = set()
 
 
+def tree_seconds(root: int) -> float:
+    """CPU seconds of process ``root`` and of every live process under it, each with its reaped
+    children's (a Spark JVM's Python workers, forked and reaped by its ``pyspark.daemon``)."""
+    parents: dict[int, int] = {}
+    stats: dict[int, list[str]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (fields := proc_stat(int(entry.name))) is not None:
+            parents[int(entry.name)] = int(fields[1])
+            stats[int(entry.name)] = fields
+    total = 0.0
+    for pid, fields in stats.items():
+        up = pid
+        while up not in (root, 0, 1) and up in parents:
+            up = parents[up]
+        if up == root:
+            total += cpu_seconds(fields, children=True)
+    return total
+
+
 def own_children() -> list[int]:
     """The live children of this process but those in NOT_OURS: the log source's producer process."""
     me = os.getpid()

@@ -52,6 +52,7 @@ class Run:
     rate: float  # records/s, first purge to empty
     cpu_reapers: float  # CPU seconds per 1,000 records, all reaper processes
     cpu_postgres: float
+    cpu_broker: float
     reaper_cores: float  # the reapers' CPU seconds per wall second of the drain
     python_share: float  # of the reapers' CPU, the part not on librdkafka's native threads
     led: list[list[int]]  # the shards each process (each worker) led when the drain ended
@@ -179,6 +180,7 @@ def drain(conn: psycopg.Connection[Any], shards: int, processes: int, workers: i
         records / elapsed,
         (own_after - own_before) * scale,
         (after.postgres - before.postgres) * scale,
+        (after.broker - before.broker) * scale,
         (own_after - own_before) / elapsed,
         1 - native / max(own_after - own_before, 1e-9),
         led,

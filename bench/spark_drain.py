@@ -2,7 +2,7 @@
 Spark's Kafka sink) next to the reaper's drain of the same backlog, in the same run.
 
     .venv/bin/python bench/spark_drain.py [--records 1000000] [--keys 1000] [--shards 1,2,4]
-                                          [--max-records 10000] [--sink outbox-publish|kafka] [--rounds 2]
+                                          [--max-records 100000] [--sink outbox-publish|kafka] [--rounds 2]
 
 For each round and number of shards S: the reaper's drain as ``bench/shards.py`` runs it (one
 ``reaper run`` process leading the S shards, default limits; a backlog COPied in one transaction,
@@ -10,8 +10,11 @@ timed from its commit to the empty table), then the Spark drain of an equal back
 outbox: a ``Trigger.AvailableNow`` query in ``local[*]`` (one input partition per shard), timed from
 the query's start to its end (the outbox empty; the Spark session is started once, before the first
 run). Spark's Kafka sink gets the rows as they come, ``partition`` included (null: the source is not
-in a leader group here, so no reaper places keys beside it). Prints records/s of each and the Spark
-drain's ratio to the reaper's.
+in a leader group here, so no reaper places keys beside it). Prints records/s of each, the Spark
+drain's ratio to the reaper's, and what each spent in CPU seconds per 1,000 records over its drain:
+the relay (the ``reaper run`` process; the Spark drain's JVM with its Python workers and this
+process, the driver), PostgreSQL and the Kafka broker. On two cores shared by all three, a drain's
+rate is bounded by their sum.
 """
 
 from __future__ import annotations
@@ -22,11 +25,13 @@ import sys
 import tempfile
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import psycopg
 from confluent_kafka.admin import AdminClient
+from cpu import CpuMeter, tree_seconds
 from psycopg import sql
 from pyspark.sql import SparkSession
 from shards import drain as reaper_drain
@@ -38,6 +43,7 @@ from examples.spark_pipeline import KAFKA_PACKAGE
 from harvester import TableName, migrate
 from harvester.postgres.schema.migrations import ensure_shard_index
 from harvester.spark import register
+from harvester.spark.drain.options import DEFAULT_MAX_RECORDS
 
 
 def session() -> SparkSession:
@@ -63,15 +69,17 @@ def spark_drain(
     keys: int,
     max_records: int,
     sink: str,
-) -> float:
-    """Records/s of a Spark drain of a ``records`` backlog over ``shards`` shards."""
+) -> tuple[float, Cpu]:
+    """Records/s of a Spark drain of a ``records`` backlog over ``shards`` shards, and its CPU."""
     table = TableName(f"sparkbench_{uuid.uuid4().hex[:8]}", "outbox")
     migrate(conn, table)
     ensure_shard_index(conn, table, shards)
     topic = fresh_topic()
     copy_rows(conn, table, topic, records, keys)
     conn.execute(sql.SQL("VACUUM ANALYZE {}").format(table.ident))
+    meter = CpuMeter(conn)
     with tempfile.TemporaryDirectory() as tmp:
+        before, relay_before = meter.sample(), tree_seconds(os.getpid())
         started = time.perf_counter()
         outbox = {"dsn": DSN, "table": table.qualified}
         rows = (
@@ -89,6 +97,7 @@ def spark_drain(
         )
         query.awaitTermination()
         elapsed = time.perf_counter() - started
+        after, relay_after = meter.sample(), tree_seconds(os.getpid())
     left = conn.execute(sql.SQL("SELECT count(*) FROM {}").format(table.ident)).fetchone()
     if left != (0,):
         raise RuntimeError(f"the Spark drain left {left} records")
@@ -96,7 +105,22 @@ def spark_drain(
     admin = AdminClient({"bootstrap.servers": BOOTSTRAP})  # kept until its futures resolve
     for future in admin.delete_topics([topic]).values():
         future.result(30)
-    return records / elapsed
+    scale = 1000 / records
+    relay = (relay_after - relay_before) * scale
+    cpu = Cpu(relay, (after.postgres - before.postgres) * scale, (after.broker - before.broker) * scale)
+    return records / elapsed, cpu
+
+
+@dataclass(frozen=True, slots=True)
+class Cpu:
+    """CPU seconds per 1,000 records of one drain."""
+
+    relay: float
+    postgres: float
+    broker: float
+
+    def __str__(self) -> str:
+        return f"{self.relay:.3f} / {self.postgres:.3f} / {self.broker:.3f}"
 
 
 def main() -> None:
@@ -104,7 +128,9 @@ def main() -> None:
     p.add_argument("--records", type=int, default=1_000_000, help="backlog per drain")
     p.add_argument("--keys", type=int, default=1000)
     p.add_argument("--shards", default="1,2,4", help="comma-separated numbers of shards")
-    p.add_argument("--max-records", type=int, default=10_000, help="the Spark drain's maxRecordsPerTrigger")
+    p.add_argument(
+        "--max-records", type=int, default=DEFAULT_MAX_RECORDS, help="the Spark drain's maxRecordsPerTrigger"
+    )
     p.add_argument("--sink", choices=("outbox-publish", "kafka"), default="outbox-publish")
     p.add_argument("--rounds", type=int, default=2, help="runs of every number of shards")
     args = p.parse_args()
@@ -114,15 +140,19 @@ def main() -> None:
         f" sink {args.sink}, maxRecordsPerTrigger {args.max_records}; {os.cpu_count()} cores;"
         f" load average {os.getloadavg()[0]:.1f}"
     )
-    print("round  shards  reaper records/s  Spark records/s  Spark / reaper  load")
+    print(
+        "round  shards  reaper records/s  Spark records/s  Spark / reaper"
+        "  CPU s/1,000 reaper: relay / PostgreSQL / broker  Spark: relay / PostgreSQL / broker  load"
+    )
     with psycopg.connect(DSN, autocommit=True) as conn:
         for round_ in range(1, args.rounds + 1):
             for shards in (int(n) for n in args.shards.split(",")):
-                reaper = reaper_drain(conn, shards, 1, 1, args.records, args.keys).rate  # one process, one worker
-                rate = spark_drain(spark, conn, shards, args.records, args.keys, args.max_records, args.sink)
+                run = reaper_drain(conn, shards, 1, 1, args.records, args.keys)  # one process, one worker
+                reaper = Cpu(run.cpu_reapers, run.cpu_postgres, run.cpu_broker)
+                rate, spark_cpu = spark_drain(spark, conn, shards, args.records, args.keys, args.max_records, args.sink)
                 print(
-                    f"{round_:5d}  {shards:6d}  {reaper:16.0f}  {rate:15.0f}  {rate / reaper:14.2f}"
-                    f"  {os.getloadavg()[0]:4.1f}",
+                    f"{round_:5d}  {shards:6d}  {run.rate:16.0f}  {rate:15.0f}  {rate / run.rate:14.2f}"
+                    f"  {reaper!s:>47}  {spark_cpu!s:>35}  {os.getloadavg()[0]:4.1f}",
                     flush=True,
                 )
     spark.stop()

@@ -168,18 +168,23 @@ class FaultyStreamWriter(OutboxStreamWriter):
 class FaultyStreamReader(OutboxStreamReader):
     """The drain's reader, holding one task in the middle of its shard's records."""
 
+    chunk_rows = 10  # Arrow batches small enough that some go to the sink before the task holds
+
     def __init__(self, options: DrainOptions, fault: Fault) -> None:
         super().__init__(options)
         self.fault = fault
 
-    def read(self, partition: InputPartition) -> Iterator[tuple[Any, ...]]:
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         """Read as usual; for ``read``, hold halfway through the configured shard batch's first attempt."""
         assert isinstance(partition, ShardBatch)
         hold = (self.fault.at, partition.shard, partition.batch) == ("read", self.fault.partition, self.fault.batch)
-        for n, row in enumerate(super().read(partition)):
-            if hold and n == len(partition.ids) // 2 and _task()[1] == 0:
+        yielded = 0
+        for chunk in super().read(partition):
+            if hold and yielded >= len(partition.ids) // 2 and _task()[1] == 0:
                 self.fault.wait("read")
-            yield row
+                hold = False
+            yield chunk
+            yielded += chunk.num_rows
 
 
 class FaultyOutbox(OutboxDataSource):

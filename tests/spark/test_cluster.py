@@ -17,6 +17,7 @@ from psycopg import sql
 from harvester.core.identity import Identity
 from harvester.postgres.schema.identifiers import TableName
 from harvester.postgres.schema.migrations import dead_letter_table, migrate
+from harvester.spark.drain.offsets import planned_ids
 from harvester.spark.store import SinkTables, clean_stale
 from tests.spark.cluster import EXECUTOR_CORES, StandaloneCluster, executor_of, kill_tree
 from tests.spark.drivers import LOST_ROWS, Driver, SharedDriver
@@ -210,7 +211,7 @@ def held_batch(checkpoint: Path, shard: int, batch: int) -> set[int]:
         if planned.name.isdigit():
             part = json.loads(planned.read_text().splitlines()[2]).get(str(shard), {})
             if part.get("batch") == batch:
-                return set(part["ids"])
+                return set(planned_ids(part))
     raise AssertionError(f"no batch {batch} of shard {shard} in {checkpoint}")
 
 

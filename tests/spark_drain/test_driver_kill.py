@@ -23,6 +23,7 @@ import pytest
 
 from harvester.core.identity import Identity
 from harvester.postgres.schema.identifiers import TableName
+from harvester.spark.drain.offsets import planned_ids
 from tests.engine.workload import wait_until
 from tests.spark_drain.conftest import Drain, deduplicated, preload, remaining
 from tests.support.kafka import consumed_headers, end_offsets, read_messages, text
@@ -60,7 +61,7 @@ def unfinished(checkpoint: Path) -> list[int]:
     if not left:
         return []
     offset = json.loads((checkpoint / "offsets" / str(left[0])).read_text().splitlines()[2])
-    return sorted(i for shard, part in offset.items() if shard.isdigit() for i in part["ids"])
+    return sorted(i for shard, part in offset.items() if shard.isdigit() for i in planned_ids(part))
 
 
 @pytest.mark.timeout(600)  # a driver of its own, starting a JVM

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import psycopg
+import pyarrow as pa
 import pytest
 from psycopg import sql
 from pyspark.sql.streaming.datasource import ReadMaxRows
@@ -17,6 +18,7 @@ from harvester.postgres.schema.identifiers import TableName
 from harvester.postgres.schema.migrations import dead_letter_table
 from harvester.postgres.table.rows import malformed
 from harvester.spark.drain import DrainConfigError, DrainOptions, OutboxStreamReader
+from harvester.spark.drain.offsets import planned_ids
 from tests.spark_drain.conftest import preload, remaining
 from tests.support.services import Services
 
@@ -32,9 +34,9 @@ def test_a_newer_query_fences_the_older_one(services: Services, pg: psycopg.Conn
     old, new = reader(services, outbox), reader(services, outbox)
     try:
         planned = old.latestOffset(old.initialOffset(), ReadMaxRows(10))
-        assert planned["0"]["ids"] == ids[:10]
+        assert planned_ids(planned["0"]) == ids[:10]
         taken = new.latestOffset(new.initialOffset(), ReadMaxRows(10))
-        assert taken["0"]["ids"] == ids[:10] and taken["0"]["epoch"] > planned["0"]["epoch"]
+        assert planned_ids(taken["0"]) == ids[:10] and taken["0"]["epoch"] > planned["0"]["epoch"]
 
         with pytest.raises(FencedError):
             old.commit(planned)  # its purge is refused: the records stay for the newer query
@@ -43,9 +45,10 @@ def test_a_newer_query_fences_the_older_one(services: Services, pg: psycopg.Conn
             old.latestOffset(planned, ReadMaxRows(10))
 
         (part,) = new.partitions(new.initialOffset(), taken)
-        rows = list(new.read(part))
-        assert [r[4] for r in rows] == ids[:10]
-        assert dict(rows[0][3])["outbox-epoch"] == str(taken["0"]["epoch"]).encode()
+        rows = pa.Table.from_batches(list(new.read(part))).to_pylist()
+        assert [r["id"] for r in rows] == ids[:10]
+        headers = {h["key"]: h["value"] for h in rows[0]["headers"]}
+        assert headers["outbox-epoch"] == str(taken["0"]["epoch"]).encode()
         new.commit(taken)
         assert remaining(pg, outbox) == ids[10:]
     finally:
@@ -60,10 +63,10 @@ def test_a_dry_outbox_plans_one_empty_batch_to_purge_the_last(
     drain = reader(services, outbox)
     try:
         first = drain.latestOffset(drain.initialOffset(), ReadMaxRows(10))
-        assert first["0"]["ids"] == ids
+        assert planned_ids(first["0"]) == ids
         # Spark commits a batch when it plans the next: with nothing new, the next batch is empty.
         purging = drain.latestOffset(first, ReadMaxRows(10))
-        assert purging["0"]["ids"] == [] and purging["0"]["batch"] == first["0"]["batch"] + 1
+        assert planned_ids(purging["0"]) == [] and purging["0"]["batch"] == first["0"]["batch"] + 1
         assert drain.partitions(first, purging) == []
         drain.commit(first)
         assert remaining(pg, outbox) == []
@@ -121,7 +124,7 @@ def test_malformed_records_are_dead_lettered_under_the_fence_and_left_out_of_the
     drain = reader(services, outbox)
     try:
         planned = drain.latestOffset(drain.initialOffset(), ReadMaxRows(100))
-        assert planned["0"]["ids"] == before + after  # the query goes on without them
+        assert planned_ids(planned["0"]) == before + after  # the query goes on without them
         letters = {
             int(r[0]): tuple(r[1:])
             for r in pg.execute(

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from harvester.core.identity import DEFAULT_PREFIX
 from harvester.postgres.schema.identifiers import IdentifierError, TableName
 
-DEFAULT_MAX_RECORDS = 10_000
+DEFAULT_MAX_RECORDS = 100_000
 DEFAULT_MAX_RECORD_BYTES = 1_048_576
 """``max.request.size`` of the Java producer, and so of Spark's Kafka sink, unless it sets another."""
 

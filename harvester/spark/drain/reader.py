@@ -26,15 +26,16 @@ ids, whose only effect is the purge of the batch before.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
 
 import psycopg
+import pyarrow as pa
 import structlog
 from psycopg import sql
 from pyspark.sql.datasource import DataSourceStreamReader, InputPartition
+from pyspark.sql.pandas.types import to_arrow_schema
 from pyspark.sql.streaming.datasource import ReadLimit, ReadMaxRows, SupportsTriggerAvailableNow
 from pyspark.sql.types import ArrayType, BinaryType, IntegerType, LongType, StringType, StructField, StructType
 
@@ -44,8 +45,10 @@ from harvester.core.records import Failure
 from harvester.postgres.table.rows import Pending
 from harvester.spark.drain.leadership import Shards, retrying
 from harvester.spark.drain.limits import RecordLimits, overhead
+from harvester.spark.drain.offsets import Offset, planned_ids, shard_offset, shard_part
 from harvester.spark.drain.options import DrainConfigError, DrainOptions
 from harvester.spark.drain.placement import Placement
+from harvester.spark.drain.sizing import BatchSize
 
 # What the source yields: the columns Spark's Kafka sink reads (topic, key, value, headers, partition)
 # and the record's outbox id.
@@ -68,7 +71,8 @@ DRAIN_SCHEMA = StructType(
     ]
 )
 
-Offset = dict[str, Any]
+# The same schema as Arrow, as Spark checks a batch the reader yields against it.
+_ARROW_SCHEMA = to_arrow_schema(DRAIN_SCHEMA, timezone="UTC")
 
 log = structlog.get_logger("harvester.spark.drain")
 
@@ -89,9 +93,39 @@ _FIRST_ASSIGNMENT = 30.0
 """Seconds ``Trigger.AvailableNow`` waits, in a leader group, for the query to lead a shard."""
 
 
-def _shard_offset(offset: Mapping[str, Any], shard: int) -> Offset:
-    found = offset.get(str(shard))
-    return dict(found) if isinstance(found, Mapping) else {"epoch": 0, "batch": 0, "ids": []}
+class _Chunk:
+    """Records read, column by column, until they make an Arrow batch of :data:`DRAIN_SCHEMA`."""
+
+    __slots__ = ("headers", "ids", "keys", "partitions", "topics", "values")
+
+    def __init__(self) -> None:
+        self.topics: list[str] = []
+        self.keys: list[str | None] = []
+        self.values: list[bytes | None] = []
+        self.headers: list[list[tuple[str, bytes]]] = []
+        self.ids: list[int] = []
+        self.partitions: list[int | None] = []
+
+    def add(
+        self,
+        topic: str,
+        key: str | None,
+        value: bytes | None,
+        headers: list[tuple[str, bytes]],
+        rid: int,
+        to: int | None,
+    ) -> None:
+        self.topics.append(topic)
+        self.keys.append(key)
+        self.values.append(value)
+        self.headers.append(headers)
+        self.ids.append(rid)
+        self.partitions.append(to)
+
+    def batch(self) -> pa.RecordBatch:
+        columns = (self.topics, self.keys, self.values, self.headers, self.ids, self.partitions)
+        arrays = [pa.array(c, type=f.type) for c, f in zip(columns, _ARROW_SCHEMA, strict=True)]
+        return pa.RecordBatch.from_arrays(arrays, schema=_ARROW_SCHEMA)
 
 
 class OutboxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
@@ -99,6 +133,9 @@ class OutboxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     Spark builds a fresh reader to ship ``read`` to the executors, so the constructor only keeps
     the options: the database (and the leader group) is first touched when the driver plans."""
+
+    chunk_rows = 4096
+    """Rows per Arrow batch a task hands Spark, and per round trip of its cursor."""
 
     def __init__(self, options: DrainOptions) -> None:
         self.options = options
@@ -108,6 +145,7 @@ class OutboxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._until: int | None = None  # Trigger.AvailableNow: drain the ids up to this one, then stop
         self._limits: RecordLimits | None = None  # the largest records Kafka takes, made at the first plan
         self._overhead = 0  # what publishing adds to a record's size (limits.overhead)
+        self._size = BatchSize(options.max_records)
 
     def _held(self) -> Shards:
         if self._shards is None:
@@ -127,7 +165,7 @@ class OutboxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             shards.wait_for_any(_FIRST_ASSIGNMENT)
 
     def getDefaultReadLimit(self) -> ReadLimit:  # noqa: N802
-        """At most ``maxRecordsPerTrigger`` records per micro-batch."""
+        """At most ``maxRecordsPerTrigger`` records per micro-batch (:mod:`.sizing` decides how many)."""
         return ReadMaxRows(self.options.max_records)
 
     def latestOffset(self, start: Offset, limit: ReadLimit) -> Offset:  # noqa: N802
@@ -142,29 +180,35 @@ class OutboxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         led = held.lead()
         # A batch's ids are written into the checkpoint, so a batch is bounded even when the trigger
         # asks for everything available (``ReadAllAvailable``).
-        total = self.options.max_records
+        total = self._size.next()
         if isinstance(limit, ReadMaxRows):
             total = min(limit.max_rows, total)
         per_shard = max(1, total // shards)
+        planned = 0
+        full = False
         end: Offset = {"shards": shards}
         for shard, store in enumerate(held.stores):
-            before = _shard_offset(start, shard)
+            before = shard_offset(start, shard)
             batch = int(before["batch"])
+            done = planned_ids(before)
             ids: list[int] = []
             if shard in led:
                 # The batch before may still be purged: skip its ids, unless it was not delivered.
-                skip = [] if self._skipped.get(shard) == batch else before["ids"]
+                skip = [] if self._skipped.get(shard) == batch else done
                 try:
                     ids = self._plan(shard, skip, per_shard)
                 except FencedError as exc:
                     held.fenced(shard, exc)
-            purge_due = bool(before["ids"]) and self._committed.get(shard) != batch
+                planned += len(ids)
+                full = full or len(ids) >= per_shard
+            purge_due = bool(done) and self._committed.get(shard) != batch
             if ids or purge_due:
-                end[str(shard)] = {"epoch": store.epoch, "batch": batch + 1, "ids": ids}
+                end[str(shard)] = shard_part(store.epoch, batch + 1, ids)
                 if ids:
                     held.planned(shard, batch + 1)
             elif str(shard) in start:
                 end[str(shard)] = before
+        self._size.planned(planned, full)
         return end
 
     def _plan(self, shard: int, skip: list[int], limit: int) -> list[int]:
@@ -206,25 +250,27 @@ class OutboxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         deliver: a replayed batch of a shard another member leads now is left to it)."""
         out: list[ShardBatch] = []
         for shard in range(self.options.shards):
-            planned = _shard_offset(end, shard)
+            planned = shard_offset(end, shard)
             batch = int(planned["batch"])
-            if not planned["ids"] or batch == _shard_offset(start, shard)["batch"]:
+            ids = planned_ids(planned)
+            if not ids or batch == shard_offset(start, shard)["batch"]:
                 continue
             held = self._held()
             if held.deliverable(shard, batch):
                 # Spark runs a batch only after the one before completed, so that one's records are
                 # delivered: purge them if this driver has not (it died before the source's commit).
-                self._purge(shard, _shard_offset(start, shard))
-                ids = tuple(planned["ids"])
-                out.append(ShardBatch(shard, int(planned["epoch"]), batch, ids, held.producer, held.value_kind))
+                self._purge(shard, shard_offset(start, shard))
+                out.append(ShardBatch(shard, int(planned["epoch"]), batch, tuple(ids), held.producer, held.value_kind))
             else:
                 self._skipped[shard] = batch
         return out
 
-    def read(self, partition: InputPartition) -> Iterator[tuple[Any, ...]]:
-        """The planned records of one shard, in id order, with their identity headers (executor).
-        Each also names its batch and the key's record before it there, by which the de-duplicating
-        reader tells a replay's copies (:mod:`harvester.client.dedup`)."""
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        """The planned records of one shard, in id order, with their identity headers (executor), as
+        Arrow batches of up to :attr:`chunk_rows` rows: Spark takes them as they are, where rows
+        would go through PySpark's converter, which cost this task more than reading them. Each
+        record also names its batch and the key's record before it there, by which the
+        de-duplicating reader tells a replay's copies (:mod:`harvester.client.dedup`)."""
         assert isinstance(partition, ShardBatch)
         names = IdentityHeaders(self.options.header_prefix)
         stamp = Stamp.of(names, partition.epoch, partition.producer.encode())
@@ -236,10 +282,12 @@ class OutboxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             "SELECT id, kafka_topic, kafka_key, " + value + ", kafka_header_keys, kafka_header_values"
             " FROM {} WHERE id = ANY(%s) ORDER BY id"
         ).format(self.options.table.ident)
+        chunk = _Chunk()
         with (
             psycopg.connect(self.options.dsn, application_name="outbox-harvester-spark") as conn,
             conn.cursor(name="outbox_drain") as cur,
         ):
+            cur.itersize = self.chunk_rows
             cur.execute(query, (list(partition.ids),))
             # A planned record that is gone was purged by a newer term, which fenced this query.
             for rid, topic, key, raw, hkeys, hvalues in cur:
@@ -254,23 +302,29 @@ class OutboxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                     headers.append((names.previous, str(previous).encode()))
                 before[key] = rid
                 payload = raw.encode("utf-8") if isinstance(raw, str) else raw
-                yield topic, key, payload, headers, rid, placement.partition(topic, key) if placement else None
+                chunk.add(topic, key, payload, headers, rid, placement.partition(topic, key) if placement else None)
+                if len(chunk.ids) == self.chunk_rows:
+                    yield chunk.batch()
+                    chunk = _Chunk()
+        if chunk.ids:
+            yield chunk.batch()
 
     def commit(self, end: Offset) -> None:
         """Purge the records of a batch the sink committed, under each shard's fence."""
         held = self._held()
         for shard in range(self.options.shards):
-            planned = _shard_offset(end, shard)
+            planned = shard_offset(end, shard)
             self._purge(shard, planned)
             held.committed(shard, int(planned["batch"]))
 
     def _purge(self, shard: int, planned: Offset) -> None:
         """Purge a delivered batch's records of ``shard`` once (not those of a replay left undelivered)."""
         batch = int(planned["batch"])
-        if planned["ids"] and self._committed.get(shard) != batch and self._skipped.get(shard) != batch:
+        ids = planned_ids(planned)
+        if ids and self._committed.get(shard) != batch and self._skipped.get(shard) != batch:
             held = self._held()
             try:
-                retrying(partial(held.stores[shard].purge, planned["ids"]))
+                retrying(partial(held.stores[shard].purge, ids))
             except FencedError as exc:
                 held.fenced(shard, exc)  # in a leader group: the records are the new owner's
         self._committed[shard] = batch

@@ -52,9 +52,15 @@ class Published(WriterCommitMessage):
 
 def _records(batches: Iterator[Any]) -> Iterator[Record]:
     for batch in batches:
-        columns = {name: batch.column(name).to_pylist() for name in _COLUMNS}
-        for rid, topic, key, value, headers in zip(*(columns[n] for n in ("id", *_COLUMNS[:4])), strict=True):
-            yield Record(rid, topic, key, value, [(h["key"], h["value"]) for h in headers or ()])
+        # The headers come flat, in one list of pairs for the whole batch, each record's a slice of
+        # it: converting the column whole builds a dict per header, most of the task's work.
+        headers = batch.column("headers")
+        at = headers.offsets.to_pylist()
+        fields = headers.values
+        pairs = list(zip(fields.field("key").to_pylist(), fields.field("value").to_pylist(), strict=True))
+        rows = zip(*(batch.column(name).to_pylist() for name in ("id", *_COLUMNS[:3])), strict=True)
+        for n, (rid, topic, key, value) in enumerate(rows):
+            yield Record(rid, topic, key, value, pairs[at[n] : at[n + 1]])
 
 
 class OutboxPublishWriter(DataSourceStreamArrowWriter):
@@ -66,8 +72,8 @@ class OutboxPublishWriter(DataSourceStreamArrowWriter):
     def write(self, iterator: Iterator[Any]) -> Published:
         """Publish this task's records (runs on an executor)."""
         records = list(_records(iterator))
-        epoch = IdentityHeaders(self.options.header_prefix).epoch
-        refused = publish(self.options.kafka, records, self.options.max_attempts, epoch)
+        names = IdentityHeaders(self.options.header_prefix)
+        refused = publish(self.options.kafka, records, self.options.max_attempts, names)
         return Published(len(records) - len(refused), tuple(refused))
 
     def commit(self, messages: Sequence[WriterCommitMessage | None], batchId: int) -> None:  # noqa: N803

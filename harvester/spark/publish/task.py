@@ -14,12 +14,14 @@ Spark runs it again, and nothing is lost.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from functools import partial
 
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
+from harvester.core.identity import IdentityHeaders
 from harvester.core.records import Failure
 from harvester.kafka.enqueue import enqueue
 from harvester.kafka.publisher import DeliveryError, delivery_settings, producer_config, refusal
@@ -61,37 +63,35 @@ class Refusal:
     failure: Failure
 
 
-def _epoch(record: Record, header: str) -> int:
-    for name, value in record.headers:
-        if name == header and value is not None:
+def _header(headers: Sequence[tuple[str, str | bytes | None]] | None, name: str, rid: object) -> int:
+    for key, value in headers or ():
+        if key == name and value is not None:
             return int(value)
-    raise ValueError(f"record {record.id} has no {header} header: is the sink fed by readStream.format('outbox')?")
+    raise ValueError(f"record {rid} has no {name} header: is the sink fed by readStream.format('outbox')?")
 
 
 class _Round:
-    """One send of the records still pending: the delivery reports, collected by ``flush``."""
+    """One send of the records still pending: the refusals, collected by ``flush``. Only refusals
+    are recorded as reports come; what was delivered is worked out after a round that had some."""
 
-    def __init__(self, delivered_last: dict[str | None, int]) -> None:
+    def __init__(self) -> None:
         self.errors: dict[int, DeliveryError] = {}
-        self._delivered_last = delivered_last
 
-    def report(self, record: Record) -> Callable[[KafkaError | None, Message], None]:
-        def done(err: KafkaError | None, _msg: Message) -> None:
-            if err is None:
-                self._delivered_last[record.key] = max(record.id, self._delivered_last.get(record.key, 0))
-            else:
-                self.errors[record.id] = DeliveryError(err)
-
-        return done
+    def _report(self, rid: int, err: KafkaError | None, _msg: Message) -> None:
+        if err is not None:
+            self.errors[rid] = DeliveryError(err)
 
     def send(self, client: Producer, records: list[Record]) -> list[Record]:
         """Send ``records`` in order and wait for every report; return the refused ones."""
         for record in records:
-            refused = enqueue(client, record.topic, record.key or "", record.value, record.headers, self.report(record))
+            report = partial(self._report, record.id)
+            refused = enqueue(client, record.topic, record.key or "", record.value, record.headers, report)
             if refused is not None:
                 self.errors[record.id] = DeliveryError(refused)
         while client.flush(_FLUSH_WAIT):
             pass
+        if not self.errors:
+            return []
         failed = [r for r in records if r.id in self.errors]
         for record in failed:
             error = self.errors[record.id]
@@ -100,12 +100,14 @@ class _Round:
         return failed
 
 
-def publish(kafka: Mapping[str, str], records: Iterable[Record], max_attempts: int, epoch_header: str) -> list[Refusal]:
+def publish(
+    kafka: Mapping[str, str], records: Iterable[Record], max_attempts: int, names: IdentityHeaders
+) -> list[Refusal]:
     """Publish ``records`` (one shard's, in id order); return those refused after their attempts.
     A producer that failed for good (Kafka refused it a producer id: no WRITE on any topic) fails
     the task with one line naming the ACL, and is dropped, so that Spark's retry starts another."""
     try:
-        return _publish(producer(kafka), records, max_attempts, epoch_header)
+        return _publish(producer(kafka), records, max_attempts, names)
     except KafkaException as exc:
         error: KafkaError = exc.args[0]
         if not error.fatal():
@@ -115,14 +117,19 @@ def publish(kafka: Mapping[str, str], records: Iterable[Record], max_attempts: i
         raise RuntimeError(str(refusal(error))) from None
 
 
-def _publish(client: Producer, records: Iterable[Record], max_attempts: int, epoch_header: str) -> list[Refusal]:
+def _publish(client: Producer, records: Iterable[Record], max_attempts: int, names: IdentityHeaders) -> list[Refusal]:
     pending = list(records)
     delivered_last: dict[str | None, int] = {}  # key -> its highest id delivered
     first: dict[int, datetime] = {}
     refused: list[Refusal] = []
     for attempt in range(1, max_attempts + 1):
-        sent = _Round(delivered_last)
+        sent = _Round()
         failed = sent.send(client, pending)
+        if not failed:
+            break
+        for record in pending:
+            if record.id not in sent.errors:
+                delivered_last[record.key] = max(record.id, delivered_last.get(record.key, 0))
         pending = []
         for record in failed:
             first.setdefault(record.id, datetime.now(UTC))
@@ -131,7 +138,7 @@ def _publish(client: Producer, records: Iterable[Record], max_attempts: int, epo
                 continue
             error = sent.errors[record.id]
             failure = Failure(record.id, record.key or "", error.reason, str(error)[:2000], attempt, first[record.id])
-            refused.append(Refusal(_epoch(record, epoch_header), failure))
+            refused.append(Refusal(_header(record.headers, names.epoch, record.id), failure))
         if not pending:
             break
     return refused
