@@ -2,7 +2,7 @@
 Spark's Kafka sink) next to the reaper's drain of the same backlog, in the same run.
 
     .venv/bin/python bench/spark_drain.py [--records 1000000] [--keys 1000] [--shards 1,2,4]
-                                          [--max-records 100000] [--sink outbox-publish|kafka] [--rounds 2]
+                                          [--max-records N] [--sink outbox-publish|kafka] [--rounds 2]
 
 For each round and number of shards S: the reaper's drain as ``bench/shards.py`` runs it (one
 ``reaper run`` process leading the S shards, default limits; a backlog COPied in one transaction,
@@ -43,7 +43,6 @@ from examples.spark_pipeline import KAFKA_PACKAGE
 from harvester import TableName, migrate
 from harvester.postgres.schema.migrations import ensure_shard_index
 from harvester.spark import register
-from harvester.spark.drain.options import DEFAULT_MAX_RECORDS
 
 
 def session() -> SparkSession:
@@ -67,7 +66,7 @@ def spark_drain(
     shards: int,
     records: int,
     keys: int,
-    max_records: int,
+    max_records: int | None,
     sink: str,
 ) -> tuple[float, Cpu]:
     """Records/s of a Spark drain of a ``records`` backlog over ``shards`` shards, and its CPU."""
@@ -83,7 +82,9 @@ def spark_drain(
         started = time.perf_counter()
         outbox = {"dsn": DSN, "table": table.qualified}
         rows = (
-            spark.readStream.format("outbox").options(**outbox, shards=shards, maxRecordsPerTrigger=max_records).load()
+            spark.readStream.format("outbox")
+            .options(**outbox, shards=shards, **({"maxRecordsPerTrigger": max_records} if max_records else {}))
+            .load()
         )
         if sink == "kafka":  # Spark's Kafka sink takes these columns only
             rows = rows.selectExpr("topic", "key", "value", "headers", "partition")
@@ -129,7 +130,7 @@ def main() -> None:
     p.add_argument("--keys", type=int, default=1000)
     p.add_argument("--shards", default="1,2,4", help="comma-separated numbers of shards")
     p.add_argument(
-        "--max-records", type=int, default=DEFAULT_MAX_RECORDS, help="the Spark drain's maxRecordsPerTrigger"
+        "--max-records", type=int, help="the Spark drain's maxRecordsPerTrigger (default: unset, batches sized)"
     )
     p.add_argument("--sink", choices=("outbox-publish", "kafka"), default="outbox-publish")
     p.add_argument("--rounds", type=int, default=2, help="runs of every number of shards")
@@ -137,7 +138,7 @@ def main() -> None:
     spark = session()
     print(
         f"workload: backlogs of {args.records} records, {args.keys} keys; reaper default limits; Spark local[*],"
-        f" sink {args.sink}, maxRecordsPerTrigger {args.max_records}; {os.cpu_count()} cores;"
+        f" sink {args.sink}, maxRecordsPerTrigger {args.max_records or 'unset'}; {os.cpu_count()} cores;"
         f" load average {os.getloadavg()[0]:.1f}"
     )
     print(

@@ -99,29 +99,23 @@ def lost(spark: SparkSession, config: Config) -> dict[str, Any]:
 
 def drain(spark: SparkSession, config: Config) -> dict[str, Any]:
     """Drain an outbox into Kafka through Spark's Kafka sink (``Trigger.AvailableNow``), one read
-    holding while the test kills its executor. Arrow batches of a few rows, so that the held task's
-    first records leave its Python worker before it holds."""
-    arrow = "spark.sql.execution.arrow.maxRecordsPerBatch"
-    before = spark.conf.get(arrow)
-    spark.conf.set(arrow, "10")
-    try:
-        bootstrap = {"kafka.bootstrap.servers": config["bootstrap"]}
-        options = {"dsn": config["dsn"], "table": config["table"], "shards": "2", **bootstrap}
-        faulty = {"faultAt": "read", "faultPartition": "0", "faultBatch": "3", "faultDir": config["faults"]}
-        records = spark.readStream.format("outbox_faulty").options(
-            **options, **faulty, maxRecordsPerTrigger="200", leaderGroupID=config["group"]
-        )
-        query = (
-            records.load()
-            .selectExpr("topic", "key", "value", "headers", "partition")
-            .writeStream.format("kafka")
-            .options(**bootstrap, checkpointLocation=config["checkpoint"])
-            .trigger(availableNow=True)
-            .start()
-        )
-        query.awaitTermination()
-    finally:
-        spark.conf.set(arrow, str(before))
+    holding while the test kills its executor (its faulty reader hands Spark batches of a few rows,
+    so that the held task's first records leave its Python worker before it holds)."""
+    bootstrap = {"kafka.bootstrap.servers": config["bootstrap"]}
+    options = {"dsn": config["dsn"], "table": config["table"], "shards": "2", **bootstrap}
+    faulty = {"faultAt": "read", "faultPartition": "0", "faultBatch": "3", "faultDir": config["faults"]}
+    records = spark.readStream.format("outbox_faulty").options(
+        **options, **faulty, maxRecordsPerTrigger="200", leaderGroupID=config["group"]
+    )
+    query = (
+        records.load()
+        .selectExpr("topic", "key", "value", "headers", "partition")
+        .writeStream.format("kafka")
+        .options(**bootstrap, checkpointLocation=config["checkpoint"])
+        .trigger(availableNow=True)
+        .start()
+    )
+    query.awaitTermination()
     return {}
 
 

@@ -178,12 +178,18 @@ class FaultyStreamReader(OutboxStreamReader):
         """Read as usual; for ``read``, hold halfway through the configured shard batch's first attempt."""
         assert isinstance(partition, ShardBatch)
         hold = (self.fault.at, partition.shard, partition.batch) == ("read", self.fault.partition, self.fault.batch)
+        half = len(partition.ids) // 2
         yielded = 0
         for chunk in super().read(partition):
-            if hold and yielded >= len(partition.ids) // 2 and _task()[1] == 0:
+            rest = chunk
+            if hold and yielded + chunk.num_rows > half and _task()[1] == 0:
+                first = half - yielded  # the rows before the half go first, then the task holds
+                if first:
+                    yield chunk.slice(0, first)
                 self.fault.wait("read")
                 hold = False
-            yield chunk
+                rest = chunk.slice(first)
+            yield rest
             yielded += chunk.num_rows
 
 

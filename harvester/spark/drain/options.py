@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 from harvester.core.identity import DEFAULT_PREFIX
 from harvester.postgres.schema.identifiers import IdentifierError, TableName
+from harvester.spark.drain.sizing import MOST
 
-DEFAULT_MAX_RECORDS = 100_000
 DEFAULT_MAX_RECORD_BYTES = 1_048_576
 """``max.request.size`` of the Java producer, and so of Spark's Kafka sink, unless it sets another."""
 
@@ -50,7 +50,10 @@ class DrainOptions:
     dsn: str
     table: TableName
     shards: int
-    max_records: int  # per micro-batch, over all shards (``maxRecordsPerTrigger``)
+    # Per micro-batch, over all shards (``maxRecordsPerTrigger``); unset, batches are sized
+    # (:mod:`harvester.spark.drain.sizing`) up to its most.
+    max_records: int
+    sized: bool
     max_record_bytes: int  # the largest record the sink sends (its ``max.request.size``)
     header_prefix: str
     producer_name: str | None
@@ -75,7 +78,8 @@ class DrainOptions:
             dsn=dsn,
             table=table,
             shards=positive(lowered, "shards", 1),
-            max_records=positive(lowered, "maxRecordsPerTrigger", DEFAULT_MAX_RECORDS),
+            max_records=positive(lowered, "maxRecordsPerTrigger", MOST),
+            sized="maxrecordspertrigger" not in lowered,
             max_record_bytes=positive(lowered, "maxRecordBytes", DEFAULT_MAX_RECORD_BYTES),
             header_prefix=lowered.get("headerprefix", DEFAULT_PREFIX),
             producer_name=lowered.get("producername") or None,

@@ -145,7 +145,8 @@ class OutboxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._until: int | None = None  # Trigger.AvailableNow: drain the ids up to this one, then stop
         self._limits: RecordLimits | None = None  # the largest records Kafka takes, made at the first plan
         self._overhead = 0  # what publishing adds to a record's size (limits.overhead)
-        self._size = BatchSize(options.max_records)
+        # Sized by what the last batch took, unless the query set maxRecordsPerTrigger.
+        self._size = BatchSize(options.shards) if options.sized else None
 
     def _held(self) -> Shards:
         if self._shards is None:
@@ -180,12 +181,12 @@ class OutboxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         led = held.lead()
         # A batch's ids are written into the checkpoint, so a batch is bounded even when the trigger
         # asks for everything available (``ReadAllAvailable``).
-        total = self._size.next()
+        total = self._size.next() if self._size is not None else self.options.max_records
         if isinstance(limit, ReadMaxRows):
             total = min(limit.max_rows, total)
         per_shard = max(1, total // shards)
-        planned = 0
-        full = False
+        planned = 0  # records of the shards that had their whole share
+        full = 0  # and how many such shards
         end: Offset = {"shards": shards}
         for shard, store in enumerate(held.stores):
             before = shard_offset(start, shard)
@@ -199,8 +200,9 @@ class OutboxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                     ids = self._plan(shard, skip, per_shard)
                 except FencedError as exc:
                     held.fenced(shard, exc)
-                planned += len(ids)
-                full = full or len(ids) >= per_shard
+                if len(ids) >= per_shard:
+                    planned += len(ids)
+                    full += 1
             purge_due = bool(done) and self._committed.get(shard) != batch
             if ids or purge_due:
                 end[str(shard)] = shard_part(store.epoch, batch + 1, ids)
@@ -208,7 +210,8 @@ class OutboxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                     held.planned(shard, batch + 1)
             elif str(shard) in start:
                 end[str(shard)] = before
-        self._size.planned(planned, full)
+        if self._size is not None:
+            self._size.planned(planned, full)
         return end
 
     def _plan(self, shard: int, skip: list[int], limit: int) -> list[int]:
@@ -277,7 +280,9 @@ class OutboxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         batch = (names.batch, str(partition.batch).encode())
         before: dict[str | None, int] = {}  # key -> its last record yielded
         placement = Placement(self.options.kafka) if self.options.elected else None
-        value = "kafka_value::text" if partition.value_kind == "json" else "kafka_value"
+        # Values as bytes whatever the column's type, and every column in binary: nothing to parse
+        # from text or to encode again here.
+        value = "kafka_value" if partition.value_kind == "bytes" else "convert_to(kafka_value::text, 'UTF8')"
         query = sql.SQL(
             "SELECT id, kafka_topic, kafka_key, " + value + ", kafka_header_keys, kafka_header_values"
             " FROM {} WHERE id = ANY(%s) ORDER BY id"
@@ -285,7 +290,7 @@ class OutboxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         chunk = _Chunk()
         with (
             psycopg.connect(self.options.dsn, application_name="outbox-harvester-spark") as conn,
-            conn.cursor(name="outbox_drain") as cur,
+            conn.cursor(name="outbox_drain", binary=True) as cur,
         ):
             cur.itersize = self.chunk_rows
             cur.execute(query, (list(partition.ids),))
@@ -296,13 +301,13 @@ class OutboxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                     for k, v in zip(hkeys or (), hvalues or (), strict=False)
                     if k is not None
                 ]
-                headers += [*stamp.headers(rid), batch]
+                headers.extend(stamp.headers(rid))
+                headers.append(batch)
                 previous = before.get(key)
                 if previous is not None:
                     headers.append((names.previous, str(previous).encode()))
                 before[key] = rid
-                payload = raw.encode("utf-8") if isinstance(raw, str) else raw
-                chunk.add(topic, key, payload, headers, rid, placement.partition(topic, key) if placement else None)
+                chunk.add(topic, key, raw, headers, rid, placement.partition(topic, key) if placement else None)
                 if len(chunk.ids) == self.chunk_rows:
                     yield chunk.batch()
                     chunk = _Chunk()

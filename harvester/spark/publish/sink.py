@@ -57,6 +57,8 @@ def _records(batches: Iterator[Any]) -> Iterator[Record]:
         headers = batch.column("headers")
         at = headers.offsets.to_pylist()
         fields = headers.values
+        if fields.null_count:  # the drain's headers never are; a user's transformed column might be
+            raise ValueError("outbox-publish: a header in the headers column is null")
         pairs = list(zip(fields.field("key").to_pylist(), fields.field("value").to_pylist(), strict=True))
         rows = zip(*(batch.column(name).to_pylist() for name in ("id", *_COLUMNS[:3])), strict=True)
         for n, (rid, topic, key, value) in enumerate(rows):
