@@ -8,7 +8,6 @@ from collections.abc import Callable
 
 import pytest
 
-from harvester.core.identity import IdentityHeaders
 from harvester.spark.publish.task import Record, publish
 from tests.support.kafka import read_messages, text
 from tests.support.names import unique
@@ -21,10 +20,10 @@ def test_refused_records_come_back_after_their_attempts_unless_their_key_moved_o
     services: Services, topics: Callable[..., str]
 ) -> None:
     good, missing = topics(), unique("missing")  # the brokers do not create topics here
+    epoch: list[tuple[str, bytes | None]] = [("outbox-epoch", b"7")]
 
     def record(rid: int, topic: str, key: str) -> Record:
-        identity: list[tuple[str, bytes | None]] = [("outbox-id", str(rid).encode()), ("outbox-epoch", b"7")]
-        return Record(rid, topic, key, f"{key}:{rid}".encode(), identity)
+        return Record(rid, topic, key, f"{key}:{rid}".encode(), epoch)
 
     records = [
         record(1, missing, "a"),  # refused; key a's next record is delivered: not sent again
@@ -34,7 +33,7 @@ def test_refused_records_come_back_after_their_attempts_unless_their_key_moved_o
         record(5, good, "c"),
     ]
     kafka = {"bootstrap.servers": services.bootstrap, "topic.metadata.propagation.max.ms": "1000"}
-    refused = publish(kafka, records, 3, IdentityHeaders())
+    refused = publish(kafka, records, 3, "outbox-epoch")
 
     assert [(r.epoch, r.failure.id, r.failure.attempts) for r in refused] == [(7, 1, 1), (7, 3, 3)]
     # The last attempt's reason, as a reaper records it: the broker's metadata, or librdkafka's

@@ -6,8 +6,7 @@ last hundred (``spark.sql.streaming.minBatchesToRetain``), and hands it between 
 source's Python runner as JSON. So the ids are packed: the differences between consecutive ids as
 64-bit little-endian integers, deflated, in base64 (``"packed"``): 10,000 dense ids (a backlog's)
 take 650 bytes where their list took about 70 KB, and about 1.4 bytes an id when shards interleave
-them. Offsets written before (a plain ``"ids"`` list)
-are read as they are.
+them. Offsets written before (a plain ``"ids"`` list) are read as they are.
 """
 
 from __future__ import annotations

@@ -74,8 +74,8 @@ class OutboxPublishWriter(DataSourceStreamArrowWriter):
     def write(self, iterator: Iterator[Any]) -> Published:
         """Publish this task's records (runs on an executor)."""
         records = list(_records(iterator))
-        names = IdentityHeaders(self.options.header_prefix)
-        refused = publish(self.options.kafka, records, self.options.max_attempts, names)
+        epoch = IdentityHeaders(self.options.header_prefix).epoch
+        refused = publish(self.options.kafka, records, self.options.max_attempts, epoch)
         return Published(len(records) - len(refused), tuple(refused))
 
     def commit(self, messages: Sequence[WriterCommitMessage | None], batchId: int) -> None:  # noqa: N803

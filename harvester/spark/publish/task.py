@@ -14,7 +14,7 @@ Spark runs it again, and nothing is lost.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import partial
@@ -22,7 +22,6 @@ from typing import NamedTuple
 
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
-from harvester.core.identity import IdentityHeaders
 from harvester.core.records import Failure
 from harvester.kafka.enqueue import enqueue
 from harvester.kafka.publisher import DeliveryError, delivery_settings, producer_config, refusal
@@ -64,11 +63,11 @@ class Refusal:
     failure: Failure
 
 
-def _header(headers: Sequence[tuple[str, str | bytes | None]] | None, name: str, rid: object) -> int:
-    for key, value in headers or ():
-        if key == name and value is not None:
+def _epoch(record: Record, header: str) -> int:
+    for name, value in record.headers:
+        if name == header and value is not None:
             return int(value)
-    raise ValueError(f"record {rid} has no {name} header: is the sink fed by readStream.format('outbox')?")
+    raise ValueError(f"record {record.id} has no {header} header: is the sink fed by readStream.format('outbox')?")
 
 
 class _Round:
@@ -101,14 +100,12 @@ class _Round:
         return failed
 
 
-def publish(
-    kafka: Mapping[str, str], records: Iterable[Record], max_attempts: int, names: IdentityHeaders
-) -> list[Refusal]:
+def publish(kafka: Mapping[str, str], records: Iterable[Record], max_attempts: int, epoch_header: str) -> list[Refusal]:
     """Publish ``records`` (one shard's, in id order); return those refused after their attempts.
     A producer that failed for good (Kafka refused it a producer id: no WRITE on any topic) fails
     the task with one line naming the ACL, and is dropped, so that Spark's retry starts another."""
     try:
-        return _publish(producer(kafka), records, max_attempts, names)
+        return _publish(producer(kafka), records, max_attempts, epoch_header)
     except KafkaException as exc:
         error: KafkaError = exc.args[0]
         if not error.fatal():
@@ -118,7 +115,7 @@ def publish(
         raise RuntimeError(str(refusal(error))) from None
 
 
-def _publish(client: Producer, records: Iterable[Record], max_attempts: int, names: IdentityHeaders) -> list[Refusal]:
+def _publish(client: Producer, records: Iterable[Record], max_attempts: int, epoch_header: str) -> list[Refusal]:
     pending = list(records)
     delivered_last: dict[str | None, int] = {}  # key -> its highest id delivered
     first: dict[int, datetime] = {}
@@ -139,7 +136,7 @@ def _publish(client: Producer, records: Iterable[Record], max_attempts: int, nam
                 continue
             error = sent.errors[record.id]
             failure = Failure(record.id, record.key or "", error.reason, str(error)[:2000], attempt, first[record.id])
-            refused.append(Refusal(_header(record.headers, names.epoch, record.id), failure))
+            refused.append(Refusal(_epoch(record, epoch_header), failure))
         if not pending:
             break
     return refused
