@@ -1,20 +1,26 @@
-"""The Spark drain (``readStream.format("outbox")`` into the project's sink, ``outbox-publish``, or
-Spark's Kafka sink) next to the reaper's drain of the same backlog, in the same run.
+"""The Spark drain (``readStream.format("outbox")`` whose tasks publish what they read, or whose rows
+go to the project's sink, ``outbox-publish``, or to Spark's Kafka sink) next to the reaper's drain of
+the same backlog, in the same run.
 
     .venv/bin/python bench/spark_drain.py [--records 1000000] [--keys 1000] [--shards 1,2,4]
-                                          [--max-records N] [--sink outbox-publish|kafka] [--rounds 2]
+                                          [--max-records N] [--tasks-per-shard N]
+                                          [--sink publish|outbox-publish|kafka] [--rounds 2]
 
 For each round and number of shards S: the reaper's drain as ``bench/shards.py`` runs it (one
-``reaper run`` process leading the S shards, default limits; a backlog COPied in one transaction,
-timed from its commit to the empty table), then the Spark drain of an equal backlog in a fresh
-outbox: a ``Trigger.AvailableNow`` query in ``local[*]`` (one input partition per shard), timed from
-the query's start to its end (the outbox empty; the Spark session is started once, before the first
-run). Spark's Kafka sink gets the rows as they come, ``partition`` included (null: the source is not
-in a leader group here, so no reaper places keys beside it). Prints records/s of each, the Spark
-drain's ratio to the reaper's, and what each spent in CPU seconds per 1,000 records over its drain:
-the relay (the ``reaper run`` process; the Spark drain's JVM with its Python workers and this
-process, the driver), PostgreSQL and the Kafka broker. On two cores shared by all three, a drain's
-rate is bounded by their sum.
+``reaper run`` process leading the S shards, default limits), then the Spark drain of an equal
+backlog in a fresh outbox: a query in ``local[*]`` with Spark's default trigger (micro-batches back
+to back), options as given (default: batches sized, one task per shard). Both are timed alike: the
+relay runs and leads every shard, then the backlog is COPied in one transaction and timed from its
+commit to the empty table. The Spark session is started once, and a drain of 100,000 records runs
+first, unmeasured, so that its JIT-compiled code and Python workers are warm. With ``--sink
+publish`` (the default) the source's tasks publish (``option("publish", "true")``, which joins the
+outbox's leader group as a reaper does) and the rows go to Spark's ``noop`` sink. Spark's Kafka sink
+gets the rows as they come, ``partition`` included (null: the source is not in a leader group then,
+so no reaper places keys beside it). Prints records/s of each, the Spark drain's ratio to the
+reaper's, and what each spent in CPU seconds per 1,000 records over its drain: the relay (the
+``reaper run`` process; the Spark drain's JVM with its Python workers and this process, the
+driver), PostgreSQL and the Kafka broker. On two cores shared by all three, a drain's rate is
+bounded by their sum.
 """
 
 from __future__ import annotations
@@ -41,8 +47,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from examples.spark_pipeline import KAFKA_PACKAGE
 from harvester import TableName, migrate
-from harvester.postgres.schema.migrations import ensure_shard_index
+from harvester.postgres.schema.migrations import ensure_shard_index, fence_table
 from harvester.spark import register
+
+WARM_UP = 100_000
+"""Records of the drain run first and not measured."""
 
 
 def session() -> SparkSession:
@@ -66,45 +75,57 @@ def spark_drain(
     shards: int,
     records: int,
     keys: int,
-    max_records: int | None,
+    options: dict[str, str],
     sink: str,
 ) -> tuple[float, Cpu]:
-    """Records/s of a Spark drain of a ``records`` backlog over ``shards`` shards, and its CPU."""
+    """Records/s of a Spark drain of a ``records`` backlog over ``shards`` shards, and its CPU: timed
+    as the reaper's drain is, from the backlog's commit to the empty table, the query running and
+    leading every shard before."""
     table = TableName(f"sparkbench_{uuid.uuid4().hex[:8]}", "outbox")
     migrate(conn, table)
     ensure_shard_index(conn, table, shards)
     topic = fresh_topic()
-    copy_rows(conn, table, topic, records, keys)
-    conn.execute(sql.SQL("VACUUM ANALYZE {}").format(table.ident))
+    probe = sql.SQL("SELECT 1 FROM {} LIMIT 1").format(table.ident)
+    terms = sql.SQL("SELECT count(*) FROM {} WHERE outbox_table = %s").format(fence_table(table).ident)
     meter = CpuMeter(conn)
     with tempfile.TemporaryDirectory() as tmp:
-        before, relay_before = meter.sample(), tree_seconds(os.getpid())
-        started = time.perf_counter()
         outbox = {"dsn": DSN, "table": table.qualified}
-        rows = (
-            spark.readStream.format("outbox")
-            .options(**outbox, shards=shards, **({"maxRecordsPerTrigger": max_records} if max_records else {}))
-            .load()
-        )
+        source = {"shards": str(shards), **options}
+        if sink == "publish":  # the tasks publish; in the leader group, as a reaper is
+            source |= {"publish": "true", "kafka.bootstrap.servers": BOOTSTRAP}
+        rows = spark.readStream.format("outbox").options(**outbox, **source).load()
         if sink == "kafka":  # Spark's Kafka sink takes these columns only
             rows = rows.selectExpr("topic", "key", "value", "headers", "partition")
         query = (
-            rows.writeStream.format(sink)
+            rows.writeStream.format("noop" if sink == "publish" else sink)
             .options(**(outbox if sink == "outbox-publish" else {}))  # where dead letters go
             .option("kafka.bootstrap.servers", BOOTSTRAP)
             .option("checkpointLocation", str(Path(tmp) / "cp"))
-            .trigger(availableNow=True)
-            .start()
+            .start()  # micro-batches back to back, as long as there are records
         )
-        query.awaitTermination()
-        elapsed = time.perf_counter() - started
-        after, relay_after = meter.sample(), tree_seconds(os.getpid())
-    left = conn.execute(sql.SQL("SELECT count(*) FROM {}").format(table.ident)).fetchone()
-    if left != (0,):
-        raise RuntimeError(f"the Spark drain left {left} records")
+        try:
+            deadline = time.monotonic() + 120
+            while (conn.execute(terms, (table.qualified,)).fetchone() or (0,))[0] < shards:
+                if time.monotonic() > deadline or query.exception() is not None:
+                    raise RuntimeError(f"the query took no term of every shard: {query.exception()}")
+                time.sleep(0.1)
+            time.sleep(1.0)  # let the first (empty) plans settle, as the reaper's bench does
+            conn.execute("CHECKPOINT")
+            copy_rows(conn, table, topic, records, keys)  # visible at once, at its commit
+            before, relay_before, started = meter.sample(), tree_seconds(os.getpid()), time.perf_counter()
+            while conn.execute(probe).fetchone() is not None:
+                if query.exception() is not None:
+                    raise RuntimeError(f"the query failed: {query.exception()}")
+                time.sleep(0.02)
+            elapsed = time.perf_counter() - started
+            after, relay_after = meter.sample(), tree_seconds(os.getpid())
+        finally:
+            query.stop()
     conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(str(table.schema))))
     admin = AdminClient({"bootstrap.servers": BOOTSTRAP})  # kept until its futures resolve
-    for future in admin.delete_topics([topic]).values():
+    group = f"outbox-harvester.{table.qualified}"
+    gone = [topic, f"{group}.neli"] if sink == "publish" else [topic]
+    for future in admin.delete_topics(gone).values():
         future.result(30)
     scale = 1000 / records
     relay = (relay_after - relay_before) * scale
@@ -132,13 +153,27 @@ def main() -> None:
     p.add_argument(
         "--max-records", type=int, help="the Spark drain's maxRecordsPerTrigger (default: unset, batches sized)"
     )
-    p.add_argument("--sink", choices=("outbox-publish", "kafka"), default="outbox-publish")
+    p.add_argument(
+        "--sink",
+        choices=("publish", "outbox-publish", "kafka"),
+        default="publish",
+        help="publish: the source's tasks publish (option publish, a noop sink); or the rows to outbox-publish"
+        " or to Spark's Kafka sink",
+    )
+    p.add_argument("--tasks-per-shard", type=int, default=1, help="the source's tasksPerShard")
     p.add_argument("--rounds", type=int, default=2, help="runs of every number of shards")
     args = p.parse_args()
+    options = {"tasksPerShard": str(args.tasks_per_shard)}
+    if args.max_records:
+        options["maxRecordsPerTrigger"] = str(args.max_records)
     spark = session()
+    # Spark's JIT-compiled code and its Python workers warm, as in a query that has run a while.
+    with psycopg.connect(DSN, autocommit=True) as conn:
+        spark_drain(spark, conn, 1, WARM_UP, args.keys, options, args.sink)
     print(
         f"workload: backlogs of {args.records} records, {args.keys} keys; reaper default limits; Spark local[*],"
-        f" sink {args.sink}, maxRecordsPerTrigger {args.max_records or 'unset'}; {os.cpu_count()} cores;"
+        f" sink {args.sink}, maxRecordsPerTrigger {args.max_records or 'unset'}, tasksPerShard"
+        f" {args.tasks_per_shard}; {os.cpu_count()} cores;"
         f" load average {os.getloadavg()[0]:.1f}"
     )
     print(
@@ -150,7 +185,7 @@ def main() -> None:
             for shards in (int(n) for n in args.shards.split(",")):
                 run = reaper_drain(conn, shards, 1, 1, args.records, args.keys)  # one process, one worker
                 reaper = Cpu(run.cpu_reapers, run.cpu_postgres, run.cpu_broker)
-                rate, spark_cpu = spark_drain(spark, conn, shards, args.records, args.keys, args.max_records, args.sink)
+                rate, spark_cpu = spark_drain(spark, conn, shards, args.records, args.keys, options, args.sink)
                 print(
                     f"{round_:5d}  {shards:6d}  {run.rate:16.0f}  {rate:15.0f}  {rate / run.rate:14.2f}"
                     f"  {reaper!s:>47}  {spark_cpu!s:>35}  {os.getloadavg()[0]:4.1f}",

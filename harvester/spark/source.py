@@ -16,7 +16,7 @@ from pyspark.sql.datasource import (
 from pyspark.sql.types import StructType
 
 from harvester.spark import store
-from harvester.spark.drain import DRAIN_SCHEMA, DrainOptions, OutboxStreamReader
+from harvester.spark.drain import DRAIN_SCHEMA, PUBLISHED_SCHEMA, DrainOptions, OutboxStreamReader
 from harvester.spark.plan import SinkConfigError, WritePlan, resolve
 
 
@@ -109,8 +109,9 @@ class OutboxDataSource(DataSource):
         return OutboxStreamWriter(self._plan(schema, overwrite, streaming=True))
 
     def schema(self) -> StructType:
-        """The drained records' columns: topic, key, value, headers, id."""
-        return DRAIN_SCHEMA
+        """The drained records' columns (topic, key, value, headers, id, partition), or with
+        ``publish`` a row per task that published them (shard, batch, epoch, records, dead_lettered)."""
+        return PUBLISHED_SCHEMA if DrainOptions.parse(self.options).publish else DRAIN_SCHEMA
 
     def streamReader(self, schema: StructType) -> OutboxStreamReader:  # noqa: N802
         """Drain the outbox in micro-batches (``harvester.spark.drain``)."""

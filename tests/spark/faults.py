@@ -38,8 +38,9 @@ from pyspark.sql.datasource import InputPartition, WriterCommitMessage
 from pyspark.sql.types import StructType
 
 from harvester.spark import OutboxDataSource, OutboxStreamWriter, OutboxWriter, StagedPartition
+from harvester.spark.drain import OutboxStreamReader, ShardBatch
 from harvester.spark.drain.options import DrainOptions
-from harvester.spark.drain.reader import OutboxStreamReader, ShardBatch
+from harvester.spark.drain.task import arrow_batches
 
 # How long a held task or commit waits at most (so that a test gone wrong cannot hang a worker).
 HOLD_SECONDS = 240.0
@@ -180,7 +181,7 @@ class FaultyStreamReader(OutboxStreamReader):
         hold = (self.fault.at, partition.shard, partition.batch) == ("read", self.fault.partition, self.fault.batch)
         half = len(partition.ids) // 2
         yielded = 0
-        for chunk in super().read(partition):
+        for chunk in arrow_batches(self.options, partition, self.chunk_rows):
             rest = chunk
             if hold and yielded + chunk.num_rows > half and _task()[1] == 0:
                 first = half - yielded  # the rows before the half go first, then the task holds

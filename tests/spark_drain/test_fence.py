@@ -82,6 +82,10 @@ def test_configuration_mistakes_are_one_line_errors(
         DrainOptions.parse({"table": "outbox"})
     with pytest.raises(DrainConfigError, match="maxRecordsPerTrigger must be a positive integer"):
         DrainOptions.parse({"dsn": "x", "maxRecordsPerTrigger": "0"})
+    with pytest.raises(DrainConfigError, match=r"option publish needs kafka\.bootstrap\.servers"):
+        DrainOptions.parse({"dsn": "x", "publish": "true"})
+    with pytest.raises(DrainConfigError, match="option publish must be true or false, not 'yes'"):
+        DrainOptions.parse({"dsn": "x", "publish": "yes"})
     two = reader(services, outbox, shards="2")
     two.latestOffset(two.initialOffset(), ReadMaxRows(10))
     two.stop()

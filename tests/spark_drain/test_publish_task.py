@@ -33,8 +33,10 @@ def test_refused_records_come_back_after_their_attempts_unless_their_key_moved_o
         record(5, good, "c"),
     ]
     kafka = {"bootstrap.servers": services.bootstrap, "topic.metadata.propagation.max.ms": "1000"}
-    refused = publish(kafka, records, 3, "outbox-epoch")
+    outcome = publish(kafka, iter(records), 3, "outbox-epoch")
+    refused = outcome.refused
 
+    assert outcome.records == 5
     assert [(r.epoch, r.failure.id, r.failure.attempts) for r in refused] == [(7, 1, 1), (7, 3, 3)]
     # The last attempt's reason, as a reaper records it: the broker's metadata, or librdkafka's
     # local refusal once it knows the topic is missing.

@@ -9,6 +9,9 @@ from harvester.core.identity import DEFAULT_PREFIX
 from harvester.postgres.schema.identifiers import IdentifierError, TableName
 from harvester.spark.drain.sizing import MOST
 
+DEFAULT_MAX_ATTEMPTS = 3
+"""Permanent refusals of a record before it is dead-lettered: a reaper's ``maxAttempts``."""
+
 DEFAULT_MAX_RECORD_BYTES = 1_048_576
 """``max.request.size`` of the Java producer, and so of Spark's Kafka sink, unless it sets another."""
 
@@ -29,6 +32,14 @@ def positive(options: Mapping[str, str], name: str, default: int) -> int:
     if value < 1:
         raise DrainConfigError(f"option {name} must be a positive integer, not {text!r}")
     return value
+
+
+def flag(options: Mapping[str, str], name: str) -> bool:
+    """Option ``name`` (looked up in lower case) as a boolean, false unless given."""
+    text = options.get(name.lower(), "false")
+    if text.lower() not in ("true", "false"):
+        raise DrainConfigError(f"option {name} must be true or false, not {text!r}")
+    return text.lower() == "true"
 
 
 def outbox_of(options: Mapping[str, str], dsn_is: str) -> tuple[str, TableName]:
@@ -62,6 +73,12 @@ class DrainOptions:
     kafka: dict[str, str]
     group_id: str
     leader_topic: str
+    # ``publish``: the tasks publish what they read (with ``kafka``'s brokers) and yield one row each
+    # (:data:`harvester.spark.drain.reader.PUBLISHED_SCHEMA`), dead-lettering after ``max_attempts``.
+    publish: bool
+    max_attempts: int
+    # Tasks reading (and publishing) each shard's records of a batch, each the keys of one hash.
+    tasks_per_shard: int
 
     @property
     def elected(self) -> bool:
@@ -74,6 +91,10 @@ class DrainOptions:
         lowered = {k.lower(): v for k, v in options.items()}
         dsn, table = outbox_of(lowered, "a libpq connection string")
         group = lowered.get("leadergroupid") or f"outbox-harvester.{table.qualified}"
+        kafka = {k.removeprefix("kafka."): v for k, v in lowered.items() if k.startswith("kafka.")}
+        publish = flag(lowered, "publish")
+        if publish and "bootstrap.servers" not in kafka:
+            raise DrainConfigError("option publish needs kafka.bootstrap.servers: the brokers to publish to")
         return cls(
             dsn=dsn,
             table=table,
@@ -83,8 +104,11 @@ class DrainOptions:
             max_record_bytes=positive(lowered, "maxRecordBytes", DEFAULT_MAX_RECORD_BYTES),
             header_prefix=lowered.get("headerprefix", DEFAULT_PREFIX),
             producer_name=lowered.get("producername") or None,
-            kafka={k.removeprefix("kafka."): v for k, v in lowered.items() if k.startswith("kafka.")},
+            kafka=kafka,
             # The reaper's defaults (harvester.config), so that a drain and the outbox's reapers meet.
             group_id=group,
             leader_topic=lowered.get("leadertopic") or f"{group}.neli",
+            publish=publish,
+            max_attempts=positive(lowered, "maxAttempts", DEFAULT_MAX_ATTEMPTS),
+            tasks_per_shard=positive(lowered, "tasksPerShard", 1),
         )

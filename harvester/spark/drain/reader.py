@@ -12,7 +12,9 @@
   whose purge may still be pending, and dead-lettering the records Kafka would refuse every time
   (malformed rows, records too large for their topic).
 - **Reading** (``read``, on an executor) fetches the planned ids of one shard, in id order: one
-  input partition per shard, so every record of a key is in one partition, in order.
+  input partition per shard (``tasksPerShard`` splits a shard's keys by hash among that many), so
+  every record of a key is in one partition, in order. With
+  ``option("publish", "true")`` the task publishes them too (:mod:`harvester.spark.drain.task`).
 - **Committing** (``commit``, on the driver, once the sink committed the batch) purges the
   batch's ids under the shard's epoch. A batch that fails is never committed: its records stay,
   and Spark replays it from its offsets. When a newer term took a shard's fence (a second copy of
@@ -27,105 +29,29 @@ ids, whose only effect is the purge of the batch before.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 from functools import partial
 
-import psycopg
 import pyarrow as pa
 import structlog
-from psycopg import sql
 from pyspark.sql.datasource import DataSourceStreamReader, InputPartition
-from pyspark.sql.pandas.types import to_arrow_schema
 from pyspark.sql.streaming.datasource import ReadLimit, ReadMaxRows, SupportsTriggerAvailableNow
-from pyspark.sql.types import ArrayType, BinaryType, IntegerType, LongType, StringType, StructField, StructType
 
-from harvester.core.identity import IdentityHeaders, Stamp
+from harvester.core.identity import IdentityHeaders
 from harvester.core.protocols import FencedError
 from harvester.core.records import Failure
 from harvester.postgres.table.rows import Pending
+from harvester.spark.drain.ahead import PlanAhead, Work
 from harvester.spark.drain.leadership import Shards, retrying
 from harvester.spark.drain.limits import RecordLimits, overhead
 from harvester.spark.drain.offsets import Offset, planned_ids, shard_offset, shard_part
 from harvester.spark.drain.options import DrainConfigError, DrainOptions
-from harvester.spark.drain.placement import Placement
 from harvester.spark.drain.sizing import BatchSize
-
-# What the source yields: the columns Spark's Kafka sink reads (topic, key, value, headers, partition)
-# and the record's outbox id.
-DRAIN_SCHEMA = StructType(
-    [
-        StructField("topic", StringType(), False),
-        StructField("key", StringType(), True),
-        StructField("value", BinaryType(), True),
-        StructField(
-            "headers",
-            ArrayType(
-                StructType([StructField("key", StringType(), False), StructField("value", BinaryType(), True)]),
-                False,
-            ),
-            False,
-        ),
-        StructField("id", LongType(), False),
-        # The partition a reaper would choose (harvester.spark.drain.placement); null without Kafka options.
-        StructField("partition", IntegerType(), True),
-    ]
-)
-
-# The same schema as Arrow, as Spark checks a batch the reader yields against it.
-_ARROW_SCHEMA = to_arrow_schema(DRAIN_SCHEMA, timezone="UTC")
+from harvester.spark.drain.task import ShardBatch, arrow_batches, published
 
 log = structlog.get_logger("harvester.spark.drain")
 
-
-@dataclass(frozen=True, slots=True)
-class ShardBatch(InputPartition):
-    """One shard's part of a micro-batch: the ids to read and what their identity headers say."""
-
-    shard: int
-    epoch: int
-    batch: int
-    ids: tuple[int, ...]
-    producer: str
-    value_kind: str
-
-
 _FIRST_ASSIGNMENT = 30.0
 """Seconds ``Trigger.AvailableNow`` waits, in a leader group, for the query to lead a shard."""
-
-
-class _Chunk:
-    """Records read, column by column, until they make an Arrow batch of :data:`DRAIN_SCHEMA`."""
-
-    __slots__ = ("headers", "ids", "keys", "partitions", "topics", "values")
-
-    def __init__(self) -> None:
-        self.topics: list[str] = []
-        self.keys: list[str | None] = []
-        self.values: list[bytes | None] = []
-        self.headers: list[list[tuple[str, bytes]]] = []
-        self.ids: list[int] = []
-        self.partitions: list[int | None] = []
-
-    def add(
-        self,
-        topic: str,
-        key: str | None,
-        value: bytes | None,
-        headers: list[tuple[str, bytes]],
-        rid: int,
-        to: int | None,
-    ) -> None:
-        self.topics.append(topic)
-        self.keys.append(key)
-        self.values.append(value)
-        self.headers.append(headers)
-        self.ids.append(rid)
-        self.partitions.append(to)
-
-    def batch(self) -> pa.RecordBatch:
-        columns = (self.topics, self.keys, self.values, self.headers, self.ids, self.partitions)
-        arrays = [pa.array(c, type=f.type) for c, f in zip(columns, _ARROW_SCHEMA, strict=True)]
-        return pa.RecordBatch.from_arrays(arrays, schema=_ARROW_SCHEMA)
 
 
 class OutboxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
@@ -147,6 +73,8 @@ class OutboxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._overhead = 0  # what publishing adds to a record's size (limits.overhead)
         # Sized by what the last batch took, unless the query set maxRecordsPerTrigger.
         self._size = BatchSize(options.shards) if options.sized else None
+        self._per_shard = 0  # the last plan's share of each shard
+        self._ahead = PlanAhead()  # the next plan, made while a batch runs
 
     def _held(self) -> Shards:
         if self._shards is None:
@@ -178,13 +106,14 @@ class OutboxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 "start the query with a new checkpoint location to change it"
             )
         held = self._held()
+        self._ahead.settle()
         led = held.lead()
         # A batch's ids are written into the checkpoint, so a batch is bounded even when the trigger
         # asks for everything available (``ReadAllAvailable``).
         total = self._size.next() if self._size is not None else self.options.max_records
         if isinstance(limit, ReadMaxRows):
             total = min(limit.max_rows, total)
-        per_shard = max(1, total // shards)
+        per_shard = self._per_shard = max(1, total // shards)
         planned = 0  # records of the shards that had their whole share
         full = 0  # and how many such shards
         end: Offset = {"shards": shards}
@@ -197,7 +126,8 @@ class OutboxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 # The batch before may still be purged: skip its ids, unless it was not delivered.
                 skip = [] if self._skipped.get(shard) == batch else done
                 try:
-                    ids = self._plan(shard, skip, per_shard)
+                    ahead = self._ahead.take(shard, store.epoch, skip, per_shard, self._plan)
+                    ids = ahead if ahead is not None else self._plan(shard, skip, per_shard)
                 except FencedError as exc:
                     held.fenced(shard, exc)
                 if len(ids) >= per_shard:
@@ -249,8 +179,9 @@ class OutboxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return Failure(row.id, "", "msg_size_too_large", error, 1, None)
 
     def partitions(self, start: Offset, end: Offset) -> list[ShardBatch]:
-        """One input partition per shard that has records in this batch (and that this driver may
-        deliver: a replayed batch of a shard another member leads now is left to it)."""
+        """``tasksPerShard`` input partitions per shard that has records in this batch (and that this
+        driver may deliver: a replayed batch of a shard another member leads now is left to it)."""
+        self._ahead.settle()
         out: list[ShardBatch] = []
         for shard in range(self.options.shards):
             planned = shard_offset(end, shard)
@@ -263,60 +194,30 @@ class OutboxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 # Spark runs a batch only after the one before completed, so that one's records are
                 # delivered: purge them if this driver has not (it died before the source's commit).
                 self._purge(shard, shard_offset(start, shard))
-                out.append(ShardBatch(shard, int(planned["epoch"]), batch, tuple(ids), held.producer, held.value_kind))
+                epoch, parts = int(planned["epoch"]), self.options.tasks_per_shard
+                shared = tuple(ids)
+                for part in range(parts):
+                    out.append(ShardBatch(shard, epoch, batch, shared, held.producer, held.value_kind, part, parts))
             else:
                 self._skipped[shard] = batch
+        # Each full shard's next ids, planned while the executors deliver these.
+        ahead = {p.shard: Work(p.epoch, p.ids, self._per_shard) for p in out if len(p.ids) >= self._per_shard}
+        self._ahead.start(ahead, self._plan)
         return out
 
-    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
-        """The planned records of one shard, in id order, with their identity headers (executor), as
-        Arrow batches of up to :attr:`chunk_rows` rows: Spark takes them as they are, where rows
-        would go through PySpark's converter, which cost this task more than reading them. Each
-        record also names its batch and the key's record before it there, by which the
-        de-duplicating reader tells a replay's copies (:mod:`harvester.client.dedup`)."""
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch | tuple[int, int, int, int, int]]:
+        """One shard's planned records (executor, :mod:`harvester.spark.drain.task`): as Arrow
+        batches of up to :attr:`chunk_rows` rows, or published by this task, which yields one row."""
         assert isinstance(partition, ShardBatch)
-        names = IdentityHeaders(self.options.header_prefix)
-        stamp = Stamp.of(names, partition.epoch, partition.producer.encode())
-        batch = (names.batch, str(partition.batch).encode())
-        before: dict[str | None, int] = {}  # key -> its last record yielded
-        placement = Placement(self.options.kafka) if self.options.elected else None
-        # Values as bytes whatever the column's type, and every column in binary: nothing to parse
-        # from text or to encode again here.
-        value = "kafka_value" if partition.value_kind == "bytes" else "convert_to(kafka_value::text, 'UTF8')"
-        query = sql.SQL(
-            "SELECT id, kafka_topic, kafka_key, " + value + ", kafka_header_keys, kafka_header_values"
-            " FROM {} WHERE id = ANY(%s) ORDER BY id"
-        ).format(self.options.table.ident)
-        chunk = _Chunk()
-        with (
-            psycopg.connect(self.options.dsn, application_name="outbox-harvester-spark") as conn,
-            conn.cursor(name="outbox_drain", binary=True) as cur,
-        ):
-            cur.itersize = self.chunk_rows
-            cur.execute(query, (list(partition.ids),))
-            # A planned record that is gone was purged by a newer term, which fenced this query.
-            for rid, topic, key, raw, hkeys, hvalues in cur:
-                headers = [
-                    (k, v.encode("utf-8") if v is not None else b"")
-                    for k, v in zip(hkeys or (), hvalues or (), strict=False)
-                    if k is not None
-                ]
-                headers.extend(stamp.headers(rid))
-                headers.append(batch)
-                previous = before.get(key)
-                if previous is not None:
-                    headers.append((names.previous, str(previous).encode()))
-                before[key] = rid
-                chunk.add(topic, key, raw, headers, rid, placement.partition(topic, key) if placement else None)
-                if len(chunk.ids) == self.chunk_rows:
-                    yield chunk.batch()
-                    chunk = _Chunk()
-        if chunk.ids:
-            yield chunk.batch()
+        if self.options.publish:
+            yield published(self.options, partition, self.chunk_rows)
+        else:
+            yield from arrow_batches(self.options, partition, self.chunk_rows)
 
     def commit(self, end: Offset) -> None:
         """Purge the records of a batch the sink committed, under each shard's fence."""
         held = self._held()
+        self._ahead.settle()
         for shard in range(self.options.shards):
             planned = shard_offset(end, shard)
             self._purge(shard, planned)
@@ -336,6 +237,7 @@ class OutboxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def stop(self) -> None:
         """Leave the leader group and close the driver's connections."""
+        self._ahead.settle()
         if self._shards is not None:
             self._shards.close()
             self._shards = None

@@ -7,10 +7,7 @@ from dataclasses import dataclass
 
 from harvester.core.identity import DEFAULT_PREFIX
 from harvester.postgres.schema.identifiers import TableName
-from harvester.spark.drain.options import DrainConfigError, outbox_of, positive
-
-DEFAULT_MAX_ATTEMPTS = 3
-"""Permanent refusals of a record before it is dead-lettered: a reaper's ``maxAttempts``."""
+from harvester.spark.drain.options import DEFAULT_MAX_ATTEMPTS, DrainConfigError, outbox_of, positive
 
 
 @dataclass(frozen=True, slots=True)

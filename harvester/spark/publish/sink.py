@@ -6,10 +6,9 @@ refuses, so that a refused record never stalls the query.
   order; each publishes its records with the reaper's producer (:mod:`harvester.spark.publish.task`)
   and returns what Kafka refused after its attempts, with the epoch each was published under.
 - **Commit** (``commit``, on the driver, once every task succeeded): the refused records are moved
-  to the dead-letter table under their shard's fence (the term is found by its epoch, unique per
-  outbox), as a reaper's settle does. The source's own commit then purges the batch: every record
-  of it is either in Kafka or a dead letter. A batch whose term was superseded meanwhile
-  dead-letters nothing: its records stay for the shard's new owner.
+  to the dead-letter table under their shard's fence (:mod:`harvester.spark.publish.dead_letters`).
+  The source's own commit then purges the batch: every record of it is either in Kafka or a dead
+  letter.
 - A task that fails (a retriable error the user's settings let surface, a lost executor) fails
   the attempt; Spark runs it again, and a batch that fails for good is replayed by the source.
 """
@@ -21,23 +20,15 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import psycopg
-import structlog
-from psycopg import sql
 from pyspark.sql.datasource import DataSource, DataSourceStreamArrowWriter, WriterCommitMessage
 from pyspark.sql.types import StructType
 
 from harvester.core.identity import IdentityHeaders
-from harvester.core.protocols import FencedError
 from harvester.core.records import Failure
-from harvester.postgres.schema.migrations import fence_table
-from harvester.postgres.table.store import PostgresStore
-from harvester.spark.drain.leadership import retrying
 from harvester.spark.drain.options import DrainConfigError
+from harvester.spark.publish.dead_letters import dead_letter
 from harvester.spark.publish.options import PublishOptions
 from harvester.spark.publish.task import Record, Refusal, publish
-
-log = structlog.get_logger("harvester.spark.publish")
 
 _COLUMNS = ("topic", "key", "value", "headers", "id")
 
@@ -73,10 +64,9 @@ class OutboxPublishWriter(DataSourceStreamArrowWriter):
 
     def write(self, iterator: Iterator[Any]) -> Published:
         """Publish this task's records (runs on an executor)."""
-        records = list(_records(iterator))
         epoch = IdentityHeaders(self.options.header_prefix).epoch
-        refused = publish(self.options.kafka, records, self.options.max_attempts, epoch)
-        return Published(len(records) - len(refused), tuple(refused))
+        outcome = publish(self.options.kafka, _records(iterator), self.options.max_attempts, epoch)
+        return Published(outcome.records - len(outcome.refused), tuple(outcome.refused))
 
     def commit(self, messages: Sequence[WriterCommitMessage | None], batchId: int) -> None:  # noqa: N803
         """Dead-letter the refused records under their shards' fences."""
@@ -86,33 +76,7 @@ class OutboxPublishWriter(DataSourceStreamArrowWriter):
                 for refusal in message.refused:
                     by_epoch[refusal.epoch].append(refusal.failure)
         for epoch, failures in sorted(by_epoch.items()):
-            self._dead_letter(epoch, failures, batchId)
-
-    def _dead_letter(self, epoch: int, failures: list[Failure], batch: int) -> None:
-        options = self.options
-        fence = sql.SQL("SELECT shard, shards, leader_id FROM {} WHERE outbox_table = %s AND epoch = %s").format(
-            fence_table(options.table).ident
-        )
-        with psycopg.connect(options.dsn, application_name="outbox-harvester-spark") as conn:
-            term = conn.execute(fence, (options.table.qualified, epoch)).fetchone()
-        if term is None:  # a newer term took the shard: its owner publishes these records again
-            log.warning("dead_letters_fenced", epoch=epoch, records=len(failures), batch=batch)
-            return
-        shard, shards, leader_id = int(term[0]), int(term[1]), term[2]
-        store = PostgresStore(
-            options.dsn, options.table, application_name="outbox-harvester-spark", shard=shard, shards=shards
-        )
-        try:
-            store.prepare()
-            store.join(epoch)
-            retrying(lambda: store.dead_letter(failures, leader_id))
-        except FencedError:
-            log.warning("dead_letters_fenced", epoch=epoch, records=len(failures), batch=batch)
-            return
-        finally:
-            store.close()
-        for f in failures:
-            log.error("dead_lettered", id=f.id, key=f.key, reason=f.reason, attempts=f.attempts, error=f.error)
+            dead_letter(self.options.dsn, self.options.table, epoch, failures, batchId)
 
     def abort(self, messages: Sequence[WriterCommitMessage | None], batchId: int) -> None:  # noqa: N803
         """Nothing to undo: the batch is not committed, so the source replays it."""

@@ -76,14 +76,18 @@ class _Round:
 
     def __init__(self) -> None:
         self.errors: dict[int, DeliveryError] = {}
+        self.sent: list[Record] = []
 
     def _report(self, rid: int, err: KafkaError | None, _msg: Message) -> None:
         if err is not None:
             self.errors[rid] = DeliveryError(err)
 
-    def send(self, client: Producer, records: list[Record]) -> list[Record]:
-        """Send ``records`` in order and wait for every report; return the refused ones."""
+    def send(self, client: Producer, records: Iterable[Record]) -> list[Record]:
+        """Send ``records`` in order (each as it comes: the producer's thread sends the first ones
+        while the caller reads more) and wait for every report; return the refused ones."""
+        sent = self.sent
         for record in records:
+            sent.append(record)
             report = partial(self._report, record.id)
             refused = enqueue(client, record.topic, record.key or "", record.value, record.headers, report)
             if refused is not None:
@@ -92,7 +96,7 @@ class _Round:
             pass
         if not self.errors:
             return []
-        failed = [r for r in records if r.id in self.errors]
+        failed = [r for r in sent if r.id in self.errors]
         for record in failed:
             error = self.errors[record.id]
             if not error.permanent:
@@ -100,8 +104,16 @@ class _Round:
         return failed
 
 
-def publish(kafka: Mapping[str, str], records: Iterable[Record], max_attempts: int, epoch_header: str) -> list[Refusal]:
-    """Publish ``records`` (one shard's, in id order); return those refused after their attempts.
+class Outcome(NamedTuple):
+    """What a task published: how many records it was given, and those Kafka refused for good."""
+
+    records: int
+    refused: list[Refusal]
+
+
+def publish(kafka: Mapping[str, str], records: Iterable[Record], max_attempts: int, epoch_header: str) -> Outcome:
+    """Publish ``records`` (one shard's, in id order, sent as they come); return how many there were
+    and those refused after their attempts.
     A producer that failed for good (Kafka refused it a producer id: no WRITE on any topic) fails
     the task with one line naming the ACL, and is dropped, so that Spark's retry starts another."""
     try:
@@ -115,28 +127,32 @@ def publish(kafka: Mapping[str, str], records: Iterable[Record], max_attempts: i
         raise RuntimeError(str(refusal(error))) from None
 
 
-def _publish(client: Producer, records: Iterable[Record], max_attempts: int, epoch_header: str) -> list[Refusal]:
-    pending = list(records)
+def _publish(client: Producer, records: Iterable[Record], max_attempts: int, epoch_header: str) -> Outcome:
+    pending: Iterable[Record] = records
     delivered_last: dict[str | None, int] = {}  # key -> its highest id delivered
     first: dict[int, datetime] = {}
     refused: list[Refusal] = []
+    total = 0
     for attempt in range(1, max_attempts + 1):
         sent = _Round()
         failed = sent.send(client, pending)
+        if attempt == 1:
+            total = len(sent.sent)
         if not failed:
             break
-        for record in pending:
+        for record in sent.sent:
             if record.id not in sent.errors:
                 delivered_last[record.key] = max(record.id, delivered_last.get(record.key, 0))
-        pending = []
+        again: list[Record] = []
         for record in failed:
             first.setdefault(record.id, datetime.now(UTC))
             if attempt < max_attempts and delivered_last.get(record.key, 0) < record.id:
-                pending.append(record)  # nothing of its key after it is in Kafka: send it again
+                again.append(record)  # nothing of its key after it is in Kafka: send it again
                 continue
             error = sent.errors[record.id]
             failure = Failure(record.id, record.key or "", error.reason, str(error)[:2000], attempt, first[record.id])
             refused.append(Refusal(_epoch(record, epoch_header), failure))
-        if not pending:
+        if not again:
             break
-    return refused
+        pending = again
+    return Outcome(total, refused)
