@@ -1,5 +1,6 @@
 """A Spark drain in the reapers' leader group: it harvests only the shards it leads, and a reaper
-joining the group takes shards from it without the two ever harvesting one shard at once."""
+joining the group takes shards from it without the two ever harvesting one shard at once; the
+drain's records published by the ``outbox-publish`` sink, or by the source's tasks (``publish``)."""
 
 from __future__ import annotations
 
@@ -43,7 +44,9 @@ def write_until(dsn: str, table: TableName, topic: str, written: dict[str, int],
                 written[k] += 1
 
 
+@pytest.mark.parametrize("publisher", ["sink", "source"])
 def test_a_reaper_joining_takes_a_shard_from_the_drain_and_no_shard_is_harvested_by_both(
+    publisher: str,
     services: Services,
     pg: psycopg.Connection[Any],
     outbox: TableName,
@@ -60,18 +63,19 @@ def test_a_reaper_joining_takes_a_shard_from_the_drain_and_no_shard_is_harvested
         maxRecordsPerTrigger="400",
         leaderGroupID=group,
         **{"kafka.bootstrap.servers": services.bootstrap},
+        **({"publish": "true"} if publisher == "source" else {}),
     )
-    query = (
-        # The project's sink, no column selected: it places a key as a reaper does, so the key stays
-        # in one partition across the handover.
+    # The project's sink, no column selected, or the source's tasks: either places a key as a reaper
+    # does, so the key stays in one partition across the handover.
+    sink = (
         stream.writeStream.format("outbox-publish")
         .option("dsn", services.pg_dsn)
         .option("table", outbox.qualified)
         .option("kafka.bootstrap.servers", services.bootstrap)
-        .option("checkpointLocation", str(tmp_path / "cp"))
-        .trigger(processingTime="300 milliseconds")
-        .start()
+        if publisher == "sink"
+        else stream.writeStream.format("noop")
     )
+    query = sink.option("checkpointLocation", str(tmp_path / "cp")).trigger(processingTime="300 milliseconds").start()
     stop, expected = threading.Event(), {f"k{i}": 0 for i in range(20)}
     writer = threading.Thread(target=write_until, args=(services.pg_dsn, outbox, topic, expected, stop))
     reaper: HarvesterProcess | None = None
