@@ -56,6 +56,25 @@ def test_a_newer_query_fences_the_older_one(services: Services, pg: psycopg.Conn
         new.stop()
 
 
+def test_a_plan_made_ahead_under_a_term_taken_since_is_fenced(
+    services: Services, pg: psycopg.Connection[Any], outbox: TableName
+) -> None:
+    ids = preload(pg, outbox, "t", 30, keys=3)
+    old, new = reader(services, outbox), reader(services, outbox)
+    try:
+        planned = old.latestOffset(old.initialOffset(), ReadMaxRows(10))
+        old.partitions(old.initialOffset(), planned)  # the batch handed out; the next one planned ahead
+        old.commit(planned)
+        assert remaining(pg, outbox) == ids[10:]
+        new.latestOffset(new.initialOffset(), ReadMaxRows(10))  # a second copy takes the term
+        with pytest.raises(FencedError):
+            old.latestOffset(planned, ReadMaxRows(10))  # the plan made ahead is not taken blindly
+        assert remaining(pg, outbox) == ids[10:]
+    finally:
+        old.stop()
+        new.stop()
+
+
 def test_a_dry_outbox_plans_one_empty_batch_to_purge_the_last(
     services: Services, pg: psycopg.Connection[Any], outbox: TableName
 ) -> None:

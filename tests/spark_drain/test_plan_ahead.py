@@ -1,6 +1,7 @@
 """The plan made ahead (harvester/spark/drain/ahead.py), with a plan function standing in for the
 store: taken only for the same term and the same ids to skip, trimmed, topped up. The drain tests
-(tests/spark_drain) run it against PostgreSQL and Spark."""
+(tests/spark_drain) run it against PostgreSQL and Spark; test_fence.py a plan made ahead under a
+term taken since."""
 
 from __future__ import annotations
 
@@ -22,7 +23,9 @@ class Outbox:
 def test_a_plan_made_ahead_is_taken_trimmed_or_topped_up() -> None:
     outbox, ahead = Outbox(30), PlanAhead()
     ahead.start({0: Work(epoch=5, skip=[1, 2], limit=10)}, outbox.plan)
+    outbox.calls.clear()
     assert ahead.take(0, 5, [1, 2], 4, outbox.plan) == [3, 4, 5, 6]  # trimmed: the rest is planned later
+    assert outbox.calls == [(0, [], 0)]  # the store asked all the same: a fenced term raises there
     ahead.start({0: Work(5, [1, 2], 10)}, outbox.plan)
     outbox.calls.clear()
     assert ahead.take(0, 5, [1, 2], 15, outbox.plan) == list(range(3, 18))  # topped up past what was made

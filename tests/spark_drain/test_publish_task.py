@@ -44,3 +44,16 @@ def test_refused_records_come_back_after_their_attempts_unless_their_key_moved_o
     assert all("nknown topic" in r.failure.error and r.failure.first_failure is not None for r in refused)
     got = read_messages(services.bootstrap, [good], 3)
     assert [text(m.value()) for m in got] == ["a:2", "c:4", "c:5"]
+
+
+def test_a_task_with_more_records_than_the_producer_queue_holds_sends_them_all(
+    services: Services, topics: Callable[..., str]
+) -> None:
+    # Nothing polls a task's producer but the task: were its reports not served while the queue is
+    # full, the task would wait forever at the queue's size (100,000 records by default).
+    topic = topics()
+    records = (Record(i, topic, f"k{i % 7}", f"v{i}".encode(), [("outbox-epoch", b"1")]) for i in range(1, 501))
+    kafka = {"bootstrap.servers": services.bootstrap, "queue.buffering.max.messages": "50"}
+    outcome = publish(kafka, records, 3, "outbox-epoch")
+    assert outcome.records == 500 and outcome.refused == []
+    assert len(read_messages(services.bootstrap, [topic], 500)) == 500

@@ -6,7 +6,8 @@ shard (reading their ids, sizes and topics, and the dead-lettering of what Kafka
 seventh of a drain. Once a batch's partitions are handed out, the driver plans each full shard's
 next ids in a thread, skipping the ids of the batch running, exactly as the next ``latestOffset``
 would; that call then takes the plan made ahead if the shard's term and the ids to skip are still
-the same, trims it to the batch's size, or tops it up with what was committed since.
+the same, trims it to the batch's size, or tops it up with what was committed since (and asks the
+store either way, which is how a plan learns that a newer term took the shard).
 
 The plan made ahead is only read: the records it names stay in the outbox until a batch that
 planned them is purged, and a record whose transaction commits later is found by the next plan.
@@ -81,6 +82,7 @@ class PlanAhead:
         if made is None or made.work.epoch != epoch or list(made.work.skip) != list(skip):
             return None
         ids = made.ids[:limit]
-        if len(ids) < limit:  # what was committed since, or what a larger batch holds more
-            ids = sorted(ids + plan(shard, [*skip, *ids], limit - len(ids)))
-        return ids
+        # What was committed since, or what a larger batch holds more. A plan of nothing still
+        # answers whether the term holds, as every plan does: a fenced one raises.
+        more = limit - len(ids)
+        return sorted(ids + plan(shard, [*skip, *ids] if more else [], more))

@@ -25,43 +25,23 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import TypeVar
 
 import psycopg
 from psycopg import sql
 
 from harvester.core.identity import IdentityHeaders
-from harvester.core.protocols import FencedError, ShardCountError, StoreError
+from harvester.core.protocols import FencedError, ShardCountError
 from harvester.postgres.schema.migrations import fence_table
 from harvester.postgres.table.store import PostgresStore
 from harvester.spark.drain.options import DrainConfigError, DrainOptions
+from harvester.spark.retry import retrying
 from leader import ElectorConfig, LeaderAcquired, LeaderEvent, LeaderRevoked, NeliElector
-
-T = TypeVar("T")
 
 REVOKE_WAIT = 60.0
 """Seconds a revoked shard's partition is held for the shard's batch in flight to be committed (a
 reaper waits its ``drainInterval``, one minute by default)."""
-
-# A broken connection (a restarted or failed-over server, a terminated backend) is re-opened by the
-# store's next call: the driver retries a term start, plan or purge (all idempotent) a few times
-# before the query fails, as a reaper backs off and retries. A fence is final.
-_RETRY_PAUSES = (0.5, 2.0, 5.0)
-
-
-def retrying(call: Callable[[], T]) -> T:
-    """``call()``, retried after :class:`StoreError` (not after a fence) a few times."""
-    for pause in _RETRY_PAUSES:
-        try:
-            return call()
-        except (FencedError, ShardCountError):
-            raise
-        except StoreError:
-            time.sleep(pause)
-    return call()
 
 
 @dataclass(slots=True)

@@ -6,52 +6,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from harvester.core.identity import DEFAULT_PREFIX
-from harvester.postgres.schema.identifiers import IdentifierError, TableName
+from harvester.postgres.schema.identifiers import TableName
 from harvester.spark.drain.sizing import MOST
+from harvester.spark.options import DEFAULT_MAX_ATTEMPTS, DrainConfigError, flag, outbox_of, positive
 
-DEFAULT_MAX_ATTEMPTS = 3
-"""Permanent refusals of a record before it is dead-lettered: a reaper's ``maxAttempts``."""
+__all__ = ["DEFAULT_MAX_RECORD_BYTES", "DrainConfigError", "DrainOptions"]
 
 DEFAULT_MAX_RECORD_BYTES = 1_048_576
 """``max.request.size`` of the Java producer, and so of Spark's Kafka sink, unless it sets another."""
-
-
-class DrainConfigError(ValueError):
-    """The ``outbox`` streaming source's options are missing or inconsistent."""
-
-
-def positive(options: Mapping[str, str], name: str, default: int) -> int:
-    """Option ``name`` (looked up in lower case, as Spark may pass it) as a positive integer."""
-    text = options.get(name.lower())
-    if text is None:
-        return default
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise DrainConfigError(f"option {name} must be a positive integer, not {text!r}")
-    return value
-
-
-def flag(options: Mapping[str, str], name: str) -> bool:
-    """Option ``name`` (looked up in lower case) as a boolean, false unless given."""
-    text = options.get(name.lower(), "false")
-    if text.lower() not in ("true", "false"):
-        raise DrainConfigError(f"option {name} must be true or false, not {text!r}")
-    return text.lower() == "true"
-
-
-def outbox_of(options: Mapping[str, str], dsn_is: str) -> tuple[str, TableName]:
-    """Options ``dsn`` (required; ``dsn_is`` says what for) and ``table`` (default ``outbox``), looked
-    up in lower case; the drain and the publishing sink read them alike."""
-    dsn = options.get("dsn")
-    if not dsn:
-        raise DrainConfigError(f"option dsn is required: {dsn_is}")
-    try:
-        return dsn, TableName.parse(options.get("table", "outbox"))
-    except IdentifierError as exc:
-        raise DrainConfigError(str(exc)) from exc
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +36,7 @@ class DrainOptions:
     group_id: str
     leader_topic: str
     # ``publish``: the tasks publish what they read (with ``kafka``'s brokers) and yield one row each
-    # (:data:`harvester.spark.drain.reader.PUBLISHED_SCHEMA`), dead-lettering after ``max_attempts``.
+    # (:data:`harvester.spark.drain.schema.PUBLISHED_SCHEMA`), dead-lettering after ``max_attempts``.
     publish: bool
     max_attempts: int
     # Tasks reading (and publishing) each shard's records of a batch, each the keys of one hash.

@@ -10,13 +10,16 @@
   leader group, :mod:`harvester.spark.drain.leadership`), then reads the next ids of each such
   shard under that epoch (:meth:`PostgresStore.pending`), skipping those of the batch before,
   whose purge may still be pending, and dead-lettering the records Kafka would refuse every time
-  (malformed rows, records too large for their topic).
+  (malformed rows, records too large for their topic). The next plan is made while a batch runs
+  (:mod:`harvester.spark.drain.ahead`).
 - **Reading** (``read``, on an executor) fetches the planned ids of one shard, in id order: one
   input partition per shard (``tasksPerShard`` splits a shard's keys by hash among that many), so
   every record of a key is in one partition, in order. With
   ``option("publish", "true")`` the task publishes them too (:mod:`harvester.spark.drain.task`).
 - **Committing** (``commit``, on the driver, once the sink committed the batch) purges the
-  batch's ids under the shard's epoch. A batch that fails is never committed: its records stay,
+  batch's ids under the term its tasks dead-lettered under (the shard's term when the batch was
+  handed out: after a restart, the new term); if the shard's term changed since, the batch is
+  planned again instead. A batch that fails is never committed: its records stay,
   and Spark replays it from its offsets. When a newer term took a shard's fence (a second copy of
   the query, a reaper), planning and purging raise :class:`FencedError`: without a leader group
   the query stops having changed nothing; in one, the shard is left to its new owner.
@@ -41,12 +44,13 @@ from harvester.core.protocols import FencedError
 from harvester.core.records import Failure
 from harvester.postgres.table.rows import Pending
 from harvester.spark.drain.ahead import PlanAhead, Work
-from harvester.spark.drain.leadership import Shards, retrying
+from harvester.spark.drain.leadership import Shards
 from harvester.spark.drain.limits import RecordLimits, overhead
 from harvester.spark.drain.offsets import Offset, planned_ids, shard_offset, shard_part
 from harvester.spark.drain.options import DrainConfigError, DrainOptions
 from harvester.spark.drain.sizing import BatchSize
 from harvester.spark.drain.task import ShardBatch, arrow_batches, published
+from harvester.spark.retry import retrying
 
 log = structlog.get_logger("harvester.spark.drain")
 
@@ -67,7 +71,8 @@ class OutboxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self.options = options
         self._shards: Shards | None = None
         self._committed: dict[int, int] = {}  # shard -> the last batch number it purged
-        self._skipped: dict[int, int] = {}  # shard -> a replayed batch not delivered: another leads the shard
+        self._skipped: dict[int, int] = {}  # shard -> a batch not delivered (another leads the shard) or to plan again
+        self._delivered: dict[int, tuple[int, int]] = {}  # shard -> its last batch handed out, and the term
         self._until: int | None = None  # Trigger.AvailableNow: drain the ids up to this one, then stop
         self._limits: RecordLimits | None = None  # the largest records Kafka takes, made at the first plan
         self._overhead = 0  # what publishing adds to a record's size (limits.overhead)
@@ -194,15 +199,21 @@ class OutboxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 # Spark runs a batch only after the one before completed, so that one's records are
                 # delivered: purge them if this driver has not (it died before the source's commit).
                 self._purge(shard, shard_offset(start, shard))
-                epoch, parts = int(planned["epoch"]), self.options.tasks_per_shard
-                shared = tuple(ids)
-                for part in range(parts):
-                    out.append(ShardBatch(shard, epoch, batch, shared, held.producer, held.value_kind, part, parts))
+                # Stamped with the epoch it was planned under (a replay's copies are the same
+                # records to the de-duplicating reader), dead-lettered under the shard's term now.
+                epoch, term = int(planned["epoch"]), held.stores[shard].epoch
+                self._delivered[shard] = (batch, term)
+                shared, parts = tuple(ids), self.options.tasks_per_shard
+                out.extend(
+                    ShardBatch(shard, epoch, term, batch, shared, held.producer, held.value_kind, part, parts)
+                    for part in range(parts)
+                )
             else:
                 self._skipped[shard] = batch
-        # Each full shard's next ids, planned while the executors deliver these.
-        ahead = {p.shard: Work(p.epoch, p.ids, self._per_shard) for p in out if len(p.ids) >= self._per_shard}
-        self._ahead.start(ahead, self._plan)
+        # Each full shard's next ids, planned while the executors deliver these (not after a restart,
+        # whose first batch is a replay: no plan of this driver's has sized a share yet).
+        full = [p for p in out if self._per_shard and len(p.ids) >= self._per_shard]
+        self._ahead.start({p.shard: Work(p.term, p.ids, self._per_shard) for p in full}, self._plan)
         return out
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch | tuple[int, int, int, int, int]]:
@@ -224,15 +235,26 @@ class OutboxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             held.committed(shard, int(planned["batch"]))
 
     def _purge(self, shard: int, planned: Offset) -> None:
-        """Purge a delivered batch's records of ``shard`` once (not those of a replay left undelivered)."""
+        """Purge a delivered batch's records of ``shard`` once (not those of a replay left undelivered),
+        if this driver handed it out under the shard's term now (a batch a driver before it delivered
+        had its refusals dead-lettered then)."""
         batch = int(planned["batch"])
         ids = planned_ids(planned)
         if ids and self._committed.get(shard) != batch and self._skipped.get(shard) != batch:
             held = self._held()
-            try:
-                retrying(partial(held.stores[shard].purge, ids))
-            except FencedError as exc:
-                held.fenced(shard, exc)  # in a leader group: the records are the new owner's
+            store = held.stores[shard]
+            delivered = self._delivered.get(shard)
+            if delivered is not None and delivered[0] == batch and delivered[1] != store.epoch:
+                # The term was taken back meanwhile (a fence, then this query's next term): a record
+                # Kafka refused could not be dead-lettered under the old term, so nothing is purged
+                # and the next plan takes the batch's records again (copies: at least once).
+                self._skipped[shard] = batch
+                log.info("batch_planned_again", shard=shard, batch=batch, under=delivered[1], term=store.epoch)
+            else:
+                try:
+                    retrying(partial(store.purge, ids))
+                except FencedError as exc:
+                    held.fenced(shard, exc)  # in a leader group: the records are the new owner's
         self._committed[shard] = batch
 
     def stop(self) -> None:

@@ -29,8 +29,9 @@ DRAIN_SCHEMA = StructType(
 # The same schema as Arrow, as Spark checks a batch the reader yields against it.
 DRAIN_ARROW_SCHEMA = to_arrow_schema(DRAIN_SCHEMA, timezone="UTC")
 
-# One row per task that published its shard's records: how many it was given, and how many of them
-# Kafka refused for good and it moved to the dead-letter table (the rest are in Kafka).
+# One row per task that published its shard's records (its keys of them, with tasksPerShard): how
+# many it read, and how many of them Kafka refused for good and it moved to the dead-letter table
+# (the rest are in Kafka).
 PUBLISHED_SCHEMA = StructType(
     [
         StructField("shard", IntegerType(), False),

@@ -32,11 +32,14 @@ from harvester.spark.publish.task import Record, publish
 
 @dataclass(frozen=True, slots=True)
 class ShardBatch(InputPartition):
-    """One shard's part of a micro-batch: the ids to read and what their identity headers say, and
-    which keys of them this task takes: those whose hash is ``part`` modulo ``parts``."""
+    """One shard's part of a micro-batch: the ids to read and what their identity headers say
+    (``epoch``: the term that planned them), the shard's term now, under which refusals are
+    dead-lettered (``term``: a newer one when a restarted query replays the batch), and which keys
+    of them this task takes: those whose hash is ``part`` modulo ``parts``."""
 
     shard: int
     epoch: int
+    term: int
     batch: int
     ids: tuple[int, ...]
     producer: str
@@ -114,7 +117,7 @@ def published(options: DrainOptions, partition: ShardBatch, fetch: int) -> tuple
     epoch = IdentityHeaders(options.header_prefix).epoch
     outcome = publish(options.kafka, records(options, partition, fetch), options.max_attempts, epoch)
     failures = [refusal.failure for refusal in outcome.refused]
-    # None are moved when a newer term took the shard: they stay for its new owner, and the batch's
-    # purge under this term is fenced as well.
-    moved = dead_letter(options.dsn, options.table, partition.epoch, failures, partition.batch)
-    return partition.shard, partition.batch, partition.epoch, outcome.records, moved
+    # None are moved when a newer term took the shard: they stay for its new owner, and the batch is
+    # not purged under this term (reader._purge).
+    moved = dead_letter(options.dsn, options.table, partition.term, failures, partition.batch)
+    return partition.shard, partition.batch, partition.term, outcome.records, moved

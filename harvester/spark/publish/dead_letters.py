@@ -18,7 +18,7 @@ from harvester.core.records import Failure
 from harvester.postgres.schema.identifiers import TableName
 from harvester.postgres.schema.migrations import fence_table
 from harvester.postgres.table.store import PostgresStore
-from harvester.spark.drain.leadership import retrying
+from harvester.spark.retry import retrying
 
 log = structlog.get_logger("harvester.spark.publish")
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from harvester.core.identity import DEFAULT_PREFIX
 from harvester.postgres.schema.identifiers import TableName
-from harvester.spark.drain.options import DEFAULT_MAX_ATTEMPTS, DrainConfigError, outbox_of, positive
+from harvester.spark.options import DEFAULT_MAX_ATTEMPTS, DrainConfigError, outbox_of, positive
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,7 +25,7 @@ from pyspark.sql.types import StructType
 
 from harvester.core.identity import IdentityHeaders
 from harvester.core.records import Failure
-from harvester.spark.drain.options import DrainConfigError
+from harvester.spark.options import DrainConfigError
 from harvester.spark.publish.dead_letters import dead_letter
 from harvester.spark.publish.options import PublishOptions
 from harvester.spark.publish.task import Record, Refusal, publish

@@ -86,10 +86,15 @@ class _Round:
         """Send ``records`` in order (each as it comes: the producer's thread sends the first ones
         while the caller reads more) and wait for every report; return the refused ones."""
         sent = self.sent
+
+        def serve() -> None:
+            client.poll(0)
+
         for record in records:
             sent.append(record)
             report = partial(self._report, record.id)
-            refused = enqueue(client, record.topic, record.key or "", record.value, record.headers, report)
+            # Nothing else polls this producer: a full queue empties as its reports are served here.
+            refused = enqueue(client, record.topic, record.key or "", record.value, record.headers, report, serve)
             if refused is not None:
                 self.errors[record.id] = DeliveryError(refused)
         while client.flush(_FLUSH_WAIT):
