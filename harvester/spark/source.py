@@ -110,7 +110,7 @@ class OutboxDataSource(DataSource):
 
     def schema(self) -> StructType:
         """The drained records' columns (topic, key, value, headers, id, partition), or with
-        ``publish`` a row per task that published them (shard, batch, epoch, records, dead_lettered)."""
+        ``publish`` a row per task that published them (shard, batch, term, records, dead_lettered)."""
         return PUBLISHED_SCHEMA if DrainOptions.parse(self.options).publish else DRAIN_SCHEMA
 
     def streamReader(self, schema: StructType) -> OutboxStreamReader:  # noqa: N802

@@ -4,6 +4,7 @@ malformed records go to the dead-letter table."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
@@ -17,9 +18,11 @@ from harvester.postgres.schema.catalog import OutboxMissingError
 from harvester.postgres.schema.identifiers import TableName
 from harvester.postgres.schema.migrations import dead_letter_table
 from harvester.postgres.table.rows import malformed
-from harvester.spark.drain import DrainConfigError, DrainOptions, OutboxStreamReader
+from harvester.spark.drain import DRAIN_SCHEMA, DrainConfigError, DrainOptions, OutboxStreamReader
 from harvester.spark.drain.offsets import planned_ids
+from harvester.spark.publish import OutboxPublishDataSource
 from tests.spark_drain.conftest import preload, remaining
+from tests.support.names import unique
 from tests.support.services import Services
 
 pytestmark = pytest.mark.integration
@@ -73,6 +76,37 @@ def test_a_plan_made_ahead_under_a_term_taken_since_is_fenced(
     finally:
         old.stop()
         new.stop()
+
+
+def test_a_batch_replayed_by_a_restarted_query_dead_letters_under_its_new_term(
+    services: Services, pg: psycopg.Connection[Any], outbox: TableName, topics: Callable[..., str]
+) -> None:
+    good, missing = topics(), unique("missing")  # the brokers do not create topics here
+    for n in range(6):
+        pg.execute(
+            sql.SQL(
+                "INSERT INTO {} (create_time, kafka_topic, kafka_key, kafka_value, kafka_header_keys,"
+                " kafka_header_values) VALUES (now(), %s, %s, 'v', '{{}}', '{{}}')"
+            ).format(outbox.ident),
+            (missing if n % 2 else good, f"k{n}"),
+        )
+    first = reader(services, outbox)
+    planned = first.latestOffset(first.initialOffset(), ReadMaxRows(10))
+    first.stop()  # the driver dies once the batch is in the offset log, before it ran
+    again = reader(services, outbox)  # the restarted query replays it
+    kafka = {"kafka.bootstrap.servers": services.bootstrap, "kafka.topic.metadata.propagation.max.ms": "1000"}
+    sink = OutboxPublishDataSource({"dsn": services.pg_dsn, "table": outbox.qualified, "maxAttempts": "1", **kafka})
+    writer = sink.streamWriter(DRAIN_SCHEMA, overwrite=False)
+    try:
+        (part,) = again.partitions(first.initialOffset(), planned)
+        assert part.term > part.epoch == planned["0"]["epoch"]  # a new term; the records keep their epoch
+        writer.commit([writer.write(iter(again.read(part)))], 0)
+        again.commit(planned)
+        assert remaining(pg, outbox) == []
+        letters = pg.execute(sql.SQL("SELECT count(*) FROM {}").format(dead_letter_table(outbox).ident)).fetchone()
+        assert letters == (3,)  # dead-lettered under the new term, not lost with the purge
+    finally:
+        again.stop()
 
 
 def test_a_dry_outbox_plans_one_empty_batch_to_purge_the_last(

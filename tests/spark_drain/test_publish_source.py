@@ -55,7 +55,7 @@ def test_tasks_publish_what_they_read_and_dead_letter_what_kafka_refuses(
         tasksPerShard="2",  # each shard's keys split between two tasks
         **{"kafka.bootstrap.servers": services.bootstrap, "kafka.topic.metadata.propagation.max.ms": "1000"},
     )
-    assert stream.columns == ["shard", "batch", "epoch", "records", "dead_lettered"]
+    assert stream.columns == ["shard", "batch", "term", "records", "dead_lettered"]
     query = (
         stream.writeStream.format("memory")  # any sink: the rows only say what the tasks did
         .queryName(unique("published").replace("-", "_"))

@@ -97,16 +97,16 @@ def arrow_batches(options: DrainOptions, partition: ShardBatch, rows: int) -> It
     for record in records(options, partition, rows):
         chunk.append(record)
         if len(chunk) == rows:
-            yield _arrow(chunk, placement)
+            yield _arrow(chunk, placement, partition.term)
             chunk = []
     if chunk:
-        yield _arrow(chunk, placement)
+        yield _arrow(chunk, placement, partition.term)
 
 
-def _arrow(chunk: list[Record], placement: Placement | None) -> pa.RecordBatch:
+def _arrow(chunk: list[Record], placement: Placement | None, term: int) -> pa.RecordBatch:
     ids, topics, keys, values, headers = zip(*chunk, strict=True)
     partitions = [placement.partition(t, k) for t, k in zip(topics, keys, strict=True)] if placement else None
-    columns = (topics, keys, values, headers, ids, partitions or [None] * len(ids))
+    columns = (topics, keys, values, headers, ids, partitions or [None] * len(ids), [term] * len(ids))
     arrays = [pa.array(c, type=f.type) for c, f in zip(columns, DRAIN_ARROW_SCHEMA, strict=True)]
     return pa.RecordBatch.from_arrays(arrays, schema=DRAIN_ARROW_SCHEMA)
 

@@ -4,7 +4,8 @@ refuses, so that a refused record never stalls the query.
 
 - **Tasks** (``write``, on the executors): one per input partition, that is per shard, in id
   order; each publishes its records with the reaper's producer (:mod:`harvester.spark.publish.task`)
-  and returns what Kafka refused after its attempts, with the epoch each was published under.
+  and returns what Kafka refused after its attempts, with the shard's term to dead-letter them
+  under (the ``term`` column; without it, the epoch in each record's headers).
 - **Commit** (``commit``, on the driver, once every task succeeded): the refused records are moved
   to the dead-letter table under their shard's fence (:mod:`harvester.spark.publish.dead_letters`).
   The source's own commit then purges the batch: every record of it is either in Kafka or a dead
@@ -41,8 +42,11 @@ class Published(WriterCommitMessage):
     refused: tuple[Refusal, ...]
 
 
-def _records(batches: Iterator[Any]) -> Iterator[Record]:
+def _records(batches: Iterator[Any], terms: set[int]) -> Iterator[Record]:
+    """The records of ``batches``; the terms of their ``term`` column, if any, go into ``terms``."""
     for batch in batches:
+        if "term" in batch.schema.names:
+            terms.update(batch.column("term").unique().to_pylist())
         # The headers come flat, in one list of pairs for the whole batch, each record's a slice of
         # it: converting the column whole builds a dict per header, most of the task's work.
         headers = batch.column("headers")
@@ -65,8 +69,15 @@ class OutboxPublishWriter(DataSourceStreamArrowWriter):
     def write(self, iterator: Iterator[Any]) -> Published:
         """Publish this task's records (runs on an executor)."""
         epoch = IdentityHeaders(self.options.header_prefix).epoch
-        outcome = publish(self.options.kafka, _records(iterator), self.options.max_attempts, epoch)
-        return Published(outcome.records - len(outcome.refused), tuple(outcome.refused))
+        terms: set[int] = set()
+        outcome = publish(self.options.kafka, _records(iterator, terms), self.options.max_attempts, epoch)
+        refused = outcome.refused
+        if len(terms) == 1:
+            # Dead-lettered under the term the shard's batch was handed out under: a batch replayed
+            # after a restart carries the epoch it was planned under in its headers, a term gone.
+            (term,) = terms
+            refused = [Refusal(term, r.failure) for r in refused]
+        return Published(outcome.records - len(refused), tuple(refused))
 
     def commit(self, messages: Sequence[WriterCommitMessage | None], batchId: int) -> None:  # noqa: N803
         """Dead-letter the refused records under their shards' fences."""
