@@ -23,7 +23,7 @@ from tests.spark.cluster import EXECUTOR_CORES, StandaloneCluster, executor_of, 
 from tests.spark.drivers import LOST_ROWS, Driver, SharedDriver
 from tests.spark.test_batch import leftovers, records, wait_for_stragglers
 from tests.spark.test_stream import PER_FILE, write_inputs
-from tests.spark_drain.conftest import deduplicated, preload, remaining
+from tests.spark_drain.conftest import deduplicated, preload, preload_a_third_missing, remaining
 from tests.support.kafka import consumed_headers, create_topics, delete_topics, end_offsets, read_messages, text
 from tests.support.names import unique
 from tests.support.reaper import run_reaper
@@ -288,15 +288,7 @@ def test_publish_sink_dead_letters_a_missing_topic_and_the_replay_delivers_it(
     tmp_path: Path,
 ) -> None:
     good, missing = topics(partitions=2), unique("missing")  # the brokers do not create topics here
-    rows = pg.execute(
-        sql.SQL(
-            "INSERT INTO {} (create_time, kafka_topic, kafka_key, kafka_value, kafka_header_keys, kafka_header_values)"
-            " SELECT now(), CASE WHEN n %% 3 = 0 THEN %s ELSE %s END, 'k' || (n %% 30), 'v' || n, '{{}}', '{{}}'"
-            " FROM generate_series(1, %s) AS n ORDER BY n RETURNING id, kafka_topic"
-        ).format(outbox.ident),
-        (missing, good, PUBLISH_RECORDS),
-    ).fetchall()
-    refused = sorted(int(str(i)) for i, t in rows if t == missing)  # a third of the keys: k0, k3, ...
+    refused = preload_a_third_missing(pg, outbox, good, missing, PUBLISH_RECORDS)  # a third of the keys: k0, k3, ...
     settings = config(
         services, tmp_path, table=outbox.qualified, bootstrap=services.bootstrap, checkpoint=str(tmp_path / "cp")
     )

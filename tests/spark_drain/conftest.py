@@ -44,6 +44,23 @@ def preload(conn: psycopg.Connection[Any], table: TableName, topic: str, count: 
     return sorted(int(r[0]) for r in rows)
 
 
+def preload_a_third_missing(
+    conn: psycopg.Connection[Any], table: TableName, good: str, missing: str, count: int
+) -> list[int]:
+    """Insert ``count`` records over 30 keys (record n has key ``k<n % 30>``, value ``v<n>``), those
+    whose n is a multiple of 3 (every record of keys k0, k3, ...) to ``missing``, the rest to
+    ``good``; return the ids of those sent to ``missing``."""
+    rows = conn.execute(
+        sql.SQL(
+            "INSERT INTO {} (create_time, kafka_topic, kafka_key, kafka_value, kafka_header_keys, kafka_header_values)"
+            " SELECT now(), CASE WHEN n %% 3 = 0 THEN %s ELSE %s END, 'k' || (n %% 30), 'v' || n, '{{}}', '{{}}'"
+            " FROM generate_series(1, %s) AS n ORDER BY n RETURNING id, kafka_topic"
+        ).format(table.ident),
+        (missing, good, count),
+    ).fetchall()
+    return sorted(int(r[0]) for r in rows if r[1] == missing)
+
+
 def remaining(conn: psycopg.Connection[Any], table: TableName) -> list[int]:
     """The ids still in the outbox."""
     return [int(r[0]) for r in conn.execute(sql.SQL("SELECT id FROM {} ORDER BY id").format(table.ident))]

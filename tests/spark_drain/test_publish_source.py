@@ -19,7 +19,7 @@ from psycopg import sql
 
 from harvester.postgres.schema.identifiers import TableName
 from harvester.postgres.schema.migrations import dead_letter_table
-from tests.spark_drain.conftest import Drain, deduplicated, remaining
+from tests.spark_drain.conftest import Drain, deduplicated, preload_a_third_missing, remaining
 from tests.support.kafka import read_messages, text
 from tests.support.names import unique
 from tests.support.services import Services
@@ -38,15 +38,7 @@ def test_tasks_publish_what_they_read_and_dead_letter_what_kafka_refuses(
     tmp_path: Path,
 ) -> None:
     good, missing = topics(partitions=2), unique("missing")
-    rows = pg.execute(
-        sql.SQL(
-            "INSERT INTO {} (create_time, kafka_topic, kafka_key, kafka_value, kafka_header_keys, kafka_header_values)"
-            " SELECT now(), CASE WHEN n %% 3 = 0 THEN %s ELSE %s END, 'k' || (n %% 30), 'v' || n, '{{}}', '{{}}'"
-            " FROM generate_series(1, %s) AS n ORDER BY n RETURNING id, kafka_topic"
-        ).format(outbox.ident),
-        (missing, good, RECORDS),
-    ).fetchall()
-    refused = sorted(int(str(i)) for i, t in rows if t == missing)  # keys k0, k3, ...: every record of a key
+    refused = preload_a_third_missing(pg, outbox, good, missing, RECORDS)  # every record of keys k0, k3, ...
     stream = drained(
         shards="2",
         publish="true",
