@@ -2,7 +2,9 @@
 time in ``produce`` or in delivery callbacks: about a third of the log source's work per record,
 which a second core then does (docs/log-source.md, "The producer process").
 
-Records cross a pipe in batches of plain tuples, numbered in publish order; the child
+Records cross a pipe in batches of columns (one list of topics, one of keys, ...), numbered in
+publish order: pickling a list of tuples, one per record, and unpickling it in the child cost about
+twice the CPU per record. The child
 (:mod:`harvester.kafka.producer_process`) produces them in that order with the same settings as
 :class:`~harvester.kafka.publisher.KafkaPublisher`, so order is kept exactly as there. Reports come
 back as the numbers acknowledged and the errors of the rest. librdkafka's logs and errors come back
@@ -38,7 +40,6 @@ from typing import Any, BinaryIO
 import structlog
 from confluent_kafka import KafkaError, KafkaException
 
-from harvester.core.identity import Stamp
 from harvester.core.protocols import DeliveryCallback, RefusedError
 from harvester.core.records import MarkedRecord, placement
 from harvester.kafka.frames import receive, send
@@ -53,12 +54,6 @@ _EXITED = "the producer process exited"
 _BLOCKED = "an earlier record of its key failed with a producer process that exited"
 # Beyond the flush's timeout, how long a close waits for the child to report and exit.
 _CLOSE_MARGIN = 10.0
-# One record as it crosses the pipe: (number, topic, key, value, own headers, id, identity stamp), and
-# for a placing publisher its timestamp and partition.
-_Outgoing = (
-    tuple[int, str, str, bytes | None, Any, int, Stamp | None]
-    | tuple[int, str, str, bytes | None, Any, int, Stamp | None, int, int]
-)
 
 
 def runs_in_child(config: Mapping[str, Any]) -> bool:
@@ -79,8 +74,7 @@ class _Child:
 class ProcessPublisher:
     """:class:`harvester.core.protocols.Publisher` whose producer runs in a child process."""
 
-    # Whether records may be placed (timestamps, partitions of their own): the child then reads frames
-    # with two more fields.
+    # Whether records may be placed (timestamps, partitions of their own): the frames then carry them.
     _placing = False
 
     def __init__(self, config: Mapping[str, Any], on_delivery: DeliveryCallback, *, in_order: bool = False) -> None:
@@ -93,7 +87,7 @@ class ProcessPublisher:
         self._on_delivery = on_delivery
         self._lock = threading.Lock()  # guards the fields below
         self._pending: dict[int, MarkedRecord] = {}  # sent or about to be, by number
-        self._outgoing: list[_Outgoing] = []
+        self._outgoing: list[MarkedRecord] = []  # numbered from _next - len(_outgoing) on
         self._next = 0
         self._generation = 0  # the current child's; bumped when a child exits unasked
         # Per key with records failed by a lost child, the first of their ids (see the module's doc).
@@ -126,9 +120,7 @@ class ProcessPublisher:
             self._pending[seq] = record
             if not self._outgoing:
                 self._wake.set()
-            self._outgoing.append(
-                (seq, record.topic, record.key, record.value, record.headers, record.id, record.stamp)
-            )
+            self._outgoing.append(record)
 
     def begin_term(self) -> None:
         """A new term re-reads everything not done in order: no key waits for a retry any more."""
@@ -174,7 +166,7 @@ class ProcessPublisher:
                 os.close(up_write)
         child = _Child(process, os.fdopen(down_write, "wb"), os.fdopen(up_read, "rb"), generation)
         try:
-            send(child.writer, (self._settings, self._logger is not None, self._error_cb is not None, self._placing))
+            send(child.writer, (self._settings, self._logger is not None, self._error_cb is not None))
             started = _answer(child)
         except OSError as exc:
             started = (KafkaError._FAIL, f"the producer process exited at start: {exc}")
@@ -194,11 +186,12 @@ class ProcessPublisher:
             self._wake.wait()
             with self._lock:
                 batch, self._outgoing = self._outgoing, []
+                first = self._next - len(batch)
                 generation, closing = self._generation, self._closing
                 self._wake.clear()
             try:
                 if batch:
-                    self._send(batch, generation)
+                    self._send(first, batch, generation)
             except Exception:
                 # Never leave records unreported: the child goes, and its receiver fails them.
                 log.exception("producer_process_send_failed", records=len(batch))
@@ -207,7 +200,7 @@ class ProcessPublisher:
                 self._stop_child(closing)
                 return
 
-    def _send(self, batch: list[_Outgoing], generation: int) -> None:
+    def _send(self, first: int, batch: list[MarkedRecord], generation: int) -> None:
         if generation != self._child.generation:
             if generation != self._generation:
                 return  # for a child that exited: these records were reported failed with it
@@ -217,10 +210,20 @@ class ProcessPublisher:
                 log.error("producer_process_start_failed", error=str(exc))
                 self._lose(generation, str(exc))  # the batch's records, and all published since
                 return
+        frame = (
+            first,
+            [r.topic for r in batch],
+            [r.key for r in batch],
+            [r.value for r in batch],
+            [r.headers for r in batch],
+            [r.id for r in batch],
+            [r.stamp for r in batch],
+            [placement(r) for r in batch] if self._placing else None,
+        )
         # A child that exited fails the batch with everything else pending (its receiver does, and
         # closes the pipe: ValueError then).
         with contextlib.suppress(OSError, ValueError):
-            send(self._child.writer, batch)
+            send(self._child.writer, frame)
 
     def _stop_child(self, timeout: float) -> None:
         with contextlib.suppress(OSError, ValueError):  # exited already: its receiver reports what it left
@@ -279,40 +282,9 @@ class ProcessPublisher:
 
 class PlacingProcessPublisher(ProcessPublisher):
     """A :class:`ProcessPublisher` of records that may have a timestamp or partition of their own
-    (:class:`~harvester.core.records.PlacedRecord`): a publish of its own, so that
-    :class:`ProcessPublisher`'s does no more per record for the layouts that place none."""
+    (:class:`~harvester.core.records.PlacedRecord`): its frames carry them, which the others' need not."""
 
     _placing = True
-
-    def publish(self, record: MarkedRecord) -> None:
-        """:meth:`ProcessPublisher.publish`, the record's timestamp and partition in its frame."""
-        if self._refused is not None:
-            raise self._refused
-        timestamp, partition = placement(record)
-        with self._lock:
-            if self._blocked and record.key in self._blocked:
-                if record.id > self._blocked[record.key]:
-                    self._on_delivery((record, DeliveryError(KafkaError(KafkaError._FAIL, _BLOCKED))))
-                    return
-                del self._blocked[record.key]
-            seq = self._next
-            self._next = seq + 1
-            self._pending[seq] = record
-            if not self._outgoing:
-                self._wake.set()
-            self._outgoing.append(
-                (
-                    seq,
-                    record.topic,
-                    record.key,
-                    record.value,
-                    record.headers,
-                    record.id,
-                    record.stamp,
-                    timestamp,
-                    partition,
-                )
-            )
 
 
 def _close(child: _Child) -> None:

@@ -3,14 +3,15 @@ confluent-kafka producer fed by frames from the harvester, its delivery reports 
 
 ``python -m harvester.kafka.producer_process IN OUT``: reads frames from file descriptor ``IN`` and
 writes them to ``OUT`` (:mod:`harvester.kafka.frames`). In: first ``(settings, forward_logs,
-forward_errors, placing)``, then batches ``[(seq, topic, key, value, headers, id, stamp), ...]`` (the
-child appends the identity headers of ``stamp``, a :class:`harvester.core.identity.Stamp` or None;
-with ``placing``, each tuple ends with the record's timestamp in milliseconds, 0 for now, and its
-partition, -1 for the partitioner's), then
-``("close", timeout)``. Out: first ``"ready"`` once the producer exists or ``(code, reason)`` when it
-could not be made, then reports ``(acked seqs, [(seq, code, reason)], [(level, text)], [(code,
-reason, fatal)], [(code, reason)])``, the last the producer's fatal error once it has one (Kafka refused
-it a producer id, say): it publishes nothing more, and the harvester stops leading with that refusal.
+forward_errors)``, then batches ``(first seq, topics, keys, values, headers, ids, stamps,
+placements)``, a list per field with an item per record, the records numbered from ``first seq`` on
+(the child appends the identity headers of each ``stamp``, a :class:`harvester.core.identity.Stamp`
+or None; ``placements`` is None, or each record's ``(timestamp, partition)``: milliseconds since the
+epoch, 0 for now, and -1 for the partitioner's), then ``("close", timeout)``. Out: first ``"ready"``
+once the producer exists or ``(code, reason)`` when it could not be made, then reports ``(acked
+seqs, [(seq, code, reason)], [(level, text)], [(code, reason, fatal)], [(code, reason)])``, the last
+the producer's fatal error once it has one (Kafka refused it a producer id, say): it publishes
+nothing more, and the harvester stops leading with that refusal.
 
 It imports nothing but confluent-kafka, :mod:`harvester.kafka.frames`, :mod:`harvester.kafka.enqueue`
 and :mod:`harvester.core.identity` (and :mod:`harvester.runtime`'s collector settings), so it starts
@@ -28,6 +29,7 @@ import signal
 import sys
 import threading
 import traceback
+from itertools import count, repeat
 from typing import Any, BinaryIO
 
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
@@ -105,47 +107,34 @@ class _Relay:
         send(self._out, frame)
 
     def produce(
-        self, seq: int, topic: str, key: str, value: bytes | None, headers: Any, rid: int, stamp: Stamp | None
-    ) -> None:
-        if stamp is not None:
-            headers = [*headers, *stamp.headers(rid)]
-
-        def delivered(err: KafkaError | None, _msg: Message) -> None:
-            if err is None:
-                self._acked.append(seq)  # only the polling thread appends here, and swaps the list
-            else:
-                self._fail(seq, err)
-
-        error = enqueue(self.producer, topic, key, value, headers, delivered, self._exit_if_orphaned)
-        if error is not None:
-            self._fail(seq, error)
-
-    def produce_placed(
         self,
-        seq: int,
-        topic: str,
-        key: str,
-        value: bytes | None,
-        headers: Any,
-        rid: int,
-        stamp: Stamp | None,
-        timestamp: int,
-        partition: int,
+        first: int,
+        topics: list[str],
+        keys: list[str],
+        values: list[bytes | None],
+        headers: list[Any],
+        ids: list[int],
+        stamps: list[Stamp | None],
+        placements: list[tuple[int, int]] | None,
     ) -> None:
-        """:meth:`produce`, at the record's timestamp, on its partition (a placing publisher's frames)."""
-        if stamp is not None:
-            headers = [*headers, *stamp.headers(rid)]
+        """Produce a batch, in order, the records numbered from ``first`` on."""
+        producer, exit_if_orphaned, fail = self.producer, self._exit_if_orphaned, self._fail
+        places = repeat(None) if placements is None else placements
+        for seq, topic, key, value, own, rid, stamp, place in zip(
+            count(first), topics, keys, values, headers, ids, stamps, places
+        ):
+            sent = own if stamp is None else [*own, *stamp.headers(rid)] if own else stamp.headers(rid)
 
-        def delivered(err: KafkaError | None, _msg: Message) -> None:
-            if err is None:
-                self._acked.append(seq)
-            else:
-                self._fail(seq, err)
+            def delivered(err: KafkaError | None, _msg: Message, seq: int = seq) -> None:
+                if err is None:
+                    self._acked.append(seq)  # only the polling thread appends here, and swaps the list
+                else:
+                    fail(seq, err)
 
-        placing = Placing(self.producer, timestamp, partition)
-        error = enqueue(placing, topic, key, value, headers, delivered, self._exit_if_orphaned)
-        if error is not None:
-            self._fail(seq, error)
+            to = producer if place is None else Placing(producer, *place)
+            error = enqueue(to, topic, key, value, sent, delivered, exit_if_orphaned)
+            if error is not None:
+                fail(seq, error)
 
     def _exit_if_orphaned(self) -> None:
         """While the queue is full: a harvester that died is not waited for (its pipe's end is not
@@ -181,7 +170,7 @@ def main(argv: list[str]) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     inbound = os.fdopen(int(argv[1]), "rb")
     out = os.fdopen(int(argv[2]), "wb")
-    settings, forward_logs, forward_errors, placing = receive(inbound)
+    settings, forward_logs, forward_errors = receive(inbound)
     try:
         relay = _Relay(out, settings, forward_logs, forward_errors)
     except KafkaException as exc:
@@ -192,13 +181,11 @@ def main(argv: list[str]) -> None:
     tune_garbage_collector()
     send(out, "ready")
     relay.start()
-    produce = relay.produce_placed if placing else relay.produce
     while (frame := receive(inbound)) is not None:
-        if isinstance(frame, tuple):
+        if frame[0] == "close":
             relay.close(frame[1])
             return
-        for record in frame:
-            produce(*record)
+        relay.produce(*frame)
     os._exit(0)  # the harvester is gone: drop the producer's queue without waiting for it
 
 
