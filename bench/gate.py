@@ -59,8 +59,9 @@ class AckingPublisher:
         self._callback = callback
         self.keeps_order = keeps_order
 
-    def publish(self, record: MarkedRecord) -> None:
-        self._callback((record, None))
+    def publish(self, records: Sequence[MarkedRecord]) -> None:
+        for record in records:
+            self._callback((record, None))
 
     def begin_term(self) -> None:
         pass

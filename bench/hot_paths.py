@@ -13,10 +13,10 @@ maximum of ``time.thread_time`` per record (this thread's CPU, robust to other p
   then ``completed`` of all of them in acknowledgement batches of 1,000 (the purge thread's part)
 - ``gate``: ``KeyGate`` under the log source's policy: ``hold_back`` and ``sent`` per record, then
   ``answered`` and ``done`` per batch of 1,000 reports (the dispatcher's and completion's share)
-- ``publish``: ``ProcessPublisher.publish`` (the outgoing tuple) and ``frames.send`` of each batch of
-  1,000 to /dev/null (the harvester-produce thread's pickling)
-- ``child_produce``: in the producer process, ``frames.receive`` of those batches and
-  ``_Relay.produce`` per record into a real confluent-kafka producer whose broker never answers
+- ``publish``: ``ProcessPublisher.publish`` of each batch of 1,000 and ``frames.send`` of its frame
+  (columns) to /dev/null (the harvester-produce thread's pickling)
+- ``child_produce``: in the producer process, ``frames.receive`` of those frames and
+  ``_Relay.produce`` of each into a real confluent-kafka producer whose broker never answers
   (librdkafka queues it: ``produce``'s own C work is in the figure)
 - ``child_report``: the delivery callback ``_Relay.produce`` made, called as the poll thread would,
   and ``_Relay.report``'s frame of the acknowledged numbers
@@ -160,11 +160,11 @@ def publish(records: list[MarkedRecord], sent: list[bytes]) -> None:
     pub = idle_publisher(lambda _: None)
     with open(os.devnull, "wb") as sink:
         for start in range(0, len(records), BATCH):
-            for record in records[start : start + BATCH]:
-                pub.publish(record)
+            pub.publish(records[start : start + BATCH])
             batch, pub._outgoing = pub._outgoing, []
-            frames.send(sink, batch)
-            sent.append(frames_bytes(batch))
+            frame = pub._frame(pub._next - len(batch), batch)
+            frames.send(sink, frame)
+            sent.append(frames_bytes(frame))
 
 
 def frames_bytes(frame: object) -> bytes:
@@ -201,8 +201,7 @@ def child(sent: list[bytes], report_frames: list[bytes]) -> tuple[float, float]:
 
     def produce() -> None:
         while (frame := frames.receive(stream)) is not None:
-            for record in frame:
-                relay.produce(*record)
+            relay.produce(*frame)
 
     produced = _cpu(produce)
     relay.producer.purge()
@@ -211,8 +210,7 @@ def child(sent: list[bytes], report_frames: list[bytes]) -> tuple[float, float]:
     capture.producer = _Capture()  # type: ignore[assignment]
     stream.seek(0)
     while (frame := frames.receive(stream)) is not None:
-        for record in frame:
-            capture.produce(*record)
+        capture.produce(*frame)
     callbacks = capture.producer.callbacks  # type: ignore[attr-defined]
 
     def acknowledge() -> None:

@@ -147,48 +147,60 @@ class AtLeastOnceDispatcher:
         with state.cond:
             purged = self._purged_during_mark or set()
             self._purged_during_mark = None
-            for record in batch:
-                # state.current(), inlined: per record, identity first (UUID's == is Python code).
-                current = state.leader_id
-                if (current is not leader_id and current != leader_id) or state.force_remark:
-                    return  # the rest is re-marked after the refresh
-                if record.id in purged or gate.hold_back(record, now):
-                    continue
-                alone = bool(solo) and record.id in solo
-                while (
-                    gate.window >= bound or self._solo is not None or (alone and gate.in_flight_records)
-                ) and state.current(leader_id):
-                    state.cond.wait(0.05)
-                if not state.current(leader_id):
-                    return
-                gate.sent(record)
-                if alone:
-                    self._solo = record.id
-                self._publish((record,))
-            metrics.queued.set(gate.queued_records)
-            metrics.in_flight.set(gate.in_flight_records)
+            sent: list[MarkedRecord] = []  # counted as sent, published at once before any wait
+            try:
+                for record in batch:
+                    # state.current(), inlined: per record, identity first (UUID's == is Python code).
+                    current = state.leader_id
+                    if (current is not leader_id and current != leader_id) or state.force_remark:
+                        return  # the rest is re-marked after the refresh
+                    if record.id in purged or gate.hold_back(record, now):
+                        continue
+                    alone = bool(solo) and record.id in solo
+                    if gate.window >= bound or self._solo is not None or (alone and gate.in_flight_records):
+                        self._publish(sent)  # the window frees as they are answered
+                        sent = []
+                        while (
+                            gate.window >= bound or self._solo is not None or (alone and gate.in_flight_records)
+                        ) and state.current(leader_id):
+                            state.cond.wait(0.05)
+                        if not state.current(leader_id):
+                            return
+                    gate.sent(record)
+                    sent.append(record)
+                    if alone:
+                        self._solo = record.id
+                        self._publish(sent)
+                        sent = []
+            finally:
+                self._publish(sent)
+                metrics.queued.set(gate.queued_records)
+                metrics.in_flight.set(gate.in_flight_records)
         metrics.published.inc(self._published - published)
 
-    def _publish(self, records: Iterable[MarkedRecord]) -> None:
+    def _publish(self, records: list[MarkedRecord]) -> None:
         """Publish ``records``, counted as sent (caller holds the lock; publish() never blocks on it:
-        reports go to a queue). A malformed record, or one the publisher raised on, is reported failed."""
-        acks, publish = self._acks, self._publisher.publish
-        for record in records:
-            if record.malformed is not None:
-                acks.put_nowait((record, MalformedRecordError(record.malformed)))
-                continue
-            try:
-                publish(record)
-            except RefusedError as exc:  # said once, in one line, by the engine, which stops leading
+        reports go to a queue). A malformed record, or those the publisher raised on, are reported failed."""
+        if not records:
+            return
+        acks = self._acks
+        if any(record.malformed is not None for record in records):
+            for record in records:
+                if record.malformed is not None:
+                    acks.put_nowait((record, MalformedRecordError(record.malformed)))
+            records = [record for record in records if record.malformed is None]
+        try:
+            self._publisher.publish(records)
+        except Exception as exc:
+            if isinstance(exc, RefusedError):  # said once, in one line, by the engine, which stops leading
                 self._ctx.on_refused(exc)
+            else:
+                # Not left in flight for good: settled as failed deliveries, then re-marked.
+                log.exception("publish_failed", records=len(records))
+            for record in records:
                 acks.put_nowait((record, exc))
-                continue
-            except Exception as exc:
-                # Not left in flight for good: settled as a failed delivery, then re-marked.
-                log.exception("publish_failed", id=record.id)
-                acks.put_nowait((record, exc))
-                continue
-            self._published += 1
+            return
+        self._published += len(records)
 
     def _send_waiting(self, keys: Iterable[str], may_send: bool) -> None:
         """Send the records waiting behind ``keys`` while their keys have room (caller holds the

@@ -142,8 +142,10 @@ class Publisher(Protocol):
         a key may be in flight at once without reordering it."""
         ...
 
-    def publish(self, record: MarkedRecord) -> None:
-        """Enqueue ``record``; its delivery report reaches the callback given at construction."""
+    def publish(self, records: Sequence[MarkedRecord]) -> None:
+        """Enqueue ``records``, in order; each one's delivery report reaches the callback given at
+        construction (a record refused at once too). Raises only before enqueuing any of them:
+        :class:`RefusedError` once the producer failed for good."""
         ...
 
     def begin_term(self) -> None:

@@ -32,7 +32,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -104,23 +104,34 @@ class ProcessPublisher:
         """The producer process's id (a new one after a child exited unasked)."""
         return self._child.process.pid
 
-    def publish(self, record: MarkedRecord) -> None:
-        """Queue ``record`` for the child; its report reaches the callback from the receiving thread.
-        Raises :class:`RefusedError` once the child's producer failed for good."""
+    def publish(self, records: Sequence[MarkedRecord]) -> None:
+        """Queue ``records`` for the child; their reports reach the callback from the receiving
+        thread. Raises :class:`RefusedError` once the child's producer failed for good."""
         if self._refused is not None:
             raise self._refused
         with self._lock:
-            if self._blocked and record.key in self._blocked:
-                if record.id > self._blocked[record.key]:
-                    self._on_delivery((record, DeliveryError(KafkaError(KafkaError._FAIL, _BLOCKED))))
-                    return
-                del self._blocked[record.key]
-            seq = self._next
-            self._next = seq + 1
-            self._pending[seq] = record
+            if self._blocked:
+                records = [record for record in records if not self._blocks(record)]
+            seq, pending = self._next, self._pending
+            for record in records:
+                pending[seq] = record
+                seq += 1
+            self._next = seq
             if not self._outgoing:
                 self._wake.set()
-            self._outgoing.append(record)
+            self._outgoing.extend(records)
+
+    def _blocks(self, record: MarkedRecord) -> bool:
+        """Whether ``record`` fails at once, a record of its key having failed before it with a child
+        that exited (caller holds the lock); its key opens at the first of those."""
+        first = self._blocked.get(record.key)
+        if first is None:
+            return False
+        if record.id > first:
+            self._on_delivery((record, DeliveryError(KafkaError(KafkaError._FAIL, _BLOCKED))))
+            return True
+        del self._blocked[record.key]
+        return False
 
     def begin_term(self) -> None:
         """A new term re-reads everything not done in order: no key waits for a retry any more."""
@@ -210,7 +221,16 @@ class ProcessPublisher:
                 log.error("producer_process_start_failed", error=str(exc))
                 self._lose(generation, str(exc))  # the batch's records, and all published since
                 return
-        frame = (
+        frame = self._frame(first, batch)
+        # A child that exited fails the batch with everything else pending (its receiver does, and
+        # closes the pipe: ValueError then).
+        with contextlib.suppress(OSError, ValueError):
+            send(self._child.writer, frame)
+
+    def _frame(self, first: int, batch: list[MarkedRecord]) -> tuple[object, ...]:
+        """The frame of ``batch``, numbered from ``first`` on (the child's :func:`~harvester.kafka.
+        producer_process.main` reads it)."""
+        return (
             first,
             [r.topic for r in batch],
             [r.key for r in batch],
@@ -220,10 +240,6 @@ class ProcessPublisher:
             [r.stamp for r in batch],
             [placement(r) for r in batch] if self._placing else None,
         )
-        # A child that exited fails the batch with everything else pending (its receiver does, and
-        # closes the pipe: ValueError then).
-        with contextlib.suppress(OSError, ValueError):
-            send(self._child.writer, frame)
 
     def _stop_child(self, timeout: float) -> None:
         with contextlib.suppress(OSError, ValueError):  # exited already: its receiver reports what it left

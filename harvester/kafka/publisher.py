@@ -8,15 +8,18 @@ never waits on callbacks.
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+import structlog
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
 from harvester.core.failures import PublishError
 from harvester.core.protocols import DeliveryCallback, RefusedError
 from harvester.core.records import MarkedRecord, placement
 from harvester.kafka.enqueue import Placing, enqueue
+
+log = structlog.get_logger("harvester.kafka")
 
 # Errors that concern the record itself, so that publishing it again cannot succeed (too large,
 # invalid, unknown or forbidden topic); every other error is waited out.
@@ -116,6 +119,8 @@ class KafkaPublisher:
     went in later batches.
     """
 
+    _placing = False  # whether records may have a timestamp or partition of their own
+
     def __init__(self, config: Mapping[str, Any], on_delivery: DeliveryCallback, *, in_order: bool = False) -> None:
         settings, self.keeps_order = delivery_settings(config, in_order)
         self._producer = Producer(settings)
@@ -134,11 +139,15 @@ class KafkaPublisher:
                 # goes on, so the records it holds come back failed, reported as this refusal.
                 self._refused = refusal(exc.args[0])
 
-    def publish(self, record: MarkedRecord) -> None:
-        """Enqueue ``record``; a local failure is reported through the delivery callback at once.
+    def publish(self, records: Sequence[MarkedRecord]) -> None:
+        """Enqueue ``records``; a local failure is reported through the delivery callback at once.
         Raises :class:`RefusedError` once the producer failed for good."""
         if self._refused is not None:
             raise self._refused
+        for record in records:
+            self._enqueue(record)
+
+    def _enqueue(self, record: MarkedRecord) -> None:
         callback = self._on_delivery
 
         def report(err: KafkaError | None, _msg: Message) -> None:
@@ -146,8 +155,14 @@ class KafkaPublisher:
             failed = None if err is None else (refused or DeliveryError(err, record.topic))
             callback((record, failed))
 
-        # The key is encoded to UTF-8 by the client.
-        error = enqueue(self._producer, record.topic, record.key, record.value, record.kafka_headers(), report)
+        to = Placing(self._producer, *placement(record)) if self._placing else self._producer
+        try:
+            # The key is encoded to UTF-8 by the client.
+            error = enqueue(to, record.topic, record.key, record.value, record.kafka_headers(), report)
+        except Exception as exc:  # a record the client cannot take: it alone fails, settled and re-marked
+            log.exception("publish_failed", id=record.id)
+            callback((record, exc))
+            return
         if error is not None:
             callback((record, DeliveryError(error, record.topic)))
 
@@ -177,21 +192,7 @@ class KafkaPublisher:
 
 class PlacingPublisher(KafkaPublisher):
     """A :class:`KafkaPublisher` of records that may have a timestamp or partition of their own
-    (:class:`~harvester.core.records.PlacedRecord`): a publish of its own, so that
-    :class:`KafkaPublisher`'s does no more per record for the layouts that place none."""
+    (:class:`~harvester.core.records.PlacedRecord`): it gives them to the producer, which the others'
+    publisher need not look for."""
 
-    def publish(self, record: MarkedRecord) -> None:
-        """:meth:`KafkaPublisher.publish`, with the record's timestamp and partition."""
-        if self._refused is not None:
-            raise self._refused
-        callback = self._on_delivery
-
-        def report(err: KafkaError | None, _msg: Message) -> None:
-            refused = self._refused
-            failed = None if err is None else (refused or DeliveryError(err, record.topic))
-            callback((record, failed))
-
-        placing = Placing(self._producer, *placement(record))
-        error = enqueue(placing, record.topic, record.key, record.value, record.kafka_headers(), report)
-        if error is not None:
-            callback((record, DeliveryError(error, record.topic)))
+    _placing = True

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import psycopg
 import pytest
@@ -42,11 +42,11 @@ class CountingPublisher(KafkaPublisher):
 
         super().__init__(config, counted)
 
-    def publish(self, record: MarkedRecord) -> None:
+    def publish(self, records: Sequence[MarkedRecord]) -> None:
         with self.lock:
-            self.outstanding += 1
+            self.outstanding += len(records)
             self.peak = max(self.peak, self.outstanding)
-        super().publish(record)
+        super().publish(records)
 
 
 def test_throttle_bound_never_exceeded_on_real_services(

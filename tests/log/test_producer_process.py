@@ -62,8 +62,8 @@ def test_records_land_in_publish_order_with_one_report_each(
     topic = topics(3)
     publisher, reports = started()
     assert publisher.keeps_order
-    for n in range(3000):
-        publisher.publish(_record(n, topic, key=f"k{n % 7}"))
+    for start in range(0, 3000, 250):  # as a dispatcher publishes: what it sends of each mark at once
+        publisher.publish([_record(n, topic, key=f"k{n % 7}") for n in range(start, start + 250)])
     done = _collect(reports, 3000)
     assert sorted(r.id for r, _ in done) == list(range(3000))
     assert all(err is None for _, err in done)
@@ -91,10 +91,10 @@ def test_a_stamped_record_carries_its_identity_headers_after_its_own(
     )
     stamp = Stamp.of(IdentityHeaders("x-"), 7, b"p")
     try:
-        for n in (41, 42):
-            record = _record(n, topic)
+        records = [_record(n, topic) for n in (41, 42)]
+        for record in records:
             record.stamp = stamp
-            publisher.publish(record)
+        publisher.publish(records)
         assert all(err is None for _, err in _collect(reports, 2))
     finally:
         publisher.close(5)
@@ -147,20 +147,19 @@ def test_a_child_that_dies_fails_what_it_left_once_each_and_a_new_one_takes_the_
     publisher, reports = started()
     first = publisher.child_pid
     os.kill(first, signal.SIGSTOP)  # nothing it holds can be acknowledged now
-    for n in range(100):
-        publisher.publish(_record(n, topic))
+    publisher.publish([_record(n, topic) for n in range(100)])
     time.sleep(0.5)
     os.kill(first, signal.SIGKILL)
     os.kill(first, signal.SIGCONT)
     left = _collect(reports, 100)
     assert sorted(r.id for r, _ in left) == list(range(100))  # each reported once
     assert all(isinstance(err, DeliveryError) and not err.permanent for _, err in left)
-    publisher.publish(_record(100, topic))  # key k: after its failed records, so it fails too
+    publisher.publish([_record(100, topic)])  # key k: after its failed records, so it fails too
     [(late, err)] = _collect(reports, 1)
     assert late.id == 100 and isinstance(err, DeliveryError) and not err.permanent
-    publisher.publish(_record(500, topic, key="other"))  # another key goes on
+    publisher.publish([_record(500, topic, key="other")])  # another key goes on
     for n in range(3):  # the retries, from k's first failed record
-        publisher.publish(_record(n, topic))
+        publisher.publish([_record(n, topic)])
     after = _collect(reports, 4)
     assert sorted((r.id, err) for r, err in after) == [(0, None), (1, None), (2, None), (500, None)]
     assert publisher.child_pid != first
@@ -168,12 +167,12 @@ def test_a_child_that_dies_fails_what_it_left_once_each_and_a_new_one_takes_the_
     assert [text(m.value()) for m in landed if text(m.key()) == "k"] == ["v0", "v1", "v2"]
     # Another loss, then a new term: the key does not wait for its retry any more.
     os.kill(publisher.child_pid, signal.SIGSTOP)
-    publisher.publish(_record(600, topic, key="j"))
+    publisher.publish([_record(600, topic, key="j")])
     time.sleep(0.5)
     os.kill(publisher.child_pid, signal.SIGKILL)
     assert _collect(reports, 1)[0][0].id == 600
     publisher.begin_term()
-    publisher.publish(_record(601, topic, key="j"))
+    publisher.publish([_record(601, topic, key="j")])
     assert [(r.id, err) for r, err in _collect(reports, 1)] == [(601, None)]
     assert reports.empty()
 

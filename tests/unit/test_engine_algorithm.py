@@ -86,9 +86,9 @@ class HandPublisher:
         self.sent: list[MarkedRecord] = []
         self.lock = threading.Lock()
 
-    def publish(self, record: MarkedRecord) -> None:
+    def publish(self, records: Sequence[MarkedRecord]) -> None:
         with self.lock:
-            self.sent.append(record)
+            self.sent.extend(records)
 
     def begin_term(self) -> None:
         pass
