@@ -164,7 +164,9 @@ class ProcessPublisher:
         up_read, up_write = os.pipe()
         package_root = str(Path(__file__).resolve().parents[2])
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
-        command = [sys.executable, "-m", "harvester.kafka.producer_process", str(down_read), str(up_write)]
+        # -P: the child imports this process's package, not one in the working directory (``-m``
+        # would put it first), whose frames could differ.
+        command = [sys.executable, "-P", "-m", "harvester.kafka.producer_process", str(down_read), str(up_write)]
         try:
             process = subprocess.Popen(command, pass_fds=(down_read, up_write), env=env)
         except BaseException:

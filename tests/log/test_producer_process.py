@@ -3,7 +3,8 @@ broker: records land in publish order with one report each, their identity heade
 refused settings fail at start as in the harvester's own process; librdkafka's logs and errors reach
 the configured logger and callback; a child that dies fails what it left, once each, and the next
 records go through a new child, a key with a failed record failing until its retry; a child whose
-harvester died exits; a terminal's or service manager's signals leave it to the harvester."""
+harvester died exits; a terminal's or service manager's signals leave it to the harvester; the child
+imports the harvester's own package whatever the working directory holds."""
 
 from __future__ import annotations
 
@@ -106,6 +107,22 @@ def test_refused_settings_fail_at_start(started: Callable[..., tuple[ProcessPubl
     with pytest.raises(KafkaException) as refused:
         started(**{"no.such.property": "1"})
     assert "no.such.property" in refused.value.args[0].str()
+
+
+def test_the_child_runs_the_harvesters_package_whatever_the_working_directory(
+    started: Callable[..., tuple[ProcessPublisher, Reports]],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    topics: Callable[..., str],
+) -> None:
+    """A reaper started from a directory holding another version's ``harvester`` (a checkout, say):
+    its child imports the reaper's own, whose frames it reads."""
+    (tmp_path / "harvester").mkdir()
+    (tmp_path / "harvester" / "__init__.py").write_text("raise ImportError('the wrong package')\n")
+    monkeypatch.chdir(tmp_path)
+    publisher, reports = started()
+    publisher.publish([_record(1, topics())])
+    assert [err for _, err in _collect(reports, 1)] == [None]
 
 
 def test_only_forwarded_callables_run_in_the_child() -> None:
