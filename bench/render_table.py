@@ -36,6 +36,13 @@ def _num(value: float | None, digits: int) -> str:
     return "-" if value is None else f"{value:,.{digits}f}"
 
 
+def _shares(shares: dict[str, dict[str, float] | None]) -> str:
+    """The medians of a relay's shares of the ceilings measured in its run ("-" for one not measured)."""
+    if not any(shares.values()):
+        return "-"
+    return " / ".join(_num((shares.get(kind) or {}).get("median"), 2) for kind in ("decode", "produce", "delete"))
+
+
 def label(relay: dict[str, Any]) -> str:
     name = SOURCES.get(relay["source"], relay["label"])
     return f"{name}, tuned" if relay["tuned"] else name
@@ -53,8 +60,9 @@ def render(run: dict[str, Any]) -> str:
         f"Burst of {workload['records']:,} records into an idle outbox{then}; medians of {rounds}."
         " CPU is seconds per 1,000 records.",
         "",
-        "| relay | records/s | vs Debezium (range) | CPU: relay | PostgreSQL | broker | steady p50 / p99 ms |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| relay | records/s | vs Debezium (range) | share of the ceilings: decode / produce / delete"
+        " | CPU: relay | PostgreSQL | broker | steady p50 / p99 ms |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name in [n for n in ROWS if n in summary] + [n for n in summary if n not in ROWS]:
         row, ratio = summary[name], summary[name]["vs_debezium"]
@@ -62,7 +70,7 @@ def render(run: dict[str, Any]) -> str:
         steady_ms = "-" if latency is None else f"{latency['p50_ms']:.1f} / {latency['p99_ms']:.1f}"
         lines.append(
             f"| {label(relays[name])} | {_num(row['rate'], 0)}"
-            f" | {ratio['median']:.2f}x ({ratio['min']:.2f}-{ratio['max']:.2f})"
+            f" | {ratio['median']:.2f}x ({ratio['min']:.2f}-{ratio['max']:.2f}) | {_shares(row.get('shares', {}))}"
             f" | {_num(row['cpu_relay'], 3)} | {_num(row['cpu_postgres'], 3)} | {_num(row['cpu_broker'], 3)}"
             f" | {steady_ms} |"
         )

@@ -1,6 +1,7 @@
 """bench/render_table.py on a small run shaped as bench/peers.py writes it: the Markdown rows in the
-README's order with their ratios and CPU, the caption with the run's date and machine, the README's
-block replaced between its markers, and a clear one-line error for a file it cannot read."""
+README's order with their ratios, shares of the ceilings and CPU, the caption with the run's date and
+machine, the README's block replaced between its markers, and a clear one-line error for a file it
+cannot read."""
 
 from __future__ import annotations
 
@@ -27,9 +28,11 @@ def test_renders_the_rows_in_order_and_the_caption() -> None:
     assert done.returncode == 0, done.stderr
     rows = [line for line in done.stdout.splitlines() if line.startswith("| ") and "---" not in line]
     assert rows[1:] == [
-        "| Debezium + EventRouter | 40,000 | 1.00x (1.00-1.00) | 0.040 | 0.002 | 0.010 | 20.0 / 40.0 |",
-        "| harvester, log source | 60,000 | 1.50x (1.50-1.50) | 0.012 | 0.004 | 0.010 | 5.2 / 9.0 |",
-        "| harvester, table-less outbox | 80,000 | 2.00x (2.00-2.00) | 0.010 | 0.003 | 0.010 | - |",
+        "| Debezium + EventRouter | 40,000 | 1.00x (1.00-1.00) | 0.41 / - / 0.60 | 0.040 | 0.002 | 0.010"
+        " | 20.0 / 40.0 |",
+        "| harvester, log source | 60,000 | 1.50x (1.50-1.50) | 0.61 / 0.40 / 0.90 | 0.012 | 0.004 | 0.010"
+        " | 5.2 / 9.0 |",
+        "| harvester, table-less outbox | 80,000 | 2.00x (2.00-2.00) | - | 0.010 | 0.003 | 0.010 | - |",
     ]
     caption = "Burst of 200,000 records into an idle outbox, then a steady 2,000 records/s; medians of 1 round."
     assert caption in done.stdout
