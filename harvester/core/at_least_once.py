@@ -1,5 +1,6 @@
-"""At-least-once delivery: records go out one by one behind per-key barriers; a completion thread
-takes Kafka's answers, purges what it acknowledged and resets what failed.
+"""At-least-once delivery: each record goes out behind its key's barrier (those a batch lets through
+published together); a completion thread takes Kafka's answers, purges what it acknowledged and
+resets what failed.
 
 Per-key order: a record whose key has no room waits in that key's FIFO while records of other keys
 keep flowing (no head-of-line blocking); when a record of the key is done, the key's next record
@@ -139,7 +140,6 @@ class AtLeastOnceDispatcher:
         """Send each record whose key has room, queue the others behind their keys; waits while
         the in-flight window is full."""
         state, metrics, gate, bound = self._state, self._ctx.metrics, self._gate, self._bound
-        published = self._published
         now = time.monotonic()
         solo = self._ctx.settler.solo
         if not state.still_leader():  # asked without the lock: the elector may hold its own
@@ -148,6 +148,8 @@ class AtLeastOnceDispatcher:
             purged = self._purged_during_mark or set()
             self._purged_during_mark = None
             sent: list[MarkedRecord] = []  # counted as sent, published at once before any wait
+            # Counted here: what the completion thread publishes during a wait, it counts itself.
+            published = 0
             try:
                 for record in batch:
                     # state.current(), inlined: per record, identity first (UUID's == is Python code).
@@ -158,7 +160,7 @@ class AtLeastOnceDispatcher:
                         continue
                     alone = bool(solo) and record.id in solo
                     if gate.window >= bound or self._solo is not None or (alone and gate.in_flight_records):
-                        self._publish(sent)  # the window frees as they are answered
+                        published += self._publish(sent)  # the window frees as they are answered
                         sent = []
                         while (
                             gate.window >= bound or self._solo is not None or (alone and gate.in_flight_records)
@@ -170,19 +172,20 @@ class AtLeastOnceDispatcher:
                     sent.append(record)
                     if alone:
                         self._solo = record.id
-                        self._publish(sent)
+                        published += self._publish(sent)
                         sent = []
             finally:
-                self._publish(sent)
+                published += self._publish(sent)
                 metrics.queued.set(gate.queued_records)
                 metrics.in_flight.set(gate.in_flight_records)
-        metrics.published.inc(self._published - published)
+                metrics.published.inc(published)
 
-    def _publish(self, records: list[MarkedRecord]) -> None:
+    def _publish(self, records: list[MarkedRecord]) -> int:
         """Publish ``records``, counted as sent (caller holds the lock; publish() never blocks on it:
-        reports go to a queue). A malformed record, or those the publisher raised on, are reported failed."""
+        reports go to a queue); how many were. A malformed record, or those the publisher raised on,
+        are reported failed."""
         if not records:
-            return
+            return 0
         acks = self._acks
         if any(record.malformed is not None for record in records):
             for record in records:
@@ -199,8 +202,9 @@ class AtLeastOnceDispatcher:
                 log.exception("publish_failed", records=len(records))
             for record in records:
                 acks.put_nowait((record, exc))
-            return
+            return 0
         self._published += len(records)
+        return len(records)
 
     def _send_waiting(self, keys: Iterable[str], may_send: bool) -> None:
         """Send the records waiting behind ``keys`` while their keys have room (caller holds the

@@ -1,2 +1,2 @@
-"""The Kafka adapter: publishing (one record at a time, or in transactions with checkpoints) and
-the topics the harvester needs."""
+"""The Kafka adapter: publishing (a delivery report per record, or in transactions with checkpoints)
+and the topics the harvester needs."""

@@ -164,7 +164,7 @@ class KafkaPublisher:
             callback((record, exc))
             return
         if error is not None:
-            callback((record, DeliveryError(error, record.topic)))
+            callback((record, self._refused or DeliveryError(error, record.topic)))
 
     def begin_term(self) -> None:
         """Nothing to do: the producer keeps no state per term."""

@@ -285,6 +285,22 @@ def test_throttle_bounds_in_flight_records(release_on_ack: bool) -> None:
 
 
 @ON_ACK
+def test_each_published_record_counts_once_while_the_window_is_full(release_on_ack: bool) -> None:
+    """The dispatcher waits for the window while the completion thread sends what a key held back
+    (a1): each record is counted once in ``harvester_records_published``."""
+    rows = [("a", "a0"), ("a", "a1"), ("b", "b0"), ("c", "c0"), ("d", "d0")]
+    engine, store, pub, _ = build(release_on_ack=release_on_ack, rows=rows, max_in_flight_records=2)
+    ManualElector().start(engine.on_leader_event)
+    acker = Acker(pub)
+    while acker.done < len(rows):
+        acker.ack_next()
+    wait_for(lambda: not store.rows)
+    assert sorted(pub.values()) == sorted(value for _, value in rows)
+    assert engine._metrics.published._value.get() == len(rows)
+    engine.close(1)
+
+
+@ON_ACK
 def test_failed_delivery_forces_remark_and_keeps_key_order(release_on_ack: bool) -> None:
     engine, store, pub, events = build(release_on_ack=release_on_ack, rows=[("a", "a0"), ("a", "a1"), ("b", "b0")])
     ManualElector().start(engine.on_leader_event)
