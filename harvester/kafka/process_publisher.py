@@ -3,8 +3,8 @@ time in ``produce`` or in delivery callbacks: about a third of the log source's 
 which a second core then does (docs/log-source.md, "The producer process").
 
 Records cross a pipe in batches of columns (one list of topics, one of keys, ...), numbered in
-publish order: pickling a list of tuples, one per record, and unpickling it in the child cost about
-twice the CPU per record. The child
+publish order: a tuple per record cost more to pickle here and to unpickle in the child
+(docs/benchmarks.md, "the producer process's batches as columns"). The child
 (:mod:`harvester.kafka.producer_process`) produces them in that order with the same settings as
 :class:`~harvester.kafka.publisher.KafkaPublisher`, so order is kept exactly as there. Reports come
 back as the numbers acknowledged and the errors of the rest. librdkafka's logs and errors come back
@@ -230,8 +230,8 @@ class ProcessPublisher:
             send(self._child.writer, frame)
 
     def _frame(self, first: int, batch: list[MarkedRecord]) -> tuple[object, ...]:
-        """The frame of ``batch``, numbered from ``first`` on (the child's :func:`~harvester.kafka.
-        producer_process.main` reads it)."""
+        """The frame of ``batch``, numbered from ``first`` on, as the child reads it
+        (:mod:`harvester.kafka.producer_process`)."""
         return (
             first,
             [r.topic for r in batch],
