@@ -38,6 +38,8 @@ _GROUPS = (  # path prefix -> group, longest first
     ("tests/engine/test_failures.py", "private_kafka"),
     ("tests/leader/test_failover.py", "private_kafka"),
     ("tests/leader/test_group_members.py", "private_kafka"),
+    # Its two cases share one private server (a module fixture, a fixed directory): one worker.
+    ("tests/log/test_invalidated_slot.py", "invalidated_slot"),
 )
 
 
