@@ -37,14 +37,20 @@ COPY harvester/ harvester/
 COPY sql/ sql/
 # /opt/build holds the tools (pip, the locked setuptools) that build the wheel; /opt/reaper gets only the
 # locked dependencies and that wheel, installed by /opt/build's pip from outside (--python).
-# confluent-kafka and psycopg[binary] ship manylinux wheels (librdkafka and libpq inside): no compiler needed.
-RUN python -m venv /opt/build \
+# confluent-kafka and psycopg[binary] ship manylinux wheels (librdkafka and libpq inside); the compiler
+# and librdkafka's headers (Debian's, in this stage only) build the producer process's native loop
+# against the wheel's librdkafka (deploy/native/build.sh; docs/log-source.md).
+COPY deploy/native/ deploy/native/
+RUN apt-get update \
+ && apt-get install --yes --no-install-recommends gcc libc6-dev librdkafka-dev \
+ && python -m venv /opt/build \
  && /opt/build/bin/pip install --require-hashes -r requirements-build.lock \
  && /opt/build/bin/pip wheel --no-deps --no-build-isolation --wheel-dir /wheels /src \
  && python -m venv --without-pip /opt/reaper \
  && /opt/build/bin/pip --python /opt/reaper/bin/python install --require-hashes -r requirements.lock \
  && if [ "$OTEL" = 1 ]; then /opt/build/bin/pip --python /opt/reaper/bin/python install --require-hashes --no-deps -r requirements-otel.lock; fi \
  && /opt/build/bin/pip --python /opt/reaper/bin/python install --no-deps --no-index --find-links /wheels outbox-harvester \
+ && bash deploy/native/build.sh /opt/reaper/bin/python \
  && /opt/reaper/bin/reaper --version
 
 # ---- runtime: the virtualenv only, run as an unprivileged user

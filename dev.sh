@@ -28,6 +28,22 @@ setup_venv() {
       { tail -n 30 .local/pip.log >&2; echo "pip install failed (see .local/pip.log)" >&2; exit 1; }
     touch "$stamp"
   fi
+  build_native
+}
+
+# The producer process's native loop (deploy/native/build.sh), built again when its source, its build
+# script or the installed packages changed. Without it the producer process runs its pure-Python loop,
+# slower: say so, and go on.
+build_native() {
+  local built
+  built=harvester/kafka/_rdkafka_loop$("$PY" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
+  if [ ! -f "$built" ] || [ harvester/kafka/_rdkafka_loop.c -nt "$built" ] || [ deploy/native/build.sh -nt "$built" ] ||
+    [ "$VENV/.outbox-harvester-installed" -nt "$built" ]; then
+    mkdir -p .local
+    bash deploy/native/build.sh "$PY" >.local/native.log 2>&1 ||
+      { tail -n 5 .local/native.log >&2
+        echo "the producer process's native loop was not built (.local/native.log): it runs in Python" >&2; }
+  fi
 }
 
 services() { bash deploy/local/services.sh start; }

@@ -15,11 +15,12 @@ maximum of ``time.thread_time`` per record (this thread's CPU, robust to other p
   ``answered`` and ``done`` per batch of 1,000 reports (the dispatcher's and completion's share)
 - ``publish``: ``ProcessPublisher.publish`` of each batch of 1,000 and ``frames.send`` of its frame
   (columns) to /dev/null (the harvester-produce thread's pickling)
-- ``child_produce``: in the producer process, ``frames.receive`` of those frames and
-  ``_Relay.produce`` of each into a real confluent-kafka producer whose broker never answers
-  (librdkafka queues it: ``produce``'s own C work is in the figure)
-- ``child_report``: the delivery callback ``_Relay.produce`` made, called as the poll thread would,
-  and ``_Relay.report``'s frame of the acknowledged numbers
+- ``child_produce``: in the producer process, ``frames.receive`` of those frames and the Python
+  loop's ``produce`` of each into a real confluent-kafka producer whose broker never answers
+  (librdkafka queues it: ``produce``'s own C work is in the figure; ``bench/pipe.py`` measures the
+  native loop)
+- ``child_report``: the delivery callback that ``produce`` made, called as the poll thread would,
+  and the frame of the acknowledged numbers the loop's ``take`` gives
 - ``reports``: the harvester's ``ProcessPublisher._receive`` of those frames, each report put on a
   queue as the dispatcher's callback does
 
@@ -196,28 +197,28 @@ def child(sent: list[bytes], report_frames: list[bytes]) -> tuple[float, float]:
         "log_level": 0,
     }
     sink = io.BytesIO()
-    relay = producer_process._Relay(sink, settings, False, False)
+    loop = producer_process._PythonLoop(dict(settings), False, False)
     stream = io.BytesIO(b"".join(sent))
 
     def produce() -> None:
         while (frame := frames.receive(stream)) is not None:
-            relay.produce(*frame)
+            loop.produce(*frame)
 
     produced = _cpu(produce)
-    relay.producer.purge()
-    relay.producer.poll(0)  # the purged records' reports (failed): not measured
-    capture = producer_process._Relay(sink, settings, False, False)
-    capture.producer = _Capture()  # type: ignore[assignment]
+    loop.purge()
+    loop.poll(0)  # the purged records' reports (failed): not measured
+    capture = producer_process._PythonLoop(dict(settings), False, False)
+    capture._producer = _Capture()  # type: ignore[assignment]
     stream.seek(0)
     while (frame := frames.receive(stream)) is not None:
         capture.produce(*frame)
-    callbacks = capture.producer.callbacks  # type: ignore[attr-defined]
+    callbacks = capture._producer.callbacks  # type: ignore[attr-defined]
 
     def acknowledge() -> None:
         for start in range(0, len(callbacks), BATCH):
             for callback in callbacks[start : start + BATCH]:
                 callback(None, None)
-            capture.report()
+            frames.send(sink, capture.take())
 
     sink.seek(0)
     sink.truncate()

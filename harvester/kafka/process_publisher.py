@@ -68,6 +68,7 @@ class _Child:
     writer: BinaryIO
     reader: BinaryIO
     generation: int
+    loop: str = ""  # the child's loop over its producer: "native" or "python"
     receiver: threading.Thread = field(init=False)
 
 
@@ -98,6 +99,11 @@ class ProcessPublisher:
         self._child = self._spawn(0)
         self._sender = threading.Thread(target=self._send_loop, name="harvester-produce", daemon=True)
         self._sender.start()
+
+    @property
+    def loop(self) -> str:
+        """The producer process's loop: "native" (C over librdkafka) or "python"."""
+        return self._child.loop
 
     @property
     def child_pid(self) -> int:
@@ -183,11 +189,12 @@ class ProcessPublisher:
             started = _answer(child)
         except OSError as exc:
             started = (KafkaError._FAIL, f"the producer process exited at start: {exc}")
-        if started is not None:
+        if not isinstance(started, str):
             process.kill()
             process.wait()
             _close(child)
             raise KafkaException(KafkaError(*started))
+        child.loop = started
         child.receiver = threading.Thread(
             target=self._receive_loop, args=(child,), name="harvester-delivery", daemon=True
         )
@@ -311,8 +318,8 @@ def _close(child: _Child) -> None:
             stream.close()
 
 
-def _answer(child: _Child) -> tuple[int, str] | None:
-    """None once the child's producer exists, else the error that refused it (or stopped the child)."""
+def _answer(child: _Child) -> str | tuple[int, str]:
+    """The child's loop once its producer exists, else the error that refused it (or stopped the child)."""
     answer: list[Any] = []
     reader = threading.Thread(target=lambda: answer.append(receive(child.reader)), daemon=True)
     reader.start()
@@ -320,8 +327,9 @@ def _answer(child: _Child) -> tuple[int, str] | None:
     if not answer:
         child.process.kill()
         return (KafkaError._FAIL, f"the producer process did not start within {_START_TIMEOUT:.0f} s")
-    if answer[0] == "ready":
-        return None
+    if isinstance(answer[0], tuple) and answer[0][0] == "ready":
+        loop: str = answer[0][1]
+        return loop
     if answer[0] is None:
         return (KafkaError._FAIL, f"the producer process exited at start (code {child.process.wait()})")
     refused: tuple[int, str] = answer[0]

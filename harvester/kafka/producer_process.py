@@ -1,5 +1,5 @@
 """The producer process that :class:`harvester.kafka.process_publisher.ProcessPublisher` starts: one
-confluent-kafka producer fed by frames from the harvester, its delivery reports sent back in frames.
+librdkafka producer fed by frames from the harvester, its delivery reports sent back in frames.
 
 ``python -m harvester.kafka.producer_process IN OUT``: reads frames from file descriptor ``IN`` and
 writes them to ``OUT`` (:mod:`harvester.kafka.frames`). In: first ``(settings, forward_logs,
@@ -7,11 +7,16 @@ forward_errors)``, then batches ``(first seq, topics, keys, values, headers, ids
 placements)``, a list per field with an item per record, the records numbered from ``first seq`` on
 (the child appends the identity headers of each ``stamp``, a :class:`harvester.core.identity.Stamp`
 or None; ``placements`` is None, or each record's ``(timestamp, partition)``: milliseconds since the
-epoch, 0 for now, and -1 for the partitioner's), then ``("close", timeout)``. Out: first ``"ready"``
-once the producer exists or ``(code, reason)`` when it could not be made, then reports ``(acked
+epoch, 0 for now, and -1 for the partitioner's), then ``("close", timeout)``. Out: first ``("ready",
+loop)`` once the producer exists or ``(code, reason)`` when it could not be made, then reports ``(acked
 seqs, [(seq, code, reason)], [(level, text)], [(code, reason, fatal)], [(code, reason)])``, the last
 the producer's fatal error once it has one (Kafka refused it a producer id, say): it publishes
 nothing more, and the harvester stops leading with that refusal.
+
+The loop over the producer is native (:mod:`harvester.kafka._rdkafka_loop`, C over the librdkafka
+of confluent-kafka's wheel: no Python object per record but the numbers acknowledged) where
+``./dev.sh`` or the image built it, and in Python over confluent-kafka's producer otherwise, or when
+``HARVESTER_PRODUCER_LOOP=python``; both read the same frames and send the same reports.
 
 It imports nothing but confluent-kafka, :mod:`harvester.kafka.frames`, :mod:`harvester.kafka.enqueue`
 and :mod:`harvester.core.identity` (and :mod:`harvester.runtime`'s collector settings), so it starts
@@ -30,7 +35,7 @@ import sys
 import threading
 import traceback
 from itertools import count, repeat
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Protocol
 
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
@@ -40,12 +45,51 @@ from harvester.kafka.frames import receive, send
 from harvester.runtime import tune_garbage_collector
 
 
-class _Relay:
-    """The producer and the reports waiting to go back. Delivery reports, librdkafka's logs and
-    errors run on whichever thread polls: the poll thread, or the main thread's final flush."""
+class Loop(Protocol):
+    """A producer fed the frames' columns, its reports taken in bulk: the native loop
+    (:mod:`harvester.kafka._rdkafka_loop`) or :class:`_PythonLoop`."""
 
-    def __init__(self, out: BinaryIO, settings: dict[str, Any], forward_logs: bool, forward_errors: bool) -> None:
-        self._out = out
+    def produce(
+        self,
+        first: int,
+        topics: list[str],
+        keys: list[str],
+        values: list[bytes | None],
+        headers: list[Any],
+        ids: list[int],
+        stamps: list[Stamp | None],
+        placements: list[tuple[int, int]] | None,
+        /,
+    ) -> None:
+        """Produce a batch, in order, the records numbered from ``first`` on; a record refused at
+        once is reported failed."""
+
+    def poll(self, timeout: float, /) -> None:
+        """Serve librdkafka's callbacks for up to ``timeout`` seconds."""
+
+    def take(self) -> Report | None:
+        """What was reported since the last call, as a report frame; None for nothing."""
+
+    def flush(self, timeout: float, /) -> int:
+        """Wait up to ``timeout`` seconds for the queue to empty; how many records are left."""
+
+    def purge(self) -> None:
+        """Drop what is queued or in flight: it comes back failed at the next poll or flush."""
+
+
+# A report frame: (acked seqs, [(seq, code, reason)], [(level, text)], [(code, reason, fatal)], [(code, reason)]).
+Report = tuple[
+    list[int], list[tuple[int, int, str]], list[tuple[int, str]], list[tuple[int, str, bool]], list[tuple[int, str]]
+]
+
+
+class _PythonLoop:
+    """The loop in Python over confluent-kafka's producer, a delivery callback per record: where the
+    native loop was not built, or ``HARVESTER_PRODUCER_LOOP=python`` asks for it. Delivery reports,
+    librdkafka's logs and errors run on whichever thread polls: the poll thread, or the main
+    thread's final flush."""
+
+    def __init__(self, settings: dict[str, Any], forward_logs: bool, forward_errors: bool) -> None:
         self._lock = threading.Lock()  # guards the lists below: produce failures come from the main thread
         self._acked: list[int] = []
         self._failed: list[tuple[int, int, str]] = []
@@ -56,18 +100,16 @@ class _Relay:
             settings["logger"] = self._logger()
         if forward_errors:
             settings["error_cb"] = self._on_error
-        self.producer = Producer(settings)
+        self._producer = Producer(settings)
         self._parent = os.getppid()
-        self._stopping = threading.Event()
-        self._poller = threading.Thread(target=self._poll, name="producer-poll", daemon=True)
 
     def _logger(self) -> logging.Logger:
-        relay = self
+        loop = self
 
         class Forward(logging.Handler):
             def emit(self, record: logging.LogRecord) -> None:
-                with relay._lock:
-                    relay._logs.append((record.levelno, record.getMessage()))
+                with loop._lock:
+                    loop._logs.append((record.levelno, record.getMessage()))
 
         logger = logging.getLogger("rdkafka")
         logger.setLevel(logging.DEBUG)  # the harvester's logger decides what it shows
@@ -79,32 +121,21 @@ class _Relay:
         with self._lock:
             self._errors.append((error.code(), error.str(), error.fatal()))
 
-    def start(self) -> None:
-        self._poller.start()
-
-    def _poll(self) -> None:
+    def poll(self, timeout: float) -> None:
         try:
-            while not self._stopping.is_set():
-                try:
-                    self.producer.poll(0.05)
-                except KafkaException as exc:
-                    # A fatal error (raised once, by poll): polling goes on, so the records the
-                    # producer holds come back failed after it.
-                    self._failed_for_good(exc.args[0])
-                self.report()
-        except BaseException:
-            # Nothing would report any more: the harvester sees the pipe close and fails the rest.
-            traceback.print_exc()
-            os._exit(1)
+            self._producer.poll(timeout)
+        except KafkaException as exc:
+            # A fatal error (raised once, by poll): polling goes on, so the records the producer
+            # holds come back failed after it.
+            self._failed_for_good(exc.args[0])
 
-    def report(self) -> None:
-        """Send what was reported since the last call, if anything."""
+    def take(self) -> Report | None:
         with self._lock:
             frame = (self._acked, self._failed, self._logs, self._errors, self._fatal)
             if not any(frame):
-                return
+                return None
             self._acked, self._failed, self._logs, self._errors, self._fatal = [], [], [], [], []
-        send(self._out, frame)
+        return frame
 
     def produce(
         self,
@@ -117,8 +148,7 @@ class _Relay:
         stamps: list[Stamp | None],
         placements: list[tuple[int, int]] | None,
     ) -> None:
-        """Produce a batch, in order, the records numbered from ``first`` on."""
-        producer, exit_if_orphaned, fail = self.producer, self._exit_if_orphaned, self._fail
+        producer, exit_if_orphaned, fail = self._producer, self._exit_if_orphaned, self._fail
         places = repeat(None) if placements is None else placements
         for seq, topic, key, value, own, rid, stamp, place in zip(
             count(first), topics, keys, values, headers, ids, stamps, places
@@ -150,18 +180,81 @@ class _Relay:
         with self._lock:
             self._fatal.append((error.code(), error.str()))
 
+    def flush(self, timeout: float) -> int:
+        try:
+            return self._producer.flush(timeout)
+        except KafkaException as exc:  # the fatal error, raised here rather than in the poll thread
+            self._failed_for_good(exc.args[0])
+            return len(self._producer)
+
+    def purge(self) -> None:
+        self._producer.purge()
+
+
+class SettingsError(Exception):
+    """librdkafka refused the producer's settings: ``args`` are its code and reason."""
+
+
+def _text(value: object) -> str:
+    """A setting as librdkafka reads it (confluent-kafka's spelling of booleans)."""
+    return ("true" if value else "false") if isinstance(value, bool) else str(value)
+
+
+def _make_loop(settings: dict[str, Any], forward_logs: bool, forward_errors: bool) -> tuple[Loop, str]:
+    """The loop ``HARVESTER_PRODUCER_LOOP`` names (``native``, the default, when it was built), and
+    its name; raises :class:`SettingsError` when librdkafka refuses the settings."""
+    if os.environ.get("HARVESTER_PRODUCER_LOOP", "native") == "native":
+        try:
+            from harvester.kafka import _rdkafka_loop
+        except ImportError:
+            pass
+        else:
+            texts = [(k, _text(v)) for k, v in settings.items()]
+            try:
+                return _rdkafka_loop.Loop(texts, forward_logs, forward_errors), "native"
+            except _rdkafka_loop.SettingsError as exc:
+                raise SettingsError(*exc.args) from None
+    try:
+        return _PythonLoop(settings, forward_logs, forward_errors), "python"
+    except KafkaException as exc:
+        raise SettingsError(exc.args[0].code(), exc.args[0].str()) from None
+
+
+class _Relay:
+    """A loop's reports sent back while it runs: a poll thread, and the close."""
+
+    def __init__(self, out: BinaryIO, loop: Loop) -> None:
+        self._out = out
+        self.loop = loop
+        self._stopping = threading.Event()
+        self._poller = threading.Thread(target=self._poll, name="producer-poll", daemon=True)
+
+    def start(self) -> None:
+        self._poller.start()
+
+    def _poll(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                self.loop.poll(0.05)
+                self.report()
+        except BaseException:
+            # Nothing would report any more: the harvester sees the pipe close and fails the rest.
+            traceback.print_exc()
+            os._exit(1)
+
+    def report(self) -> None:
+        """Send what was reported since the last call, if anything."""
+        frame = self.loop.take()
+        if frame is not None:
+            send(self._out, frame)
+
     def close(self, timeout: float) -> None:
         """Flush (bounded), fail what is left, and send the last reports."""
         self._stopping.set()
         self._poller.join()
-        try:
-            left = self.producer.flush(timeout)
-        except KafkaException as exc:  # the fatal error, raised here rather than in the poll thread
-            self._failed_for_good(exc.args[0])
-            left = len(self.producer)
-        if left:
-            self.producer.purge()
-            self.producer.flush(0)
+        if self.loop.flush(timeout):
+            self.loop.purge()
+            self.loop.flush(0)
         self.report()
 
 
@@ -172,20 +265,21 @@ def main(argv: list[str]) -> None:
     out = os.fdopen(int(argv[2]), "wb")
     settings, forward_logs, forward_errors = receive(inbound)
     try:
-        relay = _Relay(out, settings, forward_logs, forward_errors)
-    except KafkaException as exc:
-        send(out, (exc.args[0].code(), exc.args[0].str()))
+        loop, name = _make_loop(settings, forward_logs, forward_errors)
+    except SettingsError as exc:
+        send(out, exc.args)
         return
+    relay = _Relay(out, loop)
     # A delivery callback per record in flight, tens of thousands of them: the default collector
     # thresholds cost a fifth of this process's time collecting them, reference counting frees them.
     tune_garbage_collector()
-    send(out, "ready")
+    send(out, ("ready", name))
     relay.start()
     while (frame := receive(inbound)) is not None:
         if frame[0] == "close":
             relay.close(frame[1])
             return
-        relay.produce(*frame)
+        loop.produce(*frame)
     os._exit(0)  # the harvester is gone: drop the producer's queue without waiting for it
 
 

@@ -1,5 +1,6 @@
 """The log source's producer in a child process (harvester.kafka.process_publisher), on the real
 broker: records land in publish order with one report each, their identity headers after their own;
+placed records, tombstones and null header values land as given and a record too large fails alone;
 refused settings fail at start as in the harvester's own process; librdkafka's logs and errors reach
 the configured logger and callback; a child that dies fails what it left, once each, and the next
 records go through a new child, a key with a failed record failing until its retry; a child whose
@@ -25,8 +26,8 @@ from confluent_kafka import KafkaError, KafkaException
 
 from harvester.core.identity import IdentityHeaders, Stamp
 from harvester.core.protocols import DeliveryReport
-from harvester.core.records import MarkedRecord
-from harvester.kafka.process_publisher import ProcessPublisher, runs_in_child
+from harvester.core.records import MarkedRecord, PlacedRecord
+from harvester.kafka.process_publisher import PlacingProcessPublisher, ProcessPublisher, runs_in_child
 from harvester.kafka.publisher import DeliveryError, KafkaPublisher, producer_config
 from tests.support.kafka import read_messages, text
 from tests.support.services import Services
@@ -38,17 +39,26 @@ def _record(n: int, topic: str, key: str = "k") -> MarkedRecord:
     return MarkedRecord(n, datetime.now(UTC), topic, key, f"v{n}".encode(), [("h", b"x")])
 
 
+@pytest.fixture(autouse=True, params=["native", "python"])
+def loop(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each test runs with the child's native loop and with its pure-Python one."""
+    name: str = request.param
+    monkeypatch.setenv("HARVESTER_PRODUCER_LOOP", name)
+    return name
+
+
 def _collect(reports: Reports, count: int, timeout: float = 60) -> list[DeliveryReport]:
     return [reports.get(timeout=timeout) for _ in range(count)]
 
 
 @pytest.fixture
-def started(services: Services) -> Iterator[Callable[..., tuple[ProcessPublisher, Reports]]]:
+def started(services: Services, loop: str) -> Iterator[Callable[..., tuple[ProcessPublisher, Reports]]]:
     made: list[ProcessPublisher] = []
 
     def start(**producer: Any) -> tuple[ProcessPublisher, Reports]:
         reports: Reports = queue.SimpleQueue()
         publisher = ProcessPublisher(producer_config(services.kafka(), producer), reports.put_nowait, in_order=True)
+        assert publisher.loop == loop  # the native one is built by ./dev.sh
         made.append(publisher)
         return publisher, reports
 
@@ -101,6 +111,46 @@ def test_a_stamped_record_carries_its_identity_headers_after_its_own(
         publisher.close(5)
     got = [msg.headers() for msg in read_messages(services.bootstrap, [topic], 2)]
     assert got == [[("h", b"x"), ("x-id", str(n).encode()), ("x-epoch", b"7"), ("x-producer", b"p")] for n in (41, 42)]
+
+
+def test_placed_records_tombstones_and_null_header_values_land_as_given_and_a_too_large_record_fails_alone(
+    services: Services, topics: Callable[..., str], loop: str
+) -> None:
+    topic = topics(3)
+    reports: Reports = queue.SimpleQueue()
+    config = producer_config(services.kafka(), {"message.max.bytes": 10_000})
+    publisher = PlacingProcessPublisher(config, reports.put_nowait, in_order=True)
+    assert publisher.loop == loop
+    when = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
+    stamp = Stamp.of(IdentityHeaders(), 3, b"p")
+    records: list[MarkedRecord] = [
+        PlacedRecord(
+            1, when, topic, "a", b"one", [("h", None), ("s", "text")], timestamp=1_700_000_000_000, partition=2
+        ),
+        MarkedRecord(2, when, topic, "b", None, []),  # a tombstone, nothing placed
+        MarkedRecord(3, when, topic, "c", b"x" * 20_000, []),  # over message.max.bytes
+        PlacedRecord(4, when, topic, "", b"four", [], partition=1),
+    ]
+    records[3].stamp = stamp
+    try:
+        publisher.publish(records)
+        done = {r.id: err for r, err in _collect(reports, 4)}
+    finally:
+        publisher.close(5)
+    assert [done[n] for n in (1, 2, 4)] == [None, None, None]
+    error = done[3]
+    assert isinstance(error, DeliveryError)
+    assert error.code == KafkaError.MSG_SIZE_TOO_LARGE and error.permanent
+    got = {text(m.value()) if m.value() is not None else None: m for m in read_messages(services.bootstrap, [topic], 3)}
+    assert set(got) == {"one", None, "four"}
+    assert (got["one"].partition(), got["one"].timestamp()[1], got["one"].headers()) == (
+        2,
+        1_700_000_000_000,
+        [("h", None), ("s", b"text")],
+    )
+    assert text(got[None].key()) == "b" and got[None].headers() is None
+    assert got["four"].partition() == 1 and got["four"].key() == b""
+    assert got["four"].headers() == [("outbox-id", b"4"), ("outbox-epoch", b"3"), ("outbox-producer", b"p")]
 
 
 def test_refused_settings_fail_at_start(started: Callable[..., tuple[ProcessPublisher, Reports]]) -> None:

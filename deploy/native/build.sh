@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Builds the producer process's native loop (harvester/kafka/_rdkafka_loop.c) for a Python that has
+# the harvester and confluent-kafka installed, into that Python's harvester/kafka/ package:
+#   deploy/native/build.sh PYTHON [CACHE_DIR]
+# It links the librdkafka inside confluent-kafka's wheel (the one the rest of the harvester runs) and
+# compiles against librdkafka's headers: /usr/include/librdkafka when installed, else those of Debian's
+# librdkafka-dev package, fetched once into CACHE_DIR (default .local/native). librdkafka keeps its ABI
+# across 2.x, so older headers serve the wheel's newer library. Without a C compiler or the headers it
+# fails, and the producer process runs its pure-Python loop (docs/log-source.md).
+set -euo pipefail
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+root=$(dirname "$(dirname "$here")")
+python=${1:?usage: build.sh PYTHON [CACHE_DIR]}
+cache=${2:-$root/.local/native}
+source=$root/harvester/kafka/_rdkafka_loop.c
+
+# -P: the package that Python installed, not a checkout in the working directory.
+read -r target suffix include library < <("$python" -P - <<'PY'
+import glob, os, sysconfig
+import confluent_kafka, harvester.kafka
+libs = os.path.join(os.path.dirname(os.path.dirname(confluent_kafka.__file__)), "confluent_kafka.libs")
+found = sorted(glob.glob(os.path.join(libs, "librdkafka*.so*")))
+print(os.path.dirname(harvester.kafka.__file__), sysconfig.get_config_var("EXT_SUFFIX"),
+      sysconfig.get_paths()["include"], found[0] if found else "-")
+PY
+)
+[ "$library" != - ] || { echo "build.sh: no librdkafka in confluent-kafka's wheel" >&2; exit 1; }
+
+headers=/usr/include
+if [ ! -f "$headers/librdkafka/rdkafka.h" ]; then
+  headers=$cache/librdkafka-dev/usr/include
+  if [ ! -f "$headers/librdkafka/rdkafka.h" ]; then
+    mkdir -p "$cache"
+    work=$(mktemp -d)
+    trap 'rm -rf "$work"' EXIT
+    (cd "$work" && apt-get download librdkafka-dev >download.log 2>&1) ||
+      { echo "build.sh: could not fetch Debian's librdkafka-dev for librdkafka's headers" >&2; exit 1; }
+    rm -rf "$cache/librdkafka-dev"
+    dpkg-deb -x "$work"/librdkafka-dev_*.deb "$cache/librdkafka-dev"
+  fi
+fi
+
+output=$target/_rdkafka_loop$suffix
+# Two run paths: beside an installed confluent-kafka (site-packages/harvester/kafka/ ->
+# site-packages/confluent_kafka.libs), and the library's own directory for an editable checkout.
+${CC:-cc} -shared -fPIC -O2 -Wall -Wextra -std=c11 -D_DEFAULT_SOURCE \
+  -I"$include" -I"$headers" "$source" "$library" -lpthread \
+  -Wl,-rpath,"\$ORIGIN/../../confluent_kafka.libs" -Wl,-rpath,"$(dirname "$library")" \
+  -o "$output.tmp"
+mv "$output.tmp" "$output"
+echo "built $output"
