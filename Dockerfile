@@ -24,8 +24,9 @@ ARG OTEL
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1
 WORKDIR /src
-# Every dependency, and the build backend, comes from a lock file with hashes (pip-compile; see the
-# header of each for the command that regenerates it): nothing resolves at build time.
+# Every Python dependency, and the build backend, comes from a lock file with hashes (pip-compile; see
+# the header of each for the command that regenerates it): no Python package resolves at build time.
+# The C compiler and librdkafka's headers (below) are the base image's Debian release's.
 COPY requirements.lock requirements-build.lock requirements-otel.lock ./
 # README.md is left out on purpose: the image needs no long description, and the build must not depend on it.
 # setup.py maps the top-level sql/ (the migrations) into the wheel as harvester/postgres/sql/.

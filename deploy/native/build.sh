@@ -4,26 +4,30 @@
 #   deploy/native/build.sh PYTHON [CACHE_DIR]
 # It links the librdkafka inside confluent-kafka's wheel (the one the rest of the harvester runs) and
 # compiles against librdkafka's headers: /usr/include/librdkafka when installed, else those of Debian's
-# librdkafka-dev package, fetched once into CACHE_DIR (default .local/native). librdkafka keeps its ABI
-# across 2.x, so older headers serve the wheel's newer library. Without a C compiler or the headers it
-# fails, and the producer process runs its pure-Python loop (docs/log-source.md).
+# librdkafka-dev package, fetched once into CACHE_DIR (default $HARVESTER_NATIVE_CACHE, else
+# .local/native). librdkafka keeps its ABI across 2.x, so older headers serve the wheel's newer
+# library. Without a C compiler or the headers it fails, and the producer process runs its
+# pure-Python loop (docs/log-source.md).
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 root=$(dirname "$(dirname "$here")")
 python=${1:?usage: build.sh PYTHON [CACHE_DIR]}
-cache=${2:-$root/.local/native}
+cache=${2:-${HARVESTER_NATIVE_CACHE:-$root/.local/native}}
 source=$root/harvester/kafka/_rdkafka_loop.c
 
-# -P: the package that Python installed, not a checkout in the working directory.
-read -r target suffix include library < <("$python" -P - <<'PY'
+# -P: the package that Python installed, not a checkout in the working directory. One value a line
+# (paths may hold spaces).
+mapfile -t found < <("$python" -P - <<'PY'
 import glob, os, sysconfig
 import confluent_kafka, harvester.kafka
 libs = os.path.join(os.path.dirname(os.path.dirname(confluent_kafka.__file__)), "confluent_kafka.libs")
 found = sorted(glob.glob(os.path.join(libs, "librdkafka*.so*")))
 print(os.path.dirname(harvester.kafka.__file__), sysconfig.get_config_var("EXT_SUFFIX"),
-      sysconfig.get_paths()["include"], found[0] if found else "-")
+      sysconfig.get_paths()["include"], found[0] if found else "-", sep="\n")
 PY
 )
+[ "${#found[@]}" = 4 ] || { echo "build.sh: $python could not import harvester and confluent_kafka" >&2; exit 1; }
+target=${found[0]} suffix=${found[1]} include=${found[2]} library=${found[3]}
 [ "$library" != - ] || { echo "build.sh: no librdkafka in confluent-kafka's wheel" >&2; exit 1; }
 
 headers=/usr/include

@@ -1,5 +1,5 @@
 /* The producer process's loop over librdkafka, in C: a batch of columns in, delivery reports out in
- * bulk, no Python object per record but the numbers acknowledged (docs/log-source.md, "The producer
+ * bulk, no Python object per record but the number acknowledged (docs/log-source.md, "The producer
  * process"). harvester/kafka/producer_process.py uses it when it was built
  * (deploy/native/build.sh), and confluent-kafka's producer otherwise; both take the same frames and
  * give the same reports.
@@ -54,6 +54,8 @@ typedef struct {
 } Loop;
 
 static PyObject *SettingsError; /* raised when the producer cannot be made: args (code, reason) */
+
+static void refuse(int code, const char *reason);
 
 /* Appends one item (of the buffer's size) and returns 0, or -1 when memory ran out. Caller holds
  * the lock. */
@@ -114,13 +116,25 @@ static void on_error(rd_kafka_t *rk, int err, const char *reason, void *opaque) 
     if (fatal && !loop->fatal_seen) { /* the producer's refusal: always reported, once */
         ErrorLine line = {err, copy(reason), 1};
         loop->fatal_seen = 1;
-        push(&loop->fatal, &line);
+        if (push(&loop->fatal, &line) != 0) {
+            fprintf(stderr, "the producer process's loop ran out of memory\n");
+            _exit(1);
+        }
     }
-    if (loop->forward_errors) {
-        ErrorLine line = {err, copy(reason), fatal};
+    if (loop->forward_errors && !fatal) { /* as confluent-kafka: the fatal one is the refusal above */
+        ErrorLine line = {err, copy(reason), 0};
         push(&loop->errors, &line);
     }
     pthread_mutex_unlock(&loop->lock);
+}
+
+/* Raises SettingsError(code, reason). */
+static void refuse(int code, const char *reason) {
+    PyObject *args = Py_BuildValue("(is)", code, reason);
+    if (args != NULL) {
+        PyErr_SetObject(SettingsError, args);
+        Py_DECREF(args);
+    }
 }
 
 /* librdkafka's syslog levels as Python's logging levels, as confluent-kafka maps them. */
@@ -165,14 +179,14 @@ static int Loop_init(Loop *self, PyObject *args, PyObject *kwargs) {
     }
     rd_kafka_conf_t *conf = rd_kafka_conf_new();
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(settings); i++) {
-        const char *name, *value;
-        if (!PyArg_ParseTuple(PyList_GET_ITEM(settings, i), "ss", &name, &value)) {
+        const char *name, *value; /* value NULL: the setting's default, as confluent-kafka's None */
+        if (!PyArg_ParseTuple(PyList_GET_ITEM(settings, i), "sz", &name, &value)) {
             rd_kafka_conf_destroy(conf);
             return -1;
         }
         if (rd_kafka_conf_set(conf, name, value, reason, sizeof reason) != RD_KAFKA_CONF_OK) {
             rd_kafka_conf_destroy(conf);
-            PyErr_SetObject(SettingsError, Py_BuildValue("(is)", RD_KAFKA_RESP_ERR__INVALID_ARG, reason));
+            refuse(RD_KAFKA_RESP_ERR__INVALID_ARG, reason);
             return -1;
         }
     }
@@ -185,8 +199,10 @@ static int Loop_init(Loop *self, PyObject *args, PyObject *kwargs) {
         rd_kafka_conf_set_log_cb(conf, on_log);
     self->rk = rd_kafka_new(RD_KAFKA_PRODUCER, conf, reason, sizeof reason);
     if (self->rk == NULL) {
+        char refusal[600];
         rd_kafka_conf_destroy(conf);
-        PyErr_SetObject(SettingsError, Py_BuildValue("(is)", RD_KAFKA_RESP_ERR__INVALID_ARG, reason));
+        snprintf(refusal, sizeof refusal, "Failed to create producer: %s", reason); /* as confluent-kafka */
+        refuse(rd_kafka_last_error(), refusal);
         return -1;
     }
     self->parent = getppid();
@@ -253,7 +269,7 @@ static int view_stamp(StampView *view, PyObject *stamp) {
     return 0;
 }
 
-/* headers_of, its own headers as a PySequence_Fast (NULL for none). */
+/* headers_of's work, ``own`` being the record's headers as a PySequence_Fast (NULL for none). */
 static rd_kafka_headers_t *headers_in(PyObject *own, StampView *stamp, long long record_id) {
     Py_ssize_t count = own == NULL ? 0 : PySequence_Fast_GET_SIZE(own);
     if (count == 0 && stamp == NULL)
@@ -265,6 +281,11 @@ static rd_kafka_headers_t *headers_in(PyObject *own, StampView *stamp, long long
         Py_ssize_t name_size, value_size;
         if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) {
             PyErr_SetString(PyExc_TypeError, "a header is a (name, value) pair");
+            rd_kafka_headers_destroy(headers);
+            return NULL;
+        }
+        if (!PyUnicode_Check(PyTuple_GET_ITEM(pair, 0))) {
+            PyErr_SetString(PyExc_TypeError, "a header's name is a str");
             rd_kafka_headers_destroy(headers);
             return NULL;
         }
@@ -371,10 +392,18 @@ static int produce_one(Loop *self, int64_t seq, PyObject *topic, PyObject *key, 
     }
 }
 
+/* 0 when the loop has its producer, else -1 with a Python error set (its __init__ failed). */
+static int made(Loop *self) {
+    if (self->rk != NULL)
+        return 0;
+    PyErr_SetString(PyExc_RuntimeError, "the loop has no producer");
+    return -1;
+}
+
 static PyObject *Loop_produce(Loop *self, PyObject *args) {
     long long first;
     PyObject *topics, *keys, *values, *headers, *ids, *stamps, *placements;
-    if (!PyArg_ParseTuple(args, "LO!O!O!O!O!O!O", &first, &PyList_Type, &topics, &PyList_Type, &keys,
+    if (made(self) != 0 || !PyArg_ParseTuple(args, "LO!O!O!O!O!O!O", &first, &PyList_Type, &topics, &PyList_Type, &keys,
                           &PyList_Type, &values, &PyList_Type, &headers, &PyList_Type, &ids, &PyList_Type,
                           &stamps, &placements))
         return NULL;
@@ -405,7 +434,7 @@ static PyObject *Loop_produce(Loop *self, PyObject *args) {
 
 static PyObject *Loop_poll(Loop *self, PyObject *args) {
     double timeout;
-    if (!PyArg_ParseTuple(args, "d", &timeout))
+    if (made(self) != 0 || !PyArg_ParseTuple(args, "d", &timeout))
         return NULL;
     Py_BEGIN_ALLOW_THREADS
     rd_kafka_poll(self->rk, (int)(timeout * 1000));
@@ -503,7 +532,7 @@ done:
 
 static PyObject *Loop_flush(Loop *self, PyObject *args) {
     double timeout;
-    if (!PyArg_ParseTuple(args, "d", &timeout))
+    if (made(self) != 0 || !PyArg_ParseTuple(args, "d", &timeout))
         return NULL;
     Py_BEGIN_ALLOW_THREADS
     rd_kafka_flush(self->rk, (int)(timeout * 1000));
@@ -513,6 +542,8 @@ static PyObject *Loop_flush(Loop *self, PyObject *args) {
 
 static PyObject *Loop_purge(Loop *self, PyObject *unused) {
     (void)unused;
+    if (made(self) != 0)
+        return NULL;
     rd_kafka_purge(self->rk, RD_KAFKA_PURGE_F_QUEUE | RD_KAFKA_PURGE_F_INFLIGHT);
     Py_RETURN_NONE;
 }

@@ -14,16 +14,17 @@ the producer's fatal error once it has one (Kafka refused it a producer id, say)
 nothing more, and the harvester stops leading with that refusal.
 
 The loop over the producer is native (:mod:`harvester.kafka._rdkafka_loop`, C over the librdkafka
-of confluent-kafka's wheel: no Python object per record but the numbers acknowledged) where
+of confluent-kafka's wheel: no Python object per record but the number acknowledged) where
 ``./dev.sh`` or the image built it, and in Python over confluent-kafka's producer otherwise, or when
 ``HARVESTER_PRODUCER_LOOP=python``; both read the same frames and send the same reports.
 
-It imports nothing but confluent-kafka, :mod:`harvester.kafka.frames`, :mod:`harvester.kafka.enqueue`
-and :mod:`harvester.core.identity` (and :mod:`harvester.runtime`'s collector settings), so it starts
-in a tenth of a second. It ignores SIGINT and SIGTERM, which a terminal or a service manager sends
-the whole group: the harvester decides when it stops, flushing first. It exits at once when the
-harvester's end of the pipe closes without a "close", or it finds its parent gone (the harvester
-died): what it had not delivered stays in the outbox for the next leader.
+It imports nothing but confluent-kafka, its native loop, :mod:`harvester.kafka.frames`,
+:mod:`harvester.kafka.enqueue` and :mod:`harvester.core.identity` (and :mod:`harvester.runtime`'s
+collector settings), so it starts in a tenth of a second. It ignores SIGINT and SIGTERM, which a
+terminal or a service manager sends the whole group: the harvester decides when it stops, flushing
+first. It exits at once when the harvester's end of the pipe closes without a "close", or it finds
+its parent gone (the harvester died): what it had not delivered stays in the outbox for the next
+leader.
 """
 
 from __future__ import annotations
@@ -195,9 +196,17 @@ class SettingsError(Exception):
     """librdkafka refused the producer's settings: ``args`` are its code and reason."""
 
 
-def _text(value: object) -> str:
-    """A setting as librdkafka reads it (confluent-kafka's spelling of booleans)."""
-    return ("true" if value else "false") if isinstance(value, bool) else str(value)
+def _texts(settings: dict[str, Any]) -> list[tuple[str, str | None]]:
+    """The settings as confluent-kafka hands them to librdkafka: each value's ``str`` (librdkafka
+    reads "True" as true), None for the setting's default, and a ``default.topic.config`` dict's own
+    settings among the others."""
+    out: list[tuple[str, str | None]] = []
+    for name, value in settings.items():
+        if name == "default.topic.config" and isinstance(value, dict):
+            out.extend(_texts(value))
+        else:
+            out.append((name, None if value is None else str(value)))
+    return out
 
 
 def _make_loop(settings: dict[str, Any], forward_logs: bool, forward_errors: bool) -> tuple[Loop, str]:
@@ -209,9 +218,8 @@ def _make_loop(settings: dict[str, Any], forward_logs: bool, forward_errors: boo
         except ImportError:
             pass
         else:
-            texts = [(k, _text(v)) for k, v in settings.items()]
             try:
-                return _rdkafka_loop.Loop(texts, forward_logs, forward_errors), "native"
+                return _rdkafka_loop.Loop(_texts(settings), forward_logs, forward_errors), "native"
             except _rdkafka_loop.SettingsError as exc:
                 raise SettingsError(*exc.args) from None
     try:
@@ -270,8 +278,8 @@ def main(argv: list[str]) -> None:
         send(out, exc.args)
         return
     relay = _Relay(out, loop)
-    # A delivery callback per record in flight, tens of thousands of them: the default collector
-    # thresholds cost a fifth of this process's time collecting them, reference counting frees them.
+    # The Python loop's delivery callback per record in flight, tens of thousands of them: the default
+    # collector thresholds cost a fifth of its time collecting them, reference counting frees them.
     tune_garbage_collector()
     send(out, ("ready", name))
     relay.start()

@@ -58,7 +58,7 @@ def started(services: Services, loop: str) -> Iterator[Callable[..., tuple[Proce
     def start(**producer: Any) -> tuple[ProcessPublisher, Reports]:
         reports: Reports = queue.SimpleQueue()
         publisher = ProcessPublisher(producer_config(services.kafka(), producer), reports.put_nowait, in_order=True)
-        assert publisher.loop == loop  # the native one is built by ./dev.sh
+        assert publisher.loop == loop, "the native loop was not built: see ./dev.sh, .local/native.log"
         made.append(publisher)
         return publisher, reports
 
