@@ -37,8 +37,11 @@ if [ ! -f "$headers/librdkafka/rdkafka.h" ]; then
     mkdir -p "$cache"
     work=$(mktemp -d)
     trap 'rm -rf "$work"' EXIT
-    (cd "$work" && apt-get download librdkafka-dev >download.log 2>&1) ||
-      { echo "build.sh: could not fetch Debian's librdkafka-dev for librdkafka's headers" >&2; exit 1; }
+    # apt's package lists may be missing (a fresh image): refreshed once, where that is allowed.
+    (cd "$work" && { apt-get download librdkafka-dev || { apt-get update -qq && apt-get download librdkafka-dev; }; } \
+      >"$work/download.log" 2>&1) ||
+      { tail -n 5 "$work/download.log" >&2
+        echo "build.sh: could not fetch Debian's librdkafka-dev for librdkafka's headers" >&2; exit 1; }
     rm -rf "$cache/librdkafka-dev"
     dpkg-deb -x "$work"/librdkafka-dev_*.deb "$cache/librdkafka-dev"
   fi

@@ -46,7 +46,7 @@ typedef struct {
 typedef struct {
     PyObject_HEAD
     rd_kafka_t *rk;
-    pthread_mutex_t lock; /* guards the buffers and fatal_* */
+    pthread_mutex_t lock; /* guards the buffers and fatal_seen */
     Buffer acked, failed, logs, errors, fatal;
     int fatal_seen;
     int forward_logs, forward_errors;
@@ -73,18 +73,23 @@ static int push(Buffer *buffer, const void *item) {
     return 0;
 }
 
+/* push for a report that must not be lost (a record's, the producer's refusal): a record left
+ * unreported would wait for ever, so without memory the process stops, and the harvester fails
+ * everything it held. Caller holds the lock. */
+static void keep(Buffer *buffer, const void *item) {
+    if (push(buffer, item) != 0) {
+        fprintf(stderr, "the producer process's loop ran out of memory\n");
+        _exit(1);
+    }
+}
+
 /* A copy of text, or NULL when memory ran out (the report then carries an empty reason). */
 static char *copy(const char *text) { return strdup(text ? text : ""); }
 
 static void fail(Loop *loop, int64_t seq, int code, const char *reason) {
     Failure failure = {seq, code, copy(reason)};
     pthread_mutex_lock(&loop->lock);
-    if (push(&loop->failed, &failure) != 0) {
-        /* A failure lost here would leave its record unreported for ever: better to stop, and let
-         * the harvester fail everything this process held. */
-        fprintf(stderr, "the producer process's loop ran out of memory\n");
-        _exit(1);
-    }
+    keep(&loop->failed, &failure);
     pthread_mutex_unlock(&loop->lock);
 }
 
@@ -97,10 +102,7 @@ static void delivered(rd_kafka_t *rk, const rd_kafka_message_t *message, void *o
         return;
     }
     pthread_mutex_lock(&loop->lock);
-    if (push(&loop->acked, &seq) != 0) {
-        fprintf(stderr, "the producer process's loop ran out of memory\n");
-        _exit(1);
-    }
+    keep(&loop->acked, &seq);
     pthread_mutex_unlock(&loop->lock);
 }
 
@@ -116,14 +118,12 @@ static void on_error(rd_kafka_t *rk, int err, const char *reason, void *opaque) 
     if (fatal && !loop->fatal_seen) { /* the producer's refusal: always reported, once */
         ErrorLine line = {err, copy(reason), 1};
         loop->fatal_seen = 1;
-        if (push(&loop->fatal, &line) != 0) {
-            fprintf(stderr, "the producer process's loop ran out of memory\n");
-            _exit(1);
-        }
+        keep(&loop->fatal, &line);
     }
     if (loop->forward_errors && !fatal) { /* as confluent-kafka: the fatal one is the refusal above */
         ErrorLine line = {err, copy(reason), 0};
-        push(&loop->errors, &line);
+        if (push(&loop->errors, &line) != 0) /* lost without memory, as a log line */
+            free(line.reason);
     }
     pthread_mutex_unlock(&loop->lock);
 }
@@ -146,7 +146,8 @@ static void on_log(const rd_kafka_t *rk, int level, const char *facility, const 
     snprintf(line, sizeof line, "%s [%s] %s", facility, rd_kafka_name(rk), text);
     LogLine entry = {LEVELS[level < 0 ? 0 : level > 7 ? 7 : level], copy(line)};
     pthread_mutex_lock(&loop->lock);
-    push(&loop->logs, &entry);
+    if (push(&loop->logs, &entry) != 0)
+        free(entry.text);
     pthread_mutex_unlock(&loop->lock);
 }
 
