@@ -37,7 +37,9 @@ setup_venv() {
 build_native() {
   local built
   built=harvester/kafka/_rdkafka_loop$("$PY" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
-  if [ ! -f "$built" ] || [ harvester/kafka/_rdkafka_loop.c -nt "$built" ] || [ deploy/native/build.sh -nt "$built" ] ||
+  local newer
+  newer=$(find harvester/kafka -name '_rdkafka_*.[ch]' -newer "$built" 2>/dev/null || true)
+  if [ ! -f "$built" ] || [ -n "$newer" ] || [ deploy/native/build.sh -nt "$built" ] ||
     [ "$VENV/.outbox-harvester-installed" -nt "$built" ]; then
     mkdir -p .local
     bash deploy/native/build.sh "$PY" >.local/native.log 2>&1 ||

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds the producer process's native loop (harvester/kafka/_rdkafka_loop.c) for a Python that has
+# Builds the producer process's native loop (harvester/kafka/_rdkafka_*.c) for a Python that has
 # the harvester and confluent-kafka installed, into that Python's harvester/kafka/ package:
 #   deploy/native/build.sh PYTHON [CACHE_DIR]
 # It links the librdkafka inside confluent-kafka's wheel (the one the rest of the harvester runs) and
@@ -13,7 +13,7 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 root=$(dirname "$(dirname "$here")")
 python=${1:?usage: build.sh PYTHON [CACHE_DIR]}
 cache=${2:-${HARVESTER_NATIVE_CACHE:-$root/.local/native}}
-source=$root/harvester/kafka/_rdkafka_loop.c
+sources=("$root/harvester/kafka/_rdkafka_loop.c" "$root/harvester/kafka/_rdkafka_reports.c")
 
 # -P: the package that Python installed, not a checkout in the working directory. One value a line
 # (paths may hold spaces).
@@ -51,7 +51,7 @@ output=$target/_rdkafka_loop$suffix
 # Two run paths: beside an installed confluent-kafka (site-packages/harvester/kafka/ ->
 # site-packages/confluent_kafka.libs), and the library's own directory for an editable checkout.
 ${CC:-cc} -shared -fPIC -O2 -Wall -Wextra -std=c11 -D_DEFAULT_SOURCE \
-  -I"$include" -I"$headers" "$source" "$library" -lpthread \
+  -I"$include" -I"$headers" "${sources[@]}" "$library" -lpthread \
   -Wl,-rpath,"\$ORIGIN/../../confluent_kafka.libs" -Wl,-rpath,"$(dirname "$library")" \
   -o "$output.tmp"
 mv "$output.tmp" "$output"

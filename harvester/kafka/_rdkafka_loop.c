@@ -10,123 +10,21 @@
  *
  * Threads: produce runs on the main thread, poll on the relay's poll thread (the GIL released while
  * librdkafka polls or waits), and librdkafka's own threads may log. The callbacks never touch Python:
- * they append to the buffers below under a mutex, and take() turns them into Python lists. */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-#include <librdkafka/rdkafka.h>
-#include <pthread.h>
-#include <stdint.h>
+ * they append to the reports (_rdkafka_reports.c), and take() turns them into Python lists. */
+#include "_rdkafka_reports.h"
+
 #include <stdio.h>
 #include <string.h>
 #include <unistd.h>
 
 typedef struct {
-    int64_t seq;
-    int code;
-    char *reason;
-} Failure;
-
-typedef struct {
-    int level;
-    char *text;
-} LogLine;
-
-typedef struct {
-    int code;
-    char *reason;
-    int fatal;
-} ErrorLine;
-
-/* A growable array of items of one type: the reports waiting for take(). */
-typedef struct {
-    void *items;
-    size_t count, capacity, size;
-} Buffer;
-
-typedef struct {
     PyObject_HEAD
     rd_kafka_t *rk;
-    pthread_mutex_t lock; /* guards the buffers and fatal_seen */
-    Buffer acked, failed, logs, errors, fatal;
-    int fatal_seen;
-    int forward_logs, forward_errors;
+    Reports reports; /* librdkafka's opaque */
     pid_t parent;
 } Loop;
 
 static PyObject *SettingsError; /* raised when the producer cannot be made: args (code, reason) */
-
-static void refuse(int code, const char *reason);
-
-/* Appends one item (of the buffer's size) and returns 0, or -1 when memory ran out. Caller holds
- * the lock. */
-static int push(Buffer *buffer, const void *item) {
-    if (buffer->count == buffer->capacity) {
-        size_t capacity = buffer->capacity ? buffer->capacity * 2 : 1024;
-        void *items = realloc(buffer->items, capacity * buffer->size);
-        if (items == NULL)
-            return -1;
-        buffer->items = items;
-        buffer->capacity = capacity;
-    }
-    memcpy((char *)buffer->items + buffer->count * buffer->size, item, buffer->size);
-    buffer->count++;
-    return 0;
-}
-
-/* push for a report that must not be lost (a record's, the producer's refusal): a record left
- * unreported would wait for ever, so without memory the process stops, and the harvester fails
- * everything it held. Caller holds the lock. */
-static void keep(Buffer *buffer, const void *item) {
-    if (push(buffer, item) != 0) {
-        fprintf(stderr, "the producer process's loop ran out of memory\n");
-        _exit(1);
-    }
-}
-
-/* A copy of text, or NULL when memory ran out (the report then carries an empty reason). */
-static char *copy(const char *text) { return strdup(text ? text : ""); }
-
-static void fail(Loop *loop, int64_t seq, int code, const char *reason) {
-    Failure failure = {seq, code, copy(reason)};
-    pthread_mutex_lock(&loop->lock);
-    keep(&loop->failed, &failure);
-    pthread_mutex_unlock(&loop->lock);
-}
-
-static void delivered(rd_kafka_t *rk, const rd_kafka_message_t *message, void *opaque) {
-    (void)rk;
-    Loop *loop = opaque;
-    int64_t seq = (int64_t)(intptr_t)message->_private;
-    if (message->err) {
-        fail(loop, seq, message->err, rd_kafka_err2str(message->err));
-        return;
-    }
-    pthread_mutex_lock(&loop->lock);
-    keep(&loop->acked, &seq);
-    pthread_mutex_unlock(&loop->lock);
-}
-
-static void on_error(rd_kafka_t *rk, int err, const char *reason, void *opaque) {
-    Loop *loop = opaque;
-    char fatal_reason[512];
-    int fatal = err == RD_KAFKA_RESP_ERR__FATAL;
-    if (fatal) {
-        err = rd_kafka_fatal_error(rk, fatal_reason, sizeof fatal_reason);
-        reason = fatal_reason;
-    }
-    pthread_mutex_lock(&loop->lock);
-    if (fatal && !loop->fatal_seen) { /* the producer's refusal: always reported, once */
-        ErrorLine line = {err, copy(reason), 1};
-        loop->fatal_seen = 1;
-        keep(&loop->fatal, &line);
-    }
-    if (loop->forward_errors && !fatal) { /* as confluent-kafka: the fatal one is the refusal above */
-        ErrorLine line = {err, copy(reason), 0};
-        if (push(&loop->errors, &line) != 0) /* lost without memory, as a log line */
-            free(line.reason);
-    }
-    pthread_mutex_unlock(&loop->lock);
-}
 
 /* Raises SettingsError(code, reason). */
 static void refuse(int code, const char *reason) {
@@ -137,32 +35,13 @@ static void refuse(int code, const char *reason) {
     }
 }
 
-/* librdkafka's syslog levels as Python's logging levels, as confluent-kafka maps them. */
-static const int LEVELS[8] = {50, 50, 50, 40, 30, 20, 20, 10};
-
-static void on_log(const rd_kafka_t *rk, int level, const char *facility, const char *text) {
-    Loop *loop = rd_kafka_opaque(rk);
-    char line[2048];
-    snprintf(line, sizeof line, "%s [%s] %s", facility, rd_kafka_name(rk), text);
-    LogLine entry = {LEVELS[level < 0 ? 0 : level > 7 ? 7 : level], copy(line)};
-    pthread_mutex_lock(&loop->lock);
-    if (push(&loop->logs, &entry) != 0)
-        free(entry.text);
-    pthread_mutex_unlock(&loop->lock);
-}
-
 static PyObject *Loop_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
     (void)args;
     (void)kwargs;
     Loop *self = (Loop *)type->tp_alloc(type, 0);
     if (self == NULL)
         return NULL;
-    pthread_mutex_init(&self->lock, NULL);
-    self->acked.size = sizeof(int64_t);
-    self->failed.size = sizeof(Failure);
-    self->logs.size = sizeof(LogLine);
-    self->errors.size = sizeof(ErrorLine);
-    self->fatal.size = sizeof(ErrorLine);
+    reports_init(&self->reports);
     return (PyObject *)self;
 }
 
@@ -191,13 +70,12 @@ static int Loop_init(Loop *self, PyObject *args, PyObject *kwargs) {
             return -1;
         }
     }
-    self->forward_logs = forward_logs;
-    self->forward_errors = forward_errors;
-    rd_kafka_conf_set_opaque(conf, self);
-    rd_kafka_conf_set_dr_msg_cb(conf, delivered);
-    rd_kafka_conf_set_error_cb(conf, on_error);
+    self->reports.forward_errors = forward_errors;
+    rd_kafka_conf_set_opaque(conf, &self->reports);
+    rd_kafka_conf_set_dr_msg_cb(conf, reports_delivered);
+    rd_kafka_conf_set_error_cb(conf, reports_error);
     if (forward_logs)
-        rd_kafka_conf_set_log_cb(conf, on_log);
+        rd_kafka_conf_set_log_cb(conf, reports_log);
     self->rk = rd_kafka_new(RD_KAFKA_PRODUCER, conf, reason, sizeof reason);
     if (self->rk == NULL) {
         char refusal[600];
@@ -386,7 +264,7 @@ static int produce_one(Loop *self, int64_t seq, PyObject *topic, PyObject *key, 
             snprintf(reason, sizeof reason, "Unable to produce message: %s", rd_kafka_err2str(code));
             if (headers != NULL)
                 rd_kafka_headers_destroy(headers);
-            fail(self, seq, code, reason);
+            reports_fail(&self->reports, seq, code, reason);
             return 0;
         }
         wait_while_full(self);
@@ -443,92 +321,9 @@ static PyObject *Loop_poll(Loop *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* Moves a buffer's items out (under the lock) into *taken, leaving it empty. */
-static void move(Buffer *from, Buffer *taken) {
-    *taken = *from;
-    from->items = NULL;
-    from->count = from->capacity = 0;
-}
-
-/* Frees the buffers' items and the texts they own. */
-static void free_reports(Buffer *acked, Buffer *failed, Buffer *logs, Buffer *errors, Buffer *fatal) {
-    for (size_t i = 0; i < failed->count; i++)
-        free(((Failure *)failed->items)[i].reason);
-    for (size_t i = 0; i < logs->count; i++)
-        free(((LogLine *)logs->items)[i].text);
-    for (size_t i = 0; i < errors->count; i++)
-        free(((ErrorLine *)errors->items)[i].reason);
-    for (size_t i = 0; i < fatal->count; i++)
-        free(((ErrorLine *)fatal->items)[i].reason);
-    free(acked->items);
-    free(failed->items);
-    free(logs->items);
-    free(errors->items);
-    free(fatal->items);
-}
-
 static PyObject *Loop_take(Loop *self, PyObject *unused) {
     (void)unused;
-    Buffer acked, failed, logs, errors, fatal;
-    pthread_mutex_lock(&self->lock);
-    move(&self->acked, &acked);
-    move(&self->failed, &failed);
-    move(&self->logs, &logs);
-    move(&self->errors, &errors);
-    move(&self->fatal, &fatal);
-    pthread_mutex_unlock(&self->lock);
-    PyObject *result = NULL;
-    if (acked.count + failed.count + logs.count + errors.count + fatal.count == 0) {
-        result = Py_None;
-        Py_INCREF(result);
-        goto done;
-    }
-    PyObject *lists[5] = {PyList_New((Py_ssize_t)acked.count), PyList_New((Py_ssize_t)failed.count),
-                          PyList_New((Py_ssize_t)logs.count), PyList_New((Py_ssize_t)errors.count),
-                          PyList_New((Py_ssize_t)fatal.count)};
-    int ok = lists[0] && lists[1] && lists[2] && lists[3] && lists[4];
-    for (size_t i = 0; ok && i < acked.count; i++) {
-        PyObject *seq = PyLong_FromLongLong(((int64_t *)acked.items)[i]);
-        ok = seq != NULL;
-        if (ok)
-            PyList_SET_ITEM(lists[0], (Py_ssize_t)i, seq);
-    }
-    for (size_t i = 0; ok && i < failed.count; i++) {
-        Failure *f = (Failure *)failed.items + i;
-        PyObject *item = Py_BuildValue("(Lis)", (long long)f->seq, f->code, f->reason ? f->reason : "");
-        ok = item != NULL;
-        if (ok)
-            PyList_SET_ITEM(lists[1], (Py_ssize_t)i, item);
-    }
-    for (size_t i = 0; ok && i < logs.count; i++) {
-        LogLine *line = (LogLine *)logs.items + i;
-        PyObject *item = Py_BuildValue("(is)", line->level, line->text ? line->text : "");
-        ok = item != NULL;
-        if (ok)
-            PyList_SET_ITEM(lists[2], (Py_ssize_t)i, item);
-    }
-    for (size_t i = 0; ok && i < errors.count; i++) {
-        ErrorLine *line = (ErrorLine *)errors.items + i;
-        PyObject *item = Py_BuildValue("(isO)", line->code, line->reason ? line->reason : "",
-                                       line->fatal ? Py_True : Py_False);
-        ok = item != NULL;
-        if (ok)
-            PyList_SET_ITEM(lists[3], (Py_ssize_t)i, item);
-    }
-    for (size_t i = 0; ok && i < fatal.count; i++) {
-        ErrorLine *line = (ErrorLine *)fatal.items + i;
-        PyObject *item = Py_BuildValue("(is)", line->code, line->reason ? line->reason : "");
-        ok = item != NULL;
-        if (ok)
-            PyList_SET_ITEM(lists[4], (Py_ssize_t)i, item);
-    }
-    if (ok)
-        result = PyTuple_Pack(5, lists[0], lists[1], lists[2], lists[3], lists[4]);
-    for (int i = 0; i < 5; i++)
-        Py_XDECREF(lists[i]);
-done:
-    free_reports(&acked, &failed, &logs, &errors, &fatal);
-    return result;
+    return reports_take(&self->reports);
 }
 
 static PyObject *Loop_flush(Loop *self, PyObject *args) {
@@ -555,8 +350,7 @@ static void Loop_dealloc(Loop *self) {
         rd_kafka_destroy(self->rk);
         Py_END_ALLOW_THREADS
     }
-    free_reports(&self->acked, &self->failed, &self->logs, &self->errors, &self->fatal);
-    pthread_mutex_destroy(&self->lock);
+    reports_free(&self->reports);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 

@@ -45,6 +45,11 @@ from harvester.kafka.enqueue import Placing, enqueue
 from harvester.kafka.frames import receive, send
 from harvester.runtime import tune_garbage_collector
 
+# A report frame: (acked seqs, [(seq, code, reason)], [(level, text)], [(code, reason, fatal)], [(code, reason)]).
+Report = tuple[
+    list[int], list[tuple[int, int, str]], list[tuple[int, str]], list[tuple[int, str, bool]], list[tuple[int, str]]
+]
+
 
 class Loop(Protocol):
     """A producer fed the frames' columns, its reports taken in bulk: the native loop
@@ -76,12 +81,6 @@ class Loop(Protocol):
 
     def purge(self) -> None:
         """Drop what is queued or in flight: it comes back failed at the next poll or flush."""
-
-
-# A report frame: (acked seqs, [(seq, code, reason)], [(level, text)], [(code, reason, fatal)], [(code, reason)]).
-Report = tuple[
-    list[int], list[tuple[int, int, str]], list[tuple[int, str]], list[tuple[int, str, bool]], list[tuple[int, str]]
-]
 
 
 class _PythonLoop:
