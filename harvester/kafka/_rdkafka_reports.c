@@ -146,65 +146,65 @@ void reports_free(Reports *reports) {
     pthread_mutex_destroy(&reports->lock);
 }
 
+/* One report's Python form, by its buffer's type; NULL with a Python error set. */
+static PyObject *acked_item(const void *item) { return PyLong_FromLongLong(*(const int64_t *)item); }
+
+static PyObject *failed_item(const void *item) {
+    const Failure *f = item;
+    return Py_BuildValue("(Lis)", (long long)f->seq, f->code, f->reason ? f->reason : "");
+}
+
+static PyObject *log_item(const void *item) {
+    const LogLine *line = item;
+    return Py_BuildValue("(is)", line->level, line->text ? line->text : "");
+}
+
+static PyObject *error_item(const void *item) {
+    const ErrorLine *line = item;
+    return Py_BuildValue("(isO)", line->code, line->reason ? line->reason : "", line->fatal ? Py_True : Py_False);
+}
+
+static PyObject *fatal_item(const void *item) {
+    const ErrorLine *line = item;
+    return Py_BuildValue("(is)", line->code, line->reason ? line->reason : "");
+}
+
+/* A buffer's items as a Python list; NULL with a Python error set. */
+static PyObject *list_of(const Buffer *buffer, PyObject *(*item_of)(const void *)) {
+    PyObject *list = PyList_New((Py_ssize_t)buffer->count);
+    for (size_t i = 0; list != NULL && i < buffer->count; i++) {
+        PyObject *item = item_of((const char *)buffer->items + i * buffer->size);
+        if (item == NULL)
+            Py_CLEAR(list);
+        else
+            PyList_SET_ITEM(list, (Py_ssize_t)i, item);
+    }
+    return list;
+}
+
 PyObject *reports_take(Reports *reports) {
-    Buffer acked, failed, logs, errors, fatal;
+    Buffer taken[5];
     pthread_mutex_lock(&reports->lock);
-    move(&reports->acked, &acked);
-    move(&reports->failed, &failed);
-    move(&reports->logs, &logs);
-    move(&reports->errors, &errors);
-    move(&reports->fatal, &fatal);
+    move(&reports->acked, &taken[0]);
+    move(&reports->failed, &taken[1]);
+    move(&reports->logs, &taken[2]);
+    move(&reports->errors, &taken[3]);
+    move(&reports->fatal, &taken[4]);
     pthread_mutex_unlock(&reports->lock);
-    PyObject *result = NULL;
-    if (acked.count + failed.count + logs.count + errors.count + fatal.count == 0) {
+    PyObject *result;
+    if (taken[0].count + taken[1].count + taken[2].count + taken[3].count + taken[4].count == 0) {
         result = Py_None;
         Py_INCREF(result);
-        goto done;
+    } else {
+        PyObject *(*item_of[5])(const void *) = {acked_item, failed_item, log_item, error_item, fatal_item};
+        PyObject *lists[5] = {NULL};
+        int ok = 1;
+        for (int i = 0; ok && i < 5; i++)
+            ok = (lists[i] = list_of(&taken[i], item_of[i])) != NULL;
+        result = ok ? PyTuple_Pack(5, lists[0], lists[1], lists[2], lists[3], lists[4]) : NULL;
+        for (int i = 0; i < 5; i++)
+            Py_XDECREF(lists[i]);
     }
-    PyObject *lists[5] = {PyList_New((Py_ssize_t)acked.count), PyList_New((Py_ssize_t)failed.count),
-                          PyList_New((Py_ssize_t)logs.count), PyList_New((Py_ssize_t)errors.count),
-                          PyList_New((Py_ssize_t)fatal.count)};
-    int ok = lists[0] && lists[1] && lists[2] && lists[3] && lists[4];
-    for (size_t i = 0; ok && i < acked.count; i++) {
-        PyObject *seq = PyLong_FromLongLong(((int64_t *)acked.items)[i]);
-        ok = seq != NULL;
-        if (ok)
-            PyList_SET_ITEM(lists[0], (Py_ssize_t)i, seq);
-    }
-    for (size_t i = 0; ok && i < failed.count; i++) {
-        Failure *f = (Failure *)failed.items + i;
-        PyObject *item = Py_BuildValue("(Lis)", (long long)f->seq, f->code, f->reason ? f->reason : "");
-        ok = item != NULL;
-        if (ok)
-            PyList_SET_ITEM(lists[1], (Py_ssize_t)i, item);
-    }
-    for (size_t i = 0; ok && i < logs.count; i++) {
-        LogLine *line = (LogLine *)logs.items + i;
-        PyObject *item = Py_BuildValue("(is)", line->level, line->text ? line->text : "");
-        ok = item != NULL;
-        if (ok)
-            PyList_SET_ITEM(lists[2], (Py_ssize_t)i, item);
-    }
-    for (size_t i = 0; ok && i < errors.count; i++) {
-        ErrorLine *line = (ErrorLine *)errors.items + i;
-        PyObject *item = Py_BuildValue("(isO)", line->code, line->reason ? line->reason : "",
-                                       line->fatal ? Py_True : Py_False);
-        ok = item != NULL;
-        if (ok)
-            PyList_SET_ITEM(lists[3], (Py_ssize_t)i, item);
-    }
-    for (size_t i = 0; ok && i < fatal.count; i++) {
-        ErrorLine *line = (ErrorLine *)fatal.items + i;
-        PyObject *item = Py_BuildValue("(is)", line->code, line->reason ? line->reason : "");
-        ok = item != NULL;
-        if (ok)
-            PyList_SET_ITEM(lists[4], (Py_ssize_t)i, item);
-    }
-    if (ok)
-        result = PyTuple_Pack(5, lists[0], lists[1], lists[2], lists[3], lists[4]);
-    for (int i = 0; i < 5; i++)
-        Py_XDECREF(lists[i]);
-done:
-    free_items(&acked, &failed, &logs, &errors, &fatal);
+    free_items(&taken[0], &taken[1], &taken[2], &taken[3], &taken[4]);
     return result;
 }

@@ -129,10 +129,14 @@ def test_a_spill_directory_that_takes_no_file_is_refused_at_start(
     assert capsys.readouterr().err.endswith(f"cannot make a file in {tmp_path}/file: Not a directory\n")
 
 
-@pytest.mark.unit
-def test_run_with_postgres_unreachable_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.integration
+def test_run_with_postgres_unreachable_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], services: Services
+) -> None:
+    # Kafka is the suite's, reachable (the reaper tries it first): the database is what fails.
     dsn = f"host=127.0.0.1 port=1 user=u password={PG_SECRET} dbname=d"
-    path = config(tmp_path, f"harvest:\n  dataSource: {dsn}\nhttp:\n  port: 0\n")
+    kafka = f"  baseKafkaConfig:\n    bootstrap.servers: {services.bootstrap}\n"
+    path = config(tmp_path, f"harvest:\n  dataSource: {dsn}\n{kafka}http:\n  port: 0\n")
     assert main(["run", "-f", path]) == 2
     captured = capsys.readouterr()
     assert captured.err.splitlines()[-1].startswith("reaper: error: PostgreSQL (harvest.dataSource")
