@@ -360,7 +360,7 @@ def test_a_new_pass_hands_out_what_is_not_done_and_the_slot_moves_when_all_is(
         assert [r.id for r in store.mark(second, 100)] == [r.id for r in records[4:]]
         assert store.mark(second, 100) == []
         store.purge([r.id for r in records[4:]])
-        assert slot_position(logical_dsn, log_outbox) != position
+        assert wait_until(lambda: slot_position(logical_dsn, log_outbox) != position)
         assert store.mark(uuid4(), 100) == []  # a new pass: nothing left in the slot
     finally:
         store.close()

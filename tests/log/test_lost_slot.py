@@ -58,22 +58,28 @@ def make(services: Services, logical_dsn: str, log_outbox: TableName) -> Iterato
 
 
 def drop_slot(dsn: str, slot: str, lost: Callable[[], bool] = lambda: False) -> None:
-    """Drop ``slot`` under its reader's feet: end the reader, then drop it before it starts again
-    (whose take-over may end this session in turn, the slot active in it while it drops it). Once:
-    when ``lost`` says the reader found it gone, the slot there is the one its recovery created."""
-    for _ in range(200):
+    """Drop ``slot`` under its reader's feet. A reader whose stream ends starts it again at once,
+    so end the reader and drop the slot the moment it is free, polling (``pg_terminate_backend``'s
+    own wait sleeps 100 ms, time enough for the reader to take the slot again); again when the
+    reader won, or when its take-over ended this session (the slot active in it while it drops it).
+    Once: when ``lost`` says the reader found it gone, the slot there is the one its recovery created."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
         try:
             with psycopg.connect(dsn, autocommit=True) as conn:
                 if lost():
                     return
-                found = conn.execute(
-                    "SELECT pg_terminate_backend(active_pid, 5000) FROM pg_replication_slots WHERE slot_name = %s",
-                    (slot,),
-                ).fetchone()
-                if found is None:
-                    return
-                conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
-                return
+                while time.monotonic() < deadline:
+                    found = conn.execute(
+                        "SELECT active_pid FROM pg_replication_slots WHERE slot_name = %s", (slot,)
+                    ).fetchone()
+                    if found is None:
+                        return
+                    if found[0] is None:
+                        conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
+                        return
+                    conn.execute("SELECT pg_terminate_backend(%s)", (found[0],))
+                    time.sleep(0.001)
         except (psycopg.errors.ObjectInUse, psycopg.OperationalError):
             time.sleep(0.01)
     raise AssertionError(f"replication slot {slot} stayed active")

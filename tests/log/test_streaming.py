@@ -250,7 +250,8 @@ def test_a_stream_broken_while_a_transaction_streams_loses_and_repeats_nothing(
             stash_in(conn, log_outbox, [("t", f"k{i % 3}", f"v:{i}") for i in range(1500)])
             wait_streamed(store, leader, logical_dsn, log_outbox)
             store._finish.advance_to(pgoutput.lsn_value(lsn(logical_dsn)))  # as an idle leader's confirmation may
-            assert not at_or_after(logical_dsn, began, slot_position(logical_dsn, log_outbox))
+            # The walsender takes the confirmation in when it next reads its socket.
+            assert wait_until(lambda: not at_or_after(logical_dsn, began, slot_position(logical_dsn, log_outbox)))
             reader = slot_reader(logical_dsn, log_outbox)
             with psycopg.connect(logical_dsn, autocommit=True) as admin:
                 admin.execute("SELECT pg_terminate_backend(%s, 5000)", (reader,))
