@@ -39,8 +39,9 @@ COPY sql/ sql/
 # /opt/build holds the tools (pip, the locked setuptools) that build the wheel; /opt/reaper gets only the
 # locked dependencies and that wheel, installed by /opt/build's pip from outside (--python).
 # confluent-kafka and psycopg[binary] ship manylinux wheels (librdkafka and libpq inside); the compiler
-# and librdkafka's headers (Debian's, in this stage only) build the producer process's native loop
-# against the wheel's librdkafka (deploy/native/build.sh; docs/log-source.md).
+# and librdkafka's headers (Debian's, in this stage only) build the native modules: the log source's
+# insert decoder, and the producer process's loop against the wheel's librdkafka (deploy/native/build.sh;
+# docs/log-source.md).
 COPY deploy/native/ deploy/native/
 RUN apt-get update \
  && apt-get install --yes --no-install-recommends gcc libc6-dev librdkafka-dev \

@@ -31,20 +31,23 @@ setup_venv() {
   build_native
 }
 
-# The producer process's native loop (deploy/native/build.sh), built again when its source, its build
-# script or the installed packages changed. Without it the producer process runs its pure-Python loop,
-# slower: say so, and go on.
+# The native modules (deploy/native/build.sh: the log source's insert decoder, the producer process's
+# loop), built again when a C source, the build script or the installed packages changed. Without them
+# the harvester runs their pure-Python twins, slower: say so, and go on.
 build_native() {
-  local built
-  built=harvester/kafka/_rdkafka_loop$("$PY" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
-  local newer
-  newer=$(find harvester/kafka -name '_rdkafka_*.[ch]' -newer "$built" 2>/dev/null || true)
-  if [ ! -f "$built" ] || [ -n "$newer" ] || [ deploy/native/build.sh -nt "$built" ] ||
-    [ "$VENV/.outbox-harvester-installed" -nt "$built" ]; then
+  local suffix built stale=
+  suffix=$("$PY" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
+  for built in harvester/postgres/log/_usual_insert"$suffix" harvester/kafka/_rdkafka_loop"$suffix"; do
+    if [ ! -f "$built" ] || [ -n "$(find harvester -name '_*.[ch]' -newer "$built" 2>/dev/null)" ] ||
+      [ deploy/native/build.sh -nt "$built" ] || [ "$VENV/.outbox-harvester-installed" -nt "$built" ]; then
+      stale=1
+    fi
+  done
+  if [ -n "$stale" ]; then
     mkdir -p .local
     bash deploy/native/build.sh "$PY" >.local/native.log 2>&1 ||
       { tail -n 5 .local/native.log >&2
-        echo "the producer process's native loop was not built (.local/native.log): it runs in Python" >&2; }
+        echo "the native modules were not all built (.local/native.log): what is missing runs in Python" >&2; }
   fi
 }
 

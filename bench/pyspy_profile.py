@@ -3,14 +3,16 @@ process of its own, with the log source's producer process) while a burst is COP
 outbox and drained, then the top entries by self and by cumulative samples are printed.
 
     python bench/pyspy_profile.py [--source log] [--records 200000] [--keys 1000] [--rate 100] [--top 25]
-        [--all-threads] [--out /tmp/profile-log.txt]
+        [--all-threads] [--drain-only] [--out /tmp/profile-log.txt]
 
 ``--source`` is ``log`` (the log source, default limits) or ``mark_purge`` (the polling source).
 Needs py-spy (in the dev extra) and the local services
 (``HARVESTER_TEST_PG_DSN``, with ``wal_level=logical`` for the log source; ``HARVESTER_TEST_KAFKA``).
 The relay runs as bench/peers.py runs it in-process (``peer_relays.harvester_relay``); this process
 writes the burst and waits for it, so the profile holds the relay alone from just before the COPY
-to all records on the topic (and, polling, the outbox emptied). Samples are taken with
+to all records on the topic (and, polling, the outbox emptied); with ``--drain-only``, from the
+burst's commit on, the drain alone (py-spy attaches within about half a second; the relay's CPU is
+counted from the commit too). Samples are taken with
 ``--function`` (a frame is its function, not its line) and ``--gil`` (only the thread holding the
 GIL: a share of the samples is a share of the Python interpreter's time, what the relay's threads
 contend for; native code that releases the GIL, librdkafka's own threads and waits on PostgreSQL
@@ -111,6 +113,11 @@ def main() -> None:
         action="store_true",
         help="sample every thread on CPU or runnable, not only the one holding the GIL (waits then show)",
     )
+    p.add_argument(
+        "--drain-only",
+        action="store_true",
+        help="sample from the burst's commit on (the log source decodes a streamed burst while it is written)",
+    )
     p.add_argument("--out", type=Path, help="py-spy's raw stacks (default /tmp/profile-SOURCE.txt)")
     p.add_argument("--relay", action="store_true", help=argparse.SUPPRESS)  # the profiled child
     args = p.parse_args()
@@ -137,17 +144,25 @@ def main() -> None:
         record = ["record", "--pid", str(child.pid), "--subprocesses", "--function", "--rate", str(args.rate)]
         if not args.all_threads:
             record.append("--gil")
-        sampler = subprocess.Popen(
-            [spy, *record, "--format", "raw", "--output", str(out)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        time.sleep(2.0)  # py-spy attached to the relay and its producer process
+
+        def sample() -> subprocess.Popen[str]:
+            sampler = subprocess.Popen(
+                [spy, *record, "--format", "raw", "--output", str(out)],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            time.sleep(0.5 if args.drain_only else 2.0)  # py-spy attached to the relay and its producer process
+            return sampler
+
+        sampler = None if args.drain_only else sample()
         consumer = Consumer({"bootstrap.servers": BOOTSTRAP, "group.id": "profile_count", "enable.auto.commit": False})
         with psycopg.connect(workload.DSN, autocommit=True) as conn:
             cpu_before = relay_cpu(child.pid)
             committed, _ = copy_burst(conn, table, topic, args.records, args.keys)
+            if sampler is None:
+                cpu_before = relay_cpu(child.pid)
+                sampler = sample()
             published = wait_published(consumer, topic, args.records)
             if args.source == MARK_PURGE:
                 workload.wait_empty(conn, table)

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Builds the producer process's native loop (harvester/kafka/_rdkafka_*.c) for a Python that has
-# the harvester and confluent-kafka installed, into that Python's harvester/kafka/ package:
+# Builds the harvester's native modules for a Python that has the harvester and confluent-kafka
+# installed, into that Python's harvester package:
 #   deploy/native/build.sh PYTHON [CACHE_DIR]
+# First the log source's decoder of the usual layout's inserts (harvester/postgres/log/_usual_insert.c,
+# Python's headers only), then the producer process's native loop (harvester/kafka/_rdkafka_*.c).
 # It links the librdkafka inside confluent-kafka's wheel (the one the rest of the harvester runs) and
 # compiles against librdkafka's headers: /usr/include/librdkafka when installed, else those of Debian's
 # librdkafka-dev package, fetched once into CACHE_DIR (default $HARVESTER_NATIVE_CACHE, else
@@ -19,15 +21,23 @@ sources=("$root/harvester/kafka/_rdkafka_loop.c" "$root/harvester/kafka/_rdkafka
 # (paths may hold spaces).
 mapfile -t found < <("$python" -P - <<'PY'
 import glob, os, sysconfig
-import confluent_kafka, harvester.kafka
+import confluent_kafka, harvester
 libs = os.path.join(os.path.dirname(os.path.dirname(confluent_kafka.__file__)), "confluent_kafka.libs")
 found = sorted(glob.glob(os.path.join(libs, "librdkafka*.so*")))
-print(os.path.dirname(harvester.kafka.__file__), sysconfig.get_config_var("EXT_SUFFIX"),
+print(os.path.dirname(harvester.__file__), sysconfig.get_config_var("EXT_SUFFIX"),
       sysconfig.get_paths()["include"], found[0] if found else "-", sep="\n")
 PY
 )
 [ "${#found[@]}" = 4 ] || { echo "build.sh: $python could not import harvester and confluent_kafka" >&2; exit 1; }
-target=${found[0]} suffix=${found[1]} include=${found[2]} library=${found[3]}
+package=${found[0]} suffix=${found[1]} include=${found[2]} library=${found[3]}
+
+# Written beside, then moved into place: a process that has the module loaded keeps its copy.
+output=$package/postgres/log/_usual_insert$suffix
+${CC:-cc} -shared -fPIC -O2 -Wall -Wextra -std=c11 -I"$include" "$root/harvester/postgres/log/_usual_insert.c" \
+  -o "$output.tmp"
+mv "$output.tmp" "$output"
+echo "built $output"
+
 [ "$library" != - ] || { echo "build.sh: no librdkafka in confluent-kafka's wheel" >&2; exit 1; }
 
 headers=/usr/include
@@ -47,7 +57,7 @@ if [ ! -f "$headers/librdkafka/rdkafka.h" ]; then
   fi
 fi
 
-output=$target/_rdkafka_loop$suffix
+output=$package/kafka/_rdkafka_loop$suffix
 # Two run paths: beside an installed confluent-kafka (site-packages/harvester/kafka/ ->
 # site-packages/confluent_kafka.libs), and the library's own directory for an editable checkout.
 ${CC:-cc} -shared -fPIC -O2 -Wall -Wextra -std=c11 -D_DEFAULT_SOURCE \

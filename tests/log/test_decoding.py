@@ -1,7 +1,7 @@
 """The log source decodes real inserts (pgoutput's binary forms) into the records the mark-purge
 store reads from the same rows: every value type, headers with quotes and NULLs, NULL values,
-malformed rows, and a layout other than the usual one; the usual layout's fast path and the general
-one agree on every row, and a column type the log source cannot read is reported with the fix."""
+malformed rows, and a layout other than the usual one; the usual layout's fast paths (C and Python)
+and the general one agree on every row, and a column type the log source cannot read is reported with the fix."""
 
 from __future__ import annotations
 
@@ -148,9 +148,15 @@ def _check(dsn: str, outbox: Outbox, rows: list[Any], *, usual: bool) -> list[Ma
     relation, inserts = _peeked(dsn, outbox)
     columns, general = Columns(relation), Columns(relation)
     assert columns.usual is usual
+    assert (columns.native is not None) is usual, "the native decoder was not built: see ./dev.sh, .local/native.log"
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("HARVESTER_INSERT_DECODER", "python")
+        python = Columns(relation)
     general.usual = False
     decoded = [outbox_record(data, columns) for data in inserts]
-    assert decoded == [outbox_record(data, general) for data in inserts]  # both paths, one record
+    # The usual rows' C decoder, their Python one and the general path: one record.
+    assert decoded == [outbox_record(data, python) for data in inserts]
+    assert decoded == [outbox_record(data, general) for data in inserts]
     streamed = _streamed(dsn, outbox, len(rows))
     assert [dataclasses.replace(r, stamp=None) for r in streamed] == decoded
     assert [_fields(r) for r in decoded] == [_fields(r) for r in _selected(dsn, outbox)]

@@ -311,8 +311,10 @@ def test_build_stage_replayed_in_a_venv(tmp_path: Path) -> None:
     assert sql_files == sorted(p.name for p in (ROOT / "sql").glob("*.sql"))
     assert not (installed / "harvester" / "postgres" / "sql").is_symlink()
     assert (venv / "bin" / "reaper").exists()
-    # The producer process's native loop was built against the installed confluent-kafka's librdkafka.
-    native = [str(venv / "bin" / "python"), "-P", "-c", "import confluent_kafka, harvester.kafka._rdkafka_loop"]
+    # The native modules were built into the installed package: the insert decoder, and the producer
+    # process's loop against the installed confluent-kafka's librdkafka.
+    modules = "import confluent_kafka, harvester.kafka._rdkafka_loop, harvester.postgres.log._usual_insert"
+    native = [str(venv / "bin" / "python"), "-P", "-c", modules]
     loaded = subprocess.run(native, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60, check=False)
     assert loaded.returncode == 0, loaded.stderr
     # The COPY of LICENSE reached the wheel's metadata (pyproject.toml's license-files).

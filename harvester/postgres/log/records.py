@@ -5,12 +5,16 @@ where, and of which type, the outbox's columns are in its Relation message.
 Called once per record at full speed. The layout ``reaper migrate`` and goharvest create (the
 published columns in their order, a bigint id, non-NULL id, create_time, topic and key, no headers)
 is read by :func:`_usual`: one struct call for the fixed-width head, then the key's and the value's
-lengths. Any other row of a supported layout takes :func:`_any`, column by column; both give the
-same record (``tests/log/test_decoding.py``)."""
+lengths; or, when it was built (``deploy/native/build.sh``, run by ``./dev.sh`` and the image), by
+its C twin in ``_usual_insert.c``, which makes no Python object but the record's fields
+(``HARVESTER_INSERT_DECODER=python`` keeps the Python one). Any other row of a supported layout
+takes :func:`_any`, column by column; all give the same record (``tests/log/test_decoding.py``)."""
 
 from __future__ import annotations
 
+import os
 import struct
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 
 from harvester.core.protocols import StoreError
@@ -85,6 +89,19 @@ class Columns:
         # The last create_time read, as sent and as a datetime: the rows of one transaction usually
         # share it (DEFAULT now()). Only the mark thread decodes, so no lock.
         self.last_time: tuple[int | None, datetime] = (None, _EPOCH)
+        self.native = _native(self) if self.usual else None
+
+
+def _native(c: Columns) -> Callable[[bytes], MarkedRecord | None] | None:
+    """The C decoder of the usual rows, unless it was not built or ``HARVESTER_INSERT_DECODER`` asks
+    for the Python one."""
+    if os.environ.get("HARVESTER_INSERT_DECODER", "native") != "native":
+        return None
+    try:
+        from harvester.postgres.log._usual_insert import Decoder
+    except ImportError:
+        return None
+    return Decoder(MarkedRecord, c.no_headers, c.jsonb, _EPOCH).decode
 
 
 def outbox_record(data: bytes, c: Columns) -> MarkedRecord:
@@ -92,7 +109,7 @@ def outbox_record(data: bytes, c: Columns) -> MarkedRecord:
     if data[5] != 0x4E:  # 'N'
         raise pgoutput.ProtocolError("an insert without its new tuple")
     if c.usual:
-        record = _usual(data, c)
+        record = c.native(data) if c.native is not None else _usual(data, c)
         if record is not None:
             return record
     return _any(data, c)

@@ -1,0 +1,11 @@
+# The native decoder's interface (harvester/postgres/log/_usual_insert.c), for the type checker.
+from collections.abc import Callable
+from datetime import datetime
+
+from harvester.core.records import MarkedRecord
+
+class Decoder:
+    def __init__(
+        self, record: Callable[..., MarkedRecord], no_headers: bytes, jsonb: bool, epoch: datetime
+    ) -> None: ...
+    def decode(self, message: bytes, /) -> MarkedRecord | None: ...
