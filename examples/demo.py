@@ -2,7 +2,8 @@
 
     python -m examples.demo [--records 10] [--config reaper.yaml]
 
-Runs against the services of ``deploy/local/services.sh`` (``./dev.sh demo`` starts them). It runs
+Runs against the services of ``deploy/local/services.sh`` (``./dev.sh demo`` starts them; ``PGPORT``
+and ``KAFKA_PORT`` move them, and the demo with them). It runs
 the real daemon: ``reaper migrate`` and ``reaper run`` as a child process, writes records in one
 application transaction with the stasher, consumes the topic, and stops the daemon with SIGTERM.
 """
@@ -10,6 +11,7 @@ application transaction with the stasher, consumes the topic, and stops the daem
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import subprocess
 import sys
@@ -25,8 +27,11 @@ from harvester.core.records import OutboxRecord
 from harvester.kafka.topics import ensure_topic
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "deploy" / "local" / "reaper.yaml"
-DSN = "host=127.0.0.1 port=5432 user=harvester password=local-dev-secret dbname=harvester"
-BOOTSTRAP = "127.0.0.1:9092"
+# The local services' addresses; PGPORT and KAFKA_PORT move them, as for deploy/local/services.sh.
+DSN = (
+    f"host=127.0.0.1 port={os.environ.get('PGPORT', '5432')} user=harvester password=local-dev-secret dbname=harvester"
+)
+BOOTSTRAP = f"127.0.0.1:{os.environ.get('KAFKA_PORT', '9092')}"
 TOPIC = "demo.orders"
 
 
@@ -37,9 +42,13 @@ def main() -> int:
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="reaper.yaml to run with")
     args = parser.parse_args()
     reaper = [sys.executable, "-m", "harvester.daemon.cli"]
+    env = dict(os.environ)
+    if args.config == DEFAULT_CONFIG:  # the local services' file: their ports, as the environment moves them
+        env["REAPER_HARVEST__DATA_SOURCE"] = DSN
+        env["REAPER_HARVEST__BASE_KAFKA_CONFIG__BOOTSTRAP_SERVERS"] = BOOTSTRAP
 
     print(f"1. migrating the outbox: reaper migrate -f {args.config}")
-    subprocess.run([*reaper, "migrate", "-f", str(args.config)], check=True)
+    subprocess.run([*reaper, "migrate", "-f", str(args.config)], check=True, env=env)
 
     ensure_topic({"bootstrap.servers": BOOTSTRAP}, TOPIC, partitions=3)
     consumer = Consumer(
@@ -51,7 +60,7 @@ def main() -> int:
 
     print(f"2. starting the harvester: reaper run -f {args.config}")
     daemon = subprocess.Popen(
-        [*reaper, "run", "-f", str(args.config)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        [*reaper, "run", "-f", str(args.config)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env
     )
     try:
         run_id = uuid.uuid4().hex[:6]
