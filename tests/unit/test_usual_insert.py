@@ -83,6 +83,14 @@ CASES = {
     "cut in the value": insert(value=b"value")[:-40],
     "cut in the headers": insert()[:-3],
     "a topic longer than the message": insert()[:35] + struct.pack("!I", 2**32 - 1) + insert()[39:],
+    "a key longer than the message": insert(key=b"")[:40] + struct.pack("!I", 2**32 - 1) + column(EMPTY_TEXT_ARRAY) * 2,
+    "a value longer than the message": insert(value=b"")[:47] + struct.pack("!I", 2**31) + column(EMPTY_TEXT_ARRAY) * 2,
+    "a row of NULLs, shorter than the usual head": b"I"
+    + struct.pack("!I", 16384)
+    + b"N"
+    + struct.pack("!H", 7)
+    + column(struct.pack("!q", 7))
+    + b"n" * 6,
 }
 
 

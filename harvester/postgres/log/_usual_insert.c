@@ -79,8 +79,6 @@ static PyObject *create_time(Decoder *self, int64_t micros) {
         second += 86400;
         days -= 1;
     }
-    if (days > 999999999 || days < -999999999)
-        return NULL;
     PyObject *delta = PyDelta_FromDSU((int)days, (int)second, (int)us);
     if (delta == NULL)
         return NULL;
@@ -98,6 +96,10 @@ static PyObject *create_time(Decoder *self, int64_t micros) {
 }
 
 static PyObject *Decoder_decode(Decoder *self, PyObject *message) {
+    if (self->record == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "the decoder was not initialized");
+        return NULL;
+    }
     if (!PyBytes_Check(message)) {
         PyErr_SetString(PyExc_TypeError, "an Insert message is bytes");
         return NULL;
@@ -141,17 +143,25 @@ static PyObject *Decoder_decode(Decoder *self, PyObject *message) {
             return NULL;
         Py_RETURN_NONE;
     }
-    PyObject *fields[6] = {
-        PyLong_FromLongLong(id),
-        when,
-        PyUnicode_DecodeUTF8((const char *)data + topic_at, topic_size, NULL),
-        PyUnicode_DecodeUTF8((const char *)data + key_at, key_size, NULL),
-        value_size < 0 ? Py_NewRef(Py_None) : PyBytes_FromStringAndSize((const char *)data + value_at, value_size),
-        PyList_New(0),
-    };
+    /* The fields one at a time: no call into Python with an error pending. */
+    PyObject *fields[6] = {PyLong_FromLongLong(id), when, NULL, NULL, NULL, NULL};
     PyObject *out = NULL;
-    if (fields[0] != NULL && fields[2] != NULL && fields[3] != NULL && fields[4] != NULL && fields[5] != NULL)
+    if (fields[0] == NULL)
+        goto done;
+    fields[2] = PyUnicode_DecodeUTF8((const char *)data + topic_at, topic_size, NULL);
+    if (fields[2] == NULL)
+        goto done;
+    fields[3] = PyUnicode_DecodeUTF8((const char *)data + key_at, key_size, NULL);
+    if (fields[3] == NULL)
+        goto done;
+    fields[4] =
+        value_size < 0 ? Py_NewRef(Py_None) : PyBytes_FromStringAndSize((const char *)data + value_at, value_size);
+    if (fields[4] == NULL)
+        goto done;
+    fields[5] = PyList_New(0);
+    if (fields[5] != NULL)
         out = PyObject_Vectorcall(self->record, fields, 6, NULL);
+done:
     for (int i = 0; i < 6; i++)
         Py_XDECREF(fields[i]);
     return out;

@@ -50,6 +50,7 @@ READABLE_TYPES = (
 )
 
 _I32 = struct.Struct("!i")
+_U32 = struct.Struct("!I")
 _ARRAY_HEAD = struct.Struct("!iii")
 # The usual layout's head: the column count, then id and create_time (kind 'b', length 8, value),
 # then the topic's kind and length.
@@ -116,19 +117,30 @@ def outbox_record(data: bytes, c: Columns) -> MarkedRecord:
 
 
 def _usual(data: bytes, c: Columns) -> MarkedRecord | None:
-    """The record of a usual row (see the module's docstring), or None for another."""
+    """The record of a usual row (see the module's docstring), or None for another, or for a
+    message too short for the lengths it gives (:func:`_any` reads it, or says what is wrong)."""
+    end = len(data)
+    if end < _HEAD.size:
+        return None
     _, k_id, n_id, rid, k_time, n_time, micros, k_topic, size = _HEAD.unpack_from(data)
     at = _HEAD.size + size
-    if (k_id, n_id, k_time, n_time, k_topic) != _HEAD_BINARY or data[at] != 0x62:  # a NULL among the four
+    # A NULL among the four, or lengths past the message's end.
+    if (k_id, n_id, k_time, n_time, k_topic) != _HEAD_BINARY or at + 5 > end or data[at] != 0x62:
         return None
     topic = data[_HEAD.size : at].decode()
-    (size,) = _I32.unpack_from(data, at + 1)
+    (size,) = _U32.unpack_from(data, at + 1)
     at += 5 + size
+    if at >= end:
+        return None
     key = data[at - size : at].decode()
     value: bytes | None = None
     if data[at] == 0x62:
-        (size,) = _I32.unpack_from(data, at + 1)
+        if at + 5 > end:
+            return None
+        (size,) = _U32.unpack_from(data, at + 1)
         at += 5 + size
+        if at > end:
+            return None
         value = data[at - size : at]
     else:
         at += 1
@@ -176,8 +188,8 @@ def _time(c: Columns, micros: int | None) -> datetime:
         return when
     try:
         when = _EPOCH + timedelta(microseconds=micros)
-    except OverflowError:  # 'infinity' or '-infinity'
-        when = datetime.now(UTC)
+    except OverflowError:  # 'infinity' or '-infinity': now, each time (not kept)
+        return datetime.now(UTC)
     c.last_time = (micros, when)
     return when
 
