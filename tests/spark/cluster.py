@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pyspark
+from pyspark.errors import PySparkRuntimeError
 from pyspark.sql import SparkSession
 
 from examples.spark_pipeline import KAFKA_PACKAGE
@@ -235,7 +236,7 @@ def local_session(app: str) -> SparkSession:
     Kafka connector (resolved from Maven Central, as users do) for the example pipeline and the drain
     through Spark's Kafka sink; the ``outbox`` data source registered."""
     os.environ["PYSPARK_PYTHON"] = sys.executable  # Python workers import harvester, psycopg, pyarrow
-    session = (
+    builder = (
         SparkSession.builder.master("local[2,2]")
         .appName(app)
         .config("spark.ui.enabled", "false")
@@ -246,8 +247,17 @@ def local_session(app: str) -> SparkSession:
         .config("spark.driver.extraJavaOptions", JAVA_OPTIONS)
         .config(*PYTHON_PATIENCE)
         .config("spark.jars.packages", KAFKA_PACKAGE)
-        .getOrCreate()
     )
+    for attempt in range(3):
+        try:
+            session = builder.getOrCreate()
+            break
+        except PySparkRuntimeError as exc:
+            # The JVM exits when a download from Maven Central fails ("Downloaded file size (0)
+            # doesn't match expected Content Length ... Please retry", seen once on a fresh clone).
+            if attempt == 2 or "JAVA_GATEWAY_EXITED" not in str(exc):
+                raise
+            time.sleep(5)
     session.sparkContext.setLogLevel("ERROR")
     register(session)
     return session

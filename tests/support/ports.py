@@ -18,6 +18,14 @@ def free_ports(count: int) -> int:
         low, high = (int(p) for p in wanted.split("-"))
     else:
         low, high = _FALLBACK_PORTS[0], min(_FALLBACK_PORTS[1], _ephemeral_low() - 1)
+    # Each of pytest-xdist's workers takes its own slice: a worker does not see another's hand-outs,
+    # and a port one found free (for "nothing listens there") the other gave a private service.
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if workers > 1 and worker.startswith("gw"):
+        size = (high - low + 1) // workers
+        low += int(worker[2:]) * size
+        high = low + size - 1
     for first in range(low, high - count + 2):
         block = range(first, first + count)
         # Never twice in one run: a service given a block may bind only some of it, or only later.
