@@ -145,7 +145,8 @@ def main() -> None:
         if not args.all_threads:
             record.append("--gil")
 
-        def sample() -> subprocess.Popen[str]:
+        def sample() -> tuple[subprocess.Popen[str], tuple[float, float]]:
+            """py-spy started on the relay, and the relay's CPU so far once it is attached."""
             sampler = subprocess.Popen(
                 [spy, *record, "--format", "raw", "--output", str(out)],
                 stdout=subprocess.DEVNULL,
@@ -153,16 +154,13 @@ def main() -> None:
                 text=True,
             )
             time.sleep(0.5 if args.drain_only else 2.0)  # py-spy attached to the relay and its producer process
-            return sampler
+            return sampler, relay_cpu(child.pid)
 
-        sampler = None if args.drain_only else sample()
         consumer = Consumer({"bootstrap.servers": BOOTSTRAP, "group.id": "profile_count", "enable.auto.commit": False})
         with psycopg.connect(workload.DSN, autocommit=True) as conn:
-            cpu_before = relay_cpu(child.pid)
+            started = None if args.drain_only else sample()
             committed, _ = copy_burst(conn, table, topic, args.records, args.keys)
-            if sampler is None:
-                cpu_before = relay_cpu(child.pid)
-                sampler = sample()
+            sampler, cpu_before = started or sample()
             published = wait_published(consumer, topic, args.records)
             if args.source == MARK_PURGE:
                 workload.wait_empty(conn, table)
