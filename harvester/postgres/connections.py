@@ -93,6 +93,11 @@ class Connections:
             self._local.conn = conn
         return conn
 
+    def pids(self) -> list[int]:
+        """The server processes of the connections open now."""
+        with self._lock:
+            return [c.info.backend_pid for c in self._connections if not c.closed]
+
     def forget(self, conn: psycopg.Connection[Any]) -> None:
         """Close ``conn``, one of these connections."""
         with self._lock:
@@ -100,7 +105,7 @@ class Connections:
                 self._connections.remove(conn)
         conn.close()
 
-    def execute(self, query: sql.Composed | str, params: Sequence[Any]) -> psycopg.Cursor[Any]:
+    def execute(self, query: sql.Composed | sql.SQL | str, params: Sequence[Any]) -> psycopg.Cursor[Any]:
         """Run ``query`` (prepared) on the calling thread's connection, under the deadline."""
         conn = self.conn()
         with self.guarded(conn):
@@ -134,7 +139,7 @@ class Connections:
             return StoreUnreachableError(f"database error: {error_text(exc)}", since=started)
         return StoreError(f"statement failed: {error_text(exc)}")
 
-    def run(self, query: sql.Composed | str, params: Sequence[Any]) -> list[tuple[Any, ...]]:
+    def run(self, query: sql.Composed | sql.SQL | str, params: Sequence[Any]) -> list[tuple[Any, ...]]:
         """:meth:`execute`, then the rows it returned (none for a statement that returns none)."""
         cur = self.execute(query, params)
         return cur.fetchall() if cur.description else []

@@ -20,6 +20,7 @@ from harvester.core.shards import shard_of
 from harvester.postgres.schema.identifiers import TableName
 from harvester.postgres.schema.migrations import Migration, available, ensure, ensure_shard_index, fence_table, render
 from harvester.postgres.schema.sharding import shard_expression, shard_index
+from harvester.postgres.table.marks import FIRST_ID
 from harvester.postgres.table.statements import id_array
 from tests.engine.workload import insert
 from tests.support.paths import ROOT
@@ -147,7 +148,7 @@ def test_the_mark_query_reads_only_its_shards_index_entries(
         # skipped ids once they are a constant of the plan (hashed), not an InitPlan's result.
         first = sql.SQL("SELECT id FROM {} WHERE {} = %s ORDER BY id LIMIT 10")
         skip = [int(str(r[0])) for r in pg.execute(first.format(outbox.ident, shard_expression(shards)), (shard,))]
-        params = (outbox.qualified, 0, epoch, shard, shard + 1, id_array(skip), limit)
+        params = (outbox.qualified, 0, epoch, shard, shard + 1, FIRST_ID, id_array(skip), limit)
         found = conn.execute(explain, params).fetchone()
         assert found is not None
         plan: dict[str, Any] = found[0][0]["Plan"]

@@ -120,16 +120,17 @@ class Statements:
                 " WHERE EXISTS (SELECT 1 FROM fence) AND {t}.id = u.id"
             ).format(t=t, f=f)
         return cls(
-            # Every row not handed out yet, whatever its id: a transaction that commits late (lower
-            # ids, visible after higher ones were harvested) is found by the next mark. The ids come
+            # Every row past the frontier not handed out yet, whatever its id: a transaction that
+            # commits late (lower ids, visible after higher ones were harvested) is found by the next
+            # mark, the frontier staying below its ids until it ended (frontier.py). The ids come
             # as an array (``id = ANY(ARRAY(...))``): the planner then reads them by the primary key
             # whatever it believes about the table's size, where the plain ``ORDER BY id LIMIT``
             # chose a whole-table scan and sort on the statistics of an outbox that was empty a
             # moment ago (tests/engine/test_plans.py).
             mark=sql.SQL(
                 _GUARD + "SELECT " + _RETURNING.format(value=value, attempts=attempts) + " FROM {t}"
-                " WHERE EXISTS (SELECT 1 FROM fence) AND id = ANY(ARRAY("
-                "SELECT id FROM {t} WHERE {own}id <> " + _SKIP + "{held} ORDER BY {order} LIMIT %s)){ordered}"
+                " WHERE EXISTS (SELECT 1 FROM fence) AND id = ANY(ARRAY(SELECT id FROM {t}"
+                " WHERE {own}id >= %s AND id <> " + _SKIP + "{held} ORDER BY {order} LIMIT %s)){ordered}"
             ).format(t=t, f=f, own=own, held=held, order=order, ordered=ordered),
             # The mark's choice of rows, ids only: a Spark drain plans a micro-batch with it and its
             # executors read the rows (harvester.spark.drain); with why a row is malformed, and its

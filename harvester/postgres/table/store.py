@@ -34,7 +34,8 @@ from harvester.postgres.schema.catalog import OutboxColumns, OutboxMissingError
 from harvester.postgres.schema.fencing import Fence
 from harvester.postgres.schema.identifiers import TableName
 from harvester.postgres.schema.migrations import notify_channel
-from harvester.postgres.table.marks import HandedOut
+from harvester.postgres.table.frontier import SWEEP_SECONDS, WRITERS, Settling, ordered_ids
+from harvester.postgres.table.marks import FIRST_ID, HandedOut
 from harvester.postgres.table.rows import Pending
 from harvester.postgres.table.rows import malformed as rows_malformed
 from harvester.postgres.table.statements import PLANNER_OPTIONS, Statements, dense_range, id_array
@@ -50,6 +51,7 @@ class _Prepared:
     columns: OutboxColumns
     statements: Statements
     producer: bytes  # the identity headers' producer name
+    frontier: bool  # whether marks skip what is behind the frontier (frontier.py)
 
 
 class PostgresStore:
@@ -94,6 +96,8 @@ class PostgresStore:
         connect = {"connect_timeout": 5, "application_name": application_name, "options": self.db.options}
         self._vacuum = Vacuumer(dsn, table, vacuum_every, connect)
         self._handed = HandedOut()
+        self._settling = Settling()
+        self._sweep_at = 0.0
         self._prepared: _Prepared | None = None
         self._dead_letter_ready = hold_dead_letter_keys  # prepare() ensures it then
         self._listening: psycopg.Connection[Any] | None = None
@@ -137,6 +141,7 @@ class PostgresStore:
             if producer is None:
                 row = conn.execute("SELECT system_identifier FROM pg_control_system()").fetchone()
                 producer = f"{row[0] if row else 0}/{self.table.qualified}"
+            frontier = not self._hold and ordered_ids(conn, self.table)
             if self.db.server_limit:
                 limit_statements(conn, self.db.server_limit)
         except psycopg.OperationalError as exc:  # a lost connection (a restart): retried, as any start
@@ -144,7 +149,7 @@ class PostgresStore:
         except psycopg.Error as exc:
             raise StoreError(f"preparing {self.table} failed: {error_text(exc)}") from exc
         statements = Statements.build(self.table, columns, hold_dead_letter_keys=self._hold, shards=self.fence.shards)
-        self._prepared = _Prepared(columns, statements, producer.encode("utf-8"))
+        self._prepared = _Prepared(columns, statements, producer.encode("utf-8"), frontier)
         return columns
 
     def _read_columns(self, conn: psycopg.Connection[Any]) -> OutboxColumns:
@@ -229,15 +234,30 @@ class PostgresStore:
         prepared = self._ready()
         kind = prepared.columns.limits.value_kind
         stamp = self.stamp()
-        skip = self._handed.exclude(leader_id)
+        settled, now = self._settling.settled, time.monotonic()
+        sweep = now >= self._sweep_at
+        if sweep:
+            self._sweep_at = now + SWEEP_SECONDS
+        skip = self._handed.exclude(leader_id, sweep=sweep or not prepared.frontier)
         own = (self.fence.shard, self.fence.shard + 1) if self.fence.shards > 1 else ()
-        rows = self.db.run(prepared.statements.mark, (*self.fence.guard, *own, id_array(skip), limit))
+        params = (*self.fence.guard, *own, skip.start, id_array(skip.ids), limit)
+        rows = self.db.run(prepared.statements.mark, params)
         if not rows:
-            self.fence.check_epoch()
-            return []
+            self.fence.check_epoch()  # fenced: the mark read nothing, so the frontier stays
         if self.fence.shards > 1:
             rows.sort(key=lambda r: r[0])  # a sharded mark leaves the order to us (see statements)
         self._handed.add(leader_id, [r[0] for r in rows])
+        if prepared.frontier:
+            # A full mark handed out everything unhanded up to its last id, an empty or short one
+            # everything its snapshot saw.
+            highest = rows[-1][0] if rows else FIRST_ID
+            if settled > FIRST_ID:
+                upto = min(settled, highest) if len(rows) >= limit else settled
+                self._handed.advance(leader_id, skip, upto + 1)
+            writers = self.db.run(WRITERS, (self.table.quoted, self.db.pids()))
+            self._settling.seen(highest, writers[0][0])
+        if not rows:
+            return []
         out: list[MarkedRecord] = []
         for rid, created, topic, key, raw, hkeys, hvalues, attempts, first_failure in rows:
             value = raw.encode("utf-8") if raw is not None and kind != "bytes" else raw
@@ -250,6 +270,11 @@ class PostgresStore:
                 MarkedRecord(rid, created, topic, key or "", value, headers, attempts, first_failure, malformed, stamp)
             )
         return out
+
+    @property
+    def frontier(self) -> int:
+        """The first id marks look at (a bigint's least when they look from the start)."""
+        return self._handed.start
 
     def stamp(self) -> Stamp:
         """The identity headers' stamp of the records handed out under the current epoch."""
@@ -301,7 +326,7 @@ class PostgresStore:
     def reset(self, ids: Sequence[int]) -> None:
         """Make records whose delivery failed eligible for the next mark (no statement: a mark
         writes nothing to undo)."""
-        self._handed.settled(ids)
+        self._handed.released(ids)
 
     def fail(self, failures: Sequence[Failure]) -> None:
         """Unmark permanently failed records, counting the attempt and keeping the error."""
@@ -315,7 +340,7 @@ class PostgresStore:
         cur = self.db.execute(statement, (*self.fence.guard, ids, errors))
         if cur.rowcount < len(failures):
             self.fence.check_epoch()
-        self._handed.settled(ids)
+        self._handed.released(ids)
 
     def dead_letter(self, failures: Sequence[Failure], leader_id: UUID) -> None:
         """Move records into the dead-letter table in one statement; the first one applies the
