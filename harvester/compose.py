@@ -67,7 +67,7 @@ def source(config: HarvesterConfig) -> Source:
     dsn = config.data_source
     match config.source:
         case "mark_purge":
-            table = PostgresStore(dsn, config.table, **options)
+            table = PostgresStore(dsn, config.table, release_on_ack=config.key_release == "acknowledged", **options)
             return Source(table, HeadGauges(table))
         case "log":
             retention = config.log_retention.total_seconds() if config.log_retention else None
@@ -195,8 +195,8 @@ def publisher(
     placing: bool = False,
 ) -> Publisher:
     """The at-least-once publisher: one that keeps order where the store releases a key at its
-    acknowledgement (the log source), and then, with ``in_child``, its producer in a child process.
-    The log source's drain is bound by the harvester's interpreter; mark-purge's, by its database.
+    acknowledgement (``keyRelease: acknowledged``), and then, with ``in_child``, its producer in a
+    child process, so that a second core produces while the harvester's reads the slot or the table.
     With ``placing``, one that gives records their own timestamps and partitions (:func:`places`)."""
     if in_order and in_child and runs_in_child(kafka):
         return (PlacingProcessPublisher if placing else ProcessPublisher)(kafka, callback, in_order=True)

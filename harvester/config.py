@@ -147,8 +147,16 @@ class HarvesterConfig(BaseModel):
     )
     producer_process: bool = Field(
         default=True,
-        description="With source log and at_least_once: run the Kafka producer in a child process, so that a "
-        "second core publishes while the harvester's reads the slot (false: in the harvester's process).",
+        description="With at_least_once and a key released at its acknowledgement (source log, or keyRelease "
+        "acknowledged): run the Kafka producer in a child process, so that a second core publishes while the "
+        "harvester's reads the slot or the table (false: in the harvester's process).",
+    )
+    key_release: Literal["acknowledged", "purged"] | None = Field(
+        default=None,
+        description="With at_least_once, when a key's next record may go out: purged (mark_purge's default, "
+        "goharvest's), after its previous record's purge committed, one record of a key in flight (a crash "
+        "repeats a key's last record); acknowledged (the log source's, and mark_purge's if set), at its previous "
+        "record's acknowledgement, at most 8 of a key sent and not purged, in order (a crash repeats such a run).",
     )
     layout: Literal["goharvest", "debezium"] = Field(
         default="goharvest",
@@ -194,6 +202,15 @@ class HarvesterConfig(BaseModel):
             raise ValueError("logPrefix must not be empty")
         if self.source == "log" and self.dead_letter_policy == "hold_key":
             raise ValueError("source 'log' does not support deadLetterPolicy 'hold_key': use release")
+        if self.source == "log" and self.key_release == "purged":
+            raise ValueError(
+                "source 'log' releases a key at its record's acknowledgement: keyRelease 'purged' is mark_purge's"
+            )
+        if self.key_release == "acknowledged" and self.dead_letter_policy == "hold_key":
+            raise ValueError(
+                "deadLetterPolicy 'hold_key' holds a key behind its dead letter, which keyRelease 'acknowledged'"
+                " may have sent later records past: use keyRelease 'purged'"
+            )
         return self._debezium()
 
     def _debezium(self) -> HarvesterConfig:

@@ -13,7 +13,7 @@ from typing import Any
 from harvester.core.identity import KEY_RUN, Identity
 
 DEFAULT_CAPACITY = 100_000
-DEFAULT_DEPTH = KEY_RUN  # a log-source leader's run of records sent and not purged
+DEFAULT_DEPTH = KEY_RUN  # a leader's run of a key's records sent and not purged
 DEFAULT_TERMS = 4
 _STATE_VERSION = 3
 _STATE_VERSIONS = (1, 2, 3)  # version 1 had no batch chains, version 2 no recent ids
@@ -61,23 +61,24 @@ class DedupState:
       window: the id read least recently leaves it, which is not an eviction).
 
     Why this catches every duplicate the harvester produces (engine facts, see
-    :mod:`harvester.core.engine`): with mark-purge/reset, per key at most one record is in flight,
-    and a key's next record is sent only after the previous one was acknowledged and purged; with
-    the log source, a key has at most :data:`~harvester.core.identity.KEY_RUN` (``DEFAULT_DEPTH``)
-    records sent and not deleted yet, several in flight at once, which Kafka writes in the order
-    sent, and deletes commit in acknowledgement order.
+    :mod:`harvester.core.engine`): with mark-purge/reset (``keyRelease: purged``, its default), per
+    key at most one record is in flight, and a key's next record is sent only after the previous one
+    was acknowledged and purged; with the log source (or ``keyRelease: acknowledged``), a key has at
+    most :data:`~harvester.core.identity.KEY_RUN` (``DEFAULT_DEPTH``) records sent and not deleted
+    yet, several in flight at once, which Kafka writes in the order sent, and deletes commit in
+    acknowledgement order.
 
     1. A live re-publication of X (a remark after a failed delivery, or a new leader re-publishing
        what the old one did not delete). A new term re-publishes a key's records sent and not
        deleted (a run of at most ``KEY_RUN``) in the order they were sent, so each is among the
        ``recent`` ids (or on the stack) of the term that sent its previous copy: that term sent
-       nothing of the key after them. With mark-purge/reset that is X alone, the
+       nothing of the key after them. With ``keyRelease: purged`` that is X alone, the
        key's last record sent, and a remark or a new term marks in id order: X's new copy follows,
        since its previous one, only lower ids of the key (anything higher waits behind X), however
        many, so X is still on the stack of the term that sent the previous copy.
     2. A fenced zombie can still hold X in librdkafka's queue and deliver it late, after newer terms'
-       records of the key (only what it had in flight: one record per key per zombie term with
-       mark-purge/reset, a run of at most ``KEY_RUN`` with the log source). Its earlier copy was sent
+       records of the key (only what it had in flight: a run of at most ``KEY_RUN`` per key per zombie
+       term, one record with ``keyRelease: purged``). Its earlier copy was sent
        either by the zombie's own term (X is among that term's ``recent`` ids or on its stack, by 1.)
        or by the first later term that published it, which sent X after only the run before it and
        the lower, late-committed ids of the key: X is among that term's ``first`` ids when those
@@ -96,7 +97,7 @@ class DedupState:
     on a guess.
 
     So the state suffices when a key's late-committed lower ids pending at once and its records sent
-    and not deleted (the log source's run, at most ``DEFAULT_DEPTH``) are together at most
+    and not deleted (a leader's run, at most ``DEFAULT_DEPTH``) are together at most
     ``depth``, the zombie terms still to be heard from are among the key's ``terms`` most recent
     epochs, and the key stays among the ``capacity`` most recently read keys until its re-delivery
     arrives. State dropped to keep those bounds is counted by ``harvester_dedup_state_evictions``.
@@ -171,8 +172,9 @@ class DedupState:
         if len(recent) > self.depth:
             del recent[0]
         stack = term.stack
-        # A higher id of the same term means every lower one before it was purged: never re-sent live
-        # by mark-purge/reset (the log source's runs are what ``recent`` is for).
+        # A higher id of the same term means every lower one before it was purged when one record of
+        # a key goes out at a time (``keyRelease: purged``): never re-sent live then. Runs of several
+        # in flight are what ``recent`` is for.
         while stack and stack[-1] < rid:
             stack.pop()
         if not stack or stack[-1] != rid:

@@ -5,9 +5,10 @@ resets what failed.
 Per-key order: a record whose key has no room waits in that key's FIFO while records of other keys
 keep flowing (no head-of-line blocking); when a record of the key is done, the key's next record
 goes out at once. When a key has room again is the :class:`~harvester.core.gate.KeyGate`'s
-:class:`~harvester.core.gate.ReleasePolicy`: after its record's purge committed, or, for a store that
-allows it (the log source), at Kafka's acknowledgement within a bounded run of unpurged records,
-with the purges on a thread of their own (:mod:`harvester.core.purge_thread`).
+:class:`~harvester.core.gate.ReleasePolicy`: after its record's purge committed, or, for a store
+that allows it (the log source; mark-purge/reset with ``keyRelease: acknowledged``), at Kafka's
+acknowledgement within a bounded run of unpurged records, with the purges on a thread of their own
+(:mod:`harvester.core.purge_thread`).
 
 A failed delivery resets its record and forces a remark: queued records are discarded and the
 leader id is refreshed, so the next mark picks up everything unacknowledged, in id order. A record

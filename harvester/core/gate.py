@@ -10,21 +10,23 @@ raised (a remark publishes it again).
 
 When a record gives its key's room back is the :class:`ReleasePolicy`, chosen at build time:
 
-- :data:`RELEASE_AT_PURGE`: one record of a key sent and not done at most. The key's next record
-  goes out after its previous one's purge committed (or its failure was settled), so a re-publish
-  after a crash can repeat a key's last record but never reorder it.
+- :data:`RELEASE_AT_PURGE` (mark-purge/reset's default, ``keyRelease: purged``, goharvest's): one
+  record of a key sent and not done at most. The key's next record goes out after its previous one's
+  purge committed (or its failure was settled), so a re-publish after a crash can repeat a key's
+  last record but never reorder it.
 - :func:`release_at_ack` (a store whose :attr:`~harvester.core.protocols.Purger.release_on_ack` is
-  true: the log source): a key's next record goes out at its previous one's acknowledgement, and
-  when the publisher keeps order (:attr:`~harvester.core.protocols.Publisher.keeps_order`: what a
-  partition holds of a key's records in flight is always their first ones, in order) several are in
-  flight at once. A key's later record is acknowledged after its earlier one, so its purge commits
-  after it too, and whatever a crash leaves unpurged is, per key, its latest records; a new leader
-  re-reads them in their order, so it repeats them in order: a run of the key's records. A key has
-  at most :data:`~harvester.core.identity.KEY_RUN` records sent and not done, so the run a crash
-  repeats is at most that long (:class:`harvester.client.dedup.DedupReader` remembers that many ids
-  per key and term). A held record counts in its key's run until the store's position covers it,
-  but neither in the in-flight window nor as busy for a drain: the store will not hand it out
-  again, and only its id and key are kept.
+  true: the log source, and mark-purge/reset with ``keyRelease: acknowledged``): a key's next record
+  goes out at its previous one's acknowledgement, and when the publisher keeps order
+  (:attr:`~harvester.core.protocols.Publisher.keeps_order`: what a partition holds of a key's
+  records in flight is always their first ones, in order) several are in flight at once. A key's
+  later record is acknowledged after its earlier one, so its purge commits after it too, and
+  whatever a crash leaves unpurged is, per key, its latest records; a new leader re-reads them in
+  their order, so it repeats them in order: a run of the key's records. A key has at most
+  :data:`~harvester.core.identity.KEY_RUN` records sent and not done, so the run a crash repeats is
+  at most that long (:class:`harvester.client.dedup.DedupReader` remembers that many ids per key and
+  term). A held record counts in its key's run until the store's position covers it, but neither in
+  the in-flight window nor as busy for a drain: the store will not hand it out again, and only its
+  id and key are kept.
 
 Under both, a failure closes its key until it is settled: a later record of the key in flight fails
 with it (the publisher keeps order) or is the key's only one (it does not). A re-marked copy waiting

@@ -15,11 +15,16 @@ from tests.support.services import Services
 pytestmark = pytest.mark.integration
 
 
+@pytest.mark.parametrize("key_release", ["acknowledged", "purged"])
 def test_concurrent_writers_many_keys_all_delivered_in_key_order(
-    services: Services, outbox: TableName, topics: Callable[..., str], make_harvester: HarvesterFactory
+    services: Services,
+    outbox: TableName,
+    topics: Callable[..., str],
+    make_harvester: HarvesterFactory,
+    key_release: str,
 ) -> None:
     topic = topics(partitions=4)
-    h = make_harvester(max_in_flight_records=200)
+    h = make_harvester(max_in_flight_records=200, settings={"key_release": key_release})
     expected = write_concurrently(services.pg_dsn, outbox, topic, keys=300, per_key=10, writers=8)
     assert wait_drained(services.pg_dsn, outbox) == 0
     total = sum(expected.values())

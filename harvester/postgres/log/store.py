@@ -54,10 +54,6 @@ class LogStore(PostgresStore):
     """:class:`PostgresStore` whose records come from a logical replication slot, composed of its
     :mod:`~harvester.postgres.log.parts` (:func:`harvester.compose.log_store` picks them)."""
 
-    # A key's barrier drops at the acknowledgement: a new term streams from the slot in commit order
-    # and skips the rows already deleted, so a crash repeats a run of a key's latest records, in order.
-    release_on_ack = True
-
     def __init__(
         self,
         dsn: str,
@@ -77,7 +73,10 @@ class LogStore(PostgresStore):
         ``spill_directory`` (None: the system's temporary directory)."""
         # No vacuum while a backlog drains: it keeps the head of the id index clean for the mark
         # query, and this store reads no rows (its deletes find theirs by id); autovacuum suffices.
-        super().__init__(dsn, setup.table, **{**options, "vacuum_every": 0, "session_options": _SESSION})
+        # A key's barrier drops at the acknowledgement: a new term streams from the slot in commit order
+        # and skips the rows already deleted, so a crash repeats a run of a key's latest records, in order.
+        options = {**options, "vacuum_every": 0, "session_options": _SESSION, "release_on_ack": True}
+        super().__init__(dsn, setup.table, **options)
         self._setup = setup
         self._decoding, self._finish, self._rows = decoding, finish, rows
         # Shared by the streams and the received transactions.

@@ -60,10 +60,6 @@ class PostgresStore:
     shard's rows and runs under that shard's fence row. Its connections (:attr:`db`) and its side of
     the fence (:attr:`fence`) are parts of their own, which the log source's stores use too."""
 
-    # A key's barrier drops once its record's purge committed: a re-mark after a crash repeats only
-    # a key's last record (a concurrent re-mark would otherwise publish acknowledged records again).
-    release_on_ack = False
-
     def __init__(
         self,
         dsn: str,
@@ -78,11 +74,18 @@ class PostgresStore:
         shards: int = 1,
         statement_timeout: float = 0.0,
         session_options: str = "",
+        release_on_ack: bool = False,
     ) -> None:
-        """``session_options``: server options of every session, after the planner's."""
+        """``session_options``: server options of every session, after the planner's.
+        ``release_on_ack`` (:attr:`harvester.core.protocols.Purger.release_on_ack`): a key's next
+        record may go out at its previous one's acknowledgement, several in flight in order, since
+        their purges commit in that order and a new term marks in id order what a crash left
+        unpurged: a run of the key's latest records, in order. Without it (goharvest's one record
+        per key), after its purge: a crash repeats only a key's last record."""
         if not 0 <= shard < shards:
             raise ValueError(f"shard {shard} is not one of {shards} shards")
         self.table = table
+        self.release_on_ack = release_on_ack
         # The statements are prepared once and run thousands of times, each with a custom plan and
         # without sorts (see PLANNER_OPTIONS), after the DSN's own options, if it has any.
         options = " ".join(filter(None, [PLANNER_OPTIONS, session_options]))
@@ -171,6 +174,7 @@ class PostgresStore:
             shard=shard,
             shards=self.fence.shards,
             statement_timeout=self.db.statement_timeout,
+            release_on_ack=self.release_on_ack,
         )
         store._prepared = prepared
         return store
