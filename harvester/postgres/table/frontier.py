@@ -18,10 +18,11 @@ holds a lock on the table from before it takes the id until its transaction ends
    *settled*. The next mark, which still looks from the old frontier, finds any of them that committed
    late, so after it the frontier moves to ``C`` (to the mark's last id if it stopped short of ``C``).
 
-A reset makes ids eligible again: the frontier falls back below them (:class:`HandedOut`). The
-store's own connections only purge, so their locks do not count. Holding dead-lettered keys, the
-mark passes over rows it does not hand out: no frontier then. Neither with a sequence that caches
-ids, or without one owned by the id column: ids are then not taken in order.
+A reset makes ids eligible again: the frontier falls back below them
+(:class:`~harvester.postgres.table.marks.HandedOut`). The store's own connections only purge, so
+their locks do not count. Holding dead-lettered keys, the mark passes over rows it does not hand
+out: no frontier then. Neither with a sequence that caches ids, or without one owned by the id
+column: ids are then not taken in order.
 
 The frontier trusts that an id is taken by the statement that inserts it. An application that takes
 ids with ``nextval()`` ahead of its INSERT, or writes ids of its own, keeps its rows harvested by a
@@ -41,6 +42,7 @@ from harvester.postgres.schema.identifiers import TableName
 from harvester.postgres.table.marks import FIRST_ID
 
 SWEEP_SECONDS = 10.0
+_WAITING = 32  # reads of the writers waited on at once
 
 # The locks a transaction that writes the table holds on it (an INSERT's RowExclusiveLock, or a
 # stronger one taken beside it); prepared transactions hold theirs without a pid.
@@ -91,6 +93,3 @@ class Settling:
         if len(self._waiting) == _WAITING:
             self._waiting.pop()  # the newer read covers what it covered, and later
         self._waiting.append((self._seen, now))
-
-
-_WAITING = 32  # reads waited on at once
