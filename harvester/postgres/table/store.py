@@ -258,8 +258,11 @@ class PostgresStore:
             if settled > FIRST_ID:
                 upto = min(settled, highest) if len(rows) >= limit else settled
                 self._handed.advance(leader_id, skip, upto + 1)
-            writers = self.db.run(WRITERS, (self.table.quoted, self.db.pids()))
-            self._settling.seen(highest, writers[0][0])
+            # The read of the writers is a round trip of its own: worth it while marks come back full
+            # (a backlog, whose records in flight the next marks would walk past), not at a trickle.
+            if len(rows) >= limit:
+                writers = self.db.run(WRITERS, (self.table.quoted, self.db.pids()))
+                self._settling.seen(highest, writers[0][0])
         if not rows:
             return []
         out: list[MarkedRecord] = []
