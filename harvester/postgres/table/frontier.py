@@ -10,9 +10,10 @@ Where the frontier may stand follows from how ids are taken. An id comes from th
 holds a lock on the table from before it takes the id until its transaction ends. So:
 
 1. A mark sees a row with id ``C``: every id up to ``C`` was taken before the mark's snapshot.
-2. Right after the mark, the store reads the transactions that hold a writer's lock on the table
-   (``pg_locks``, readable by every role). Each taker of an id up to ``C`` has then either ended,
-   committed for any later snapshot or never, or is among them.
+2. Right after the mark (a full one: a backlog's, where the walk it saves is), the store reads the
+   transactions that hold a writer's lock on the table (``pg_locks``, readable by every role). Each
+   taker of an id up to ``C`` has then either ended, committed for any later snapshot or never, or
+   is among them.
 3. Once a later read finds none of them left, or the first read found none, every row up to ``C``
    that will ever be visible is visible to the snapshot of any statement after that read: ``C`` is
    *settled*. The next mark, which still looks from the old frontier, finds any of them that committed
