@@ -14,7 +14,7 @@ from psycopg import sql
 
 from harvester import PostgresStore
 from harvester.postgres.schema.identifiers import TableName
-from harvester.postgres.table import store as store_module
+from harvester.postgres.table import frontier as frontier_module
 from harvester.postgres.table.frontier import WRITERS
 from harvester.postgres.table.marks import FIRST_ID
 from tests.engine.workload import insert
@@ -174,6 +174,6 @@ def test_a_row_written_with_an_id_of_its_own_behind_the_frontier_is_found_by_the
         (ids[0] - 1,),
     )
     assert drain(store) == []  # behind the frontier: only a sweep looks there
-    monkeypatch.setattr(store_module, "SWEEP_SECONDS", 0.0)
-    store._sweep_at = 0.0
+    monkeypatch.setattr(frontier_module, "SWEEP_SECONDS", 0.0)
+    store._frontier._sweep_at = 0.0
     assert drain(store) == [ids[0] - 1]

@@ -33,14 +33,16 @@ what the sweep's timing makes it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
+from uuid import UUID
 
 import psycopg
 from psycopg import sql
 
 from harvester.postgres.schema.identifiers import TableName
-from harvester.postgres.table.marks import FIRST_ID
+from harvester.postgres.table.marks import FIRST_ID, Exclusion, HandedOut
 
 SWEEP_SECONDS = 10.0
 _WAITING = 32  # reads of the writers waited on at once
@@ -94,3 +96,38 @@ class Settling:
         if len(self._waiting) == _WAITING:
             self._waiting.pop()  # the newer read covers what it covered, and later
         self._waiting.append((self._seen, now))
+
+
+class Frontier:
+    """The frontier's upkeep around each mark of one store (the mark thread's alone): what the mark
+    skips, and after it, how far the frontier moves and whether the table's writers are read."""
+
+    def __init__(self, handed: HandedOut) -> None:
+        self._handed = handed
+        self._settling = Settling()
+        self._settled = FIRST_ID  # what was settled when the mark under way was sent
+        self._sweep_at = 0.0
+
+    def before(self, leader_id: UUID, *, enabled: bool) -> Exclusion:
+        """What the next mark skips: from the frontier, or every id handed out when the frontier is
+        off or a sweep is due."""
+        self._settled, now = self._settling.settled, time.monotonic()
+        sweep = now >= self._sweep_at
+        if sweep:
+            self._sweep_at = now + SWEEP_SECONDS
+        return self._handed.exclude(leader_id, sweep=sweep or not enabled)
+
+    def after(
+        self, leader_id: UUID, skip: Exclusion, ids: Sequence[int], limit: int, writers: Callable[[], Sequence[str]]
+    ) -> None:
+        """The mark that skipped ``skip`` handed out ``ids`` (ascending) of at most ``limit``: a
+        full mark handed out everything unhanded up to its last id, an empty or short one everything
+        its snapshot saw. ``writers`` reads the table's writers, a round trip of its own: worth it
+        after full marks only (a backlog, whose records in flight the next marks would walk past),
+        not at a trickle."""
+        highest = ids[-1] if ids else FIRST_ID
+        if self._settled > FIRST_ID:
+            upto = min(self._settled, highest) if len(ids) >= limit else self._settled
+            self._handed.advance(leader_id, skip, upto + 1)
+        if len(ids) >= limit:
+            self._settling.seen(highest, writers())

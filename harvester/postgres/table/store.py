@@ -34,8 +34,8 @@ from harvester.postgres.schema.catalog import OutboxColumns, OutboxMissingError
 from harvester.postgres.schema.fencing import Fence
 from harvester.postgres.schema.identifiers import TableName
 from harvester.postgres.schema.migrations import notify_channel
-from harvester.postgres.table.frontier import SWEEP_SECONDS, WRITERS, Settling, ordered_ids
-from harvester.postgres.table.marks import FIRST_ID, HandedOut
+from harvester.postgres.table.frontier import WRITERS, Frontier, ordered_ids
+from harvester.postgres.table.marks import HandedOut
 from harvester.postgres.table.rows import Pending
 from harvester.postgres.table.rows import malformed as rows_malformed
 from harvester.postgres.table.statements import PLANNER_OPTIONS, Statements, dense_range, id_array
@@ -99,8 +99,7 @@ class PostgresStore:
         connect = {"connect_timeout": 5, "application_name": application_name, "options": self.db.options}
         self._vacuum = Vacuumer(dsn, table, vacuum_every, connect)
         self._handed = HandedOut()
-        self._settling = Settling()
-        self._sweep_at = 0.0
+        self._frontier = Frontier(self._handed)
         self._prepared: _Prepared | None = None
         self._dead_letter_ready = hold_dead_letter_keys  # prepare() ensures it then
         self._listening: psycopg.Connection[Any] | None = None
@@ -238,11 +237,7 @@ class PostgresStore:
         prepared = self._ready()
         kind = prepared.columns.limits.value_kind
         stamp = self.stamp()
-        settled, now = self._settling.settled, time.monotonic()
-        sweep = now >= self._sweep_at
-        if sweep:
-            self._sweep_at = now + SWEEP_SECONDS
-        skip = self._handed.exclude(leader_id, sweep=sweep or not prepared.frontier)
+        skip = self._frontier.before(leader_id, enabled=prepared.frontier)
         own = (self.fence.shard, self.fence.shard + 1) if self.fence.shards > 1 else ()
         params = (*self.fence.guard, *own, skip.start, id_array(skip.ids), limit)
         rows = self.db.run(prepared.statements.mark, params)
@@ -250,19 +245,10 @@ class PostgresStore:
             self.fence.check_epoch()  # fenced: the mark read nothing, so the frontier stays
         if self.fence.shards > 1:
             rows.sort(key=lambda r: r[0])  # a sharded mark leaves the order to us (see statements)
-        self._handed.add(leader_id, [r[0] for r in rows])
+        ids = [r[0] for r in rows]
+        self._handed.add(leader_id, ids)
         if prepared.frontier:
-            # A full mark handed out everything unhanded up to its last id, an empty or short one
-            # everything its snapshot saw.
-            highest = rows[-1][0] if rows else FIRST_ID
-            if settled > FIRST_ID:
-                upto = min(settled, highest) if len(rows) >= limit else settled
-                self._handed.advance(leader_id, skip, upto + 1)
-            # The read of the writers is a round trip of its own: worth it while marks come back full
-            # (a backlog, whose records in flight the next marks would walk past), not at a trickle.
-            if len(rows) >= limit:
-                writers = self.db.run(WRITERS, (self.table.quoted, self.db.pids()))
-                self._settling.seen(highest, writers[0][0])
+            self._frontier.after(leader_id, skip, ids, limit, self._writers)
         if not rows:
             return []
         out: list[MarkedRecord] = []
@@ -277,6 +263,11 @@ class PostgresStore:
                 MarkedRecord(rid, created, topic, key or "", value, headers, attempts, first_failure, malformed, stamp)
             )
         return out
+
+    def _writers(self) -> list[str]:
+        """The transactions holding a writer's lock on the table now, but this store's own."""
+        rows = self.db.run(WRITERS, (self.table.quoted, self.db.pids()))
+        return list(rows[0][0])
 
     @property
     def frontier(self) -> int:
