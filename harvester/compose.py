@@ -67,7 +67,7 @@ def source(config: HarvesterConfig) -> Source:
     dsn = config.data_source
     match config.source:
         case "mark_purge":
-            table = PostgresStore(dsn, config.table, release_on_ack=config.key_release == "acknowledged", **options)
+            table = PostgresStore(dsn, config.table, release_on_ack=config.releases_key_at_ack, **options)
             return Source(table, HeadGauges(table))
         case "log":
             retention = config.log_retention.total_seconds() if config.log_retention else None

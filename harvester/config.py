@@ -147,16 +147,16 @@ class HarvesterConfig(BaseModel):
     )
     producer_process: bool = Field(
         default=True,
-        description="With at_least_once and a key released at its acknowledgement (source log, or keyRelease "
-        "acknowledged): run the Kafka producer in a child process, so that a second core publishes while the "
+        description="With at_least_once and a key released at its acknowledgement (keyRelease acknowledged, the "
+        "default): run the Kafka producer in a child process, so that a second core publishes while the "
         "harvester's reads the slot or the table (false: in the harvester's process).",
     )
     key_release: Literal["acknowledged", "purged"] | None = Field(
         default=None,
-        description="With at_least_once, when a key's next record may go out: purged (mark_purge's default, "
-        "goharvest's), after its previous record's purge committed, one record of a key in flight (a crash "
-        "repeats a key's last record); acknowledged (the log source's, and mark_purge's if set), at its previous "
-        "record's acknowledgement, at most 8 of a key sent and not purged, in order (a crash repeats such a run).",
+        description="With at_least_once, when a key's next record may go out: acknowledged (the default), at its "
+        "previous record's acknowledgement, at most 8 of a key sent and not purged, in order (a crash repeats such "
+        "a run); purged (goharvest's, mark_purge only; the default with deadLetterPolicy hold_key), after its "
+        "previous record's purge committed, one record of a key in flight (a crash repeats a key's last record).",
     )
     layout: Literal["goharvest", "debezium"] = Field(
         default="goharvest",
@@ -187,6 +187,13 @@ class HarvesterConfig(BaseModel):
                 raise
             raise ValueError(f"invalid size {value!r}: use forms like '512MiB', '2GB' or a number of bytes") from None
         return size
+
+    @property
+    def releases_key_at_ack(self) -> bool:
+        """``keyRelease`` as set, or its default: ``acknowledged`` but with ``deadLetterPolicy: hold_key``."""
+        if self.key_release is None:
+            return self.dead_letter_policy != "hold_key"
+        return self.key_release == "acknowledged"
 
     @model_validator(mode="after")
     def _log_source(self) -> HarvesterConfig:

@@ -61,9 +61,10 @@ class DedupState:
       window: the id read least recently leaves it, which is not an eviction).
 
     Why this catches every duplicate the harvester produces (engine facts, see
-    :mod:`harvester.core.engine`): with mark-purge/reset (``keyRelease: purged``, its default), per
-    key at most one record is in flight, and a key's next record is sent only after the previous one
-    was acknowledged and purged; with the log source (or ``keyRelease: acknowledged``), a key has at
+    :mod:`harvester.core.engine`): with mark-purge/reset and ``keyRelease: purged`` (goharvest's
+    barrier), per key at most one record is in flight, and a key's next record is sent only after the
+    previous one was acknowledged and purged; by default (``keyRelease: acknowledged``, always with
+    the log source), a key has at
     most :data:`~harvester.core.identity.KEY_RUN` (``DEFAULT_DEPTH``) records sent and not deleted
     yet, several in flight at once, which Kafka writes in the order sent, and deletes commit in
     acknowledgement order.

@@ -5,8 +5,8 @@ resets what failed.
 Per-key order: a record whose key has no room waits in that key's FIFO while records of other keys
 keep flowing (no head-of-line blocking); when a record of the key is done, the key's next record
 goes out at once. When a key has room again is the :class:`~harvester.core.gate.KeyGate`'s
-:class:`~harvester.core.gate.ReleasePolicy`: after its record's purge committed, or, for a store
-that allows it (the log source; mark-purge/reset with ``keyRelease: acknowledged``), at Kafka's
+:class:`~harvester.core.gate.ReleasePolicy`: after its record's purge committed (mark-purge/reset
+with ``keyRelease: purged``), or, for a store that allows it (the default), at Kafka's
 acknowledgement within a bounded run of unpurged records, with the purges on a thread of their own
 (:mod:`harvester.core.purge_thread`).
 
@@ -269,8 +269,6 @@ class AtLeastOnceDispatcher:
             published = self._published
             self._gate.answered(items)
             purges.put(items)
-            if any(err is not None for _, err in items):
-                state.force_remark = True
             self._send_waiting(self._answered(items), may_send)
             metrics.in_flight.set(self._gate.in_flight_records)
             metrics.queued.set(self._gate.queued_records)
@@ -317,8 +315,9 @@ class AtLeastOnceDispatcher:
             else:
                 earlier = gate.completed(items, covered, failures, dead)
                 keys = self._answered(items)
-                if failures:
-                    state.force_remark = True
+            if failures:
+                # Only now: the remark reads each failure's attempts as its settlement left them.
+                state.force_remark = True
             self._send_waiting(keys + earlier, may_send)
             metrics.in_flight.set(gate.in_flight_records)
             metrics.queued.set(gate.queued_records)

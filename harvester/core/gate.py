@@ -10,13 +10,13 @@ raised (a remark publishes it again).
 
 When a record gives its key's room back is the :class:`ReleasePolicy`, chosen at build time:
 
-- :data:`RELEASE_AT_PURGE` (mark-purge/reset's default, ``keyRelease: purged``, goharvest's): one
+- :data:`RELEASE_AT_PURGE` (mark-purge/reset with ``keyRelease: purged``, goharvest's): one
   record of a key sent and not done at most. The key's next record goes out after its previous one's
   purge committed (or its failure was settled), so a re-publish after a crash can repeat a key's
   last record but never reorder it.
 - :func:`release_at_ack` (a store whose :attr:`~harvester.core.protocols.Purger.release_on_ack` is
-  true: the log source, and mark-purge/reset with ``keyRelease: acknowledged``): a key's next record
-  goes out at its previous one's acknowledgement, and when the publisher keeps order
+  true: the log source, and mark-purge/reset by default, ``keyRelease: acknowledged``): a key's
+  next record goes out at its previous one's acknowledgement, and when the publisher keeps order
   (:attr:`~harvester.core.protocols.Publisher.keeps_order`: what a partition holds of a key's
   records in flight is always their first ones, in order) several are in flight at once. A key's
   later record is acknowledged after its earlier one, so its purge commits after it too, and
@@ -29,8 +29,10 @@ When a record gives its key's room back is the :class:`ReleasePolicy`, chosen at
   id and key are kept.
 
 Under both, a failure closes its key until it is settled: a later record of the key in flight fails
-with it (the publisher keeps order) or is the key's only one (it does not). A re-marked copy waiting
-behind a record that is then dead-lettered is dropped, as behind one acknowledged.
+with it (the publisher keeps order) or is the key's only one (it does not). A re-marked copy of a
+record in flight, or acknowledged and not purged yet, waits behind it: dropped once that one is
+acknowledged or purged (or dead-lettered), sent if it fails; a remark after a failure hands out
+again what the purge thread has not deleted yet, and sending that copy would publish it twice.
 
 A record that must go out alone (:attr:`harvester.core.settle.Settler.solo`) is taken from its key's
 FIFO only while nothing is in flight, and nothing after it in the same :meth:`KeyGate.take`; its key
@@ -85,7 +87,8 @@ class KeyGate:
     - ``_flying[k]`` is the number of ``k``'s records in ``_in_flight`` (failing ones included),
       ``_failing[k]`` of its failed records not settled, ``_unpurged[k]`` of its acknowledged records
       not done (held ones included); a key whose count is zero has no entry;
-      ``_unpurged_total`` is the sum of ``_unpurged``, ``_held`` names some of those records;
+      ``_unpurged_total`` is the sum of ``_unpurged``, ``_held`` names some of those records and
+      ``_acked`` the others;
     - ``k`` is in ``_closed`` exactly when ``policy.has_room`` says no for its counts;
     - every FIFO in ``_waiting`` is non-empty, ``_queued`` is the sum of their lengths, and
       ``_waiting_ids[i]`` is how many times id ``i`` waits in them.
@@ -105,6 +108,8 @@ class KeyGate:
         self._unpurged_total = 0
         # Purged records the store does not cover yet, by id: their keys.
         self._held: dict[int, str] = {}
+        # Acknowledged records not purged yet: a re-marked copy of one waits for its purge.
+        self._acked: set[int] = set()
         self._closed: set[str] = set()
         # Per key, the records waiting behind it with the monotonic time they were queued.
         self._waiting: dict[str, deque[tuple[float, MarkedRecord]]] = {}
@@ -167,9 +172,9 @@ class KeyGate:
     def hold_back(self, record: MarkedRecord, now: float) -> bool:
         """Queue ``record`` behind its key when it may not go out now (True): the key is closed or has
         records waiting, or it is a re-marked copy of a record in flight (dropped if that one is
-        acknowledged, the retry if it fails)."""
+        acknowledged, the retry if it fails) or acknowledged (dropped at its purge)."""
         key = record.key
-        if key in self._closed or key in self._waiting or record.id in self._in_flight:
+        if key in self._closed or key in self._waiting or record.id in self._in_flight or record.id in self._acked:
             self._waiting.setdefault(key, deque()).append((now, record))
             self._waiting_ids[record.id] = self._waiting_ids.get(record.id, 0) + 1
             self._queued += 1
@@ -188,13 +193,19 @@ class KeyGate:
     def take(self, keys: Iterable[str], alone: Collection[int] = ()) -> list[MarkedRecord]:
         """The records waiting behind ``keys`` that their keys have room for now, in order, counted as
         sent (the caller sends them). A key's next record that is a re-marked copy of one still in
-        flight stays (dropped or sent when that one is answered). One whose id is in ``alone`` is
-        taken only when nothing is in flight, and ends the list (else its key is parked)."""
+        flight or acknowledged stays (dropped or sent when that one is answered or purged). One
+        whose id is in ``alone`` is taken only when nothing is in flight, and ends the list (else
+        its key is parked)."""
         taken: list[MarkedRecord] = []
-        waiting_of, closed, in_flight = self._waiting, self._closed, self._in_flight
+        waiting_of, closed, in_flight, acked = self._waiting, self._closed, self._in_flight, self._acked
         for key in keys:
             waiting = waiting_of.get(key)
-            while waiting is not None and key not in closed and waiting[0][1].id not in in_flight:
+            while (
+                waiting is not None
+                and key not in closed
+                and waiting[0][1].id not in in_flight
+                and waiting[0][1].id not in acked
+            ):
                 solo = bool(alone) and waiting[0][1].id in alone
                 if solo:
                     if in_flight:
@@ -227,7 +238,7 @@ class KeyGate:
     def answered(self, items: Sequence[DeliveryReport]) -> None:
         """Kafka answered ``items``: an acknowledged record leaves flight, unpurged, and its re-marked
         copies waiting are dropped; a failed one stays in flight, failing, and closes its key."""
-        in_flight, flying, unpurged = self._in_flight, self._flying, self._unpurged
+        in_flight, flying, unpurged, acked = self._in_flight, self._flying, self._unpurged, self._acked
         delivered = 0
         for record, err in items:
             key = record.key
@@ -242,6 +253,7 @@ class KeyGate:
             else:
                 del flying[key]
             unpurged[key] = unpurged.get(key, 0) + 1
+            acked.add(record.id)
             delivered += 1
             if record.id in self._waiting_ids:
                 self._drop_copies(record)
@@ -258,10 +270,16 @@ class KeyGate:
     ) -> list[str]:
         """``delivered`` were purged, of which (or of those held before) the store covers ``covered``,
         and ``failures`` were settled, those in ``dead`` dead-lettered (their copies waiting are
-        dropped): the covered ones and the failures are done, the others held. The keys of held
-        records done now (their room grew too)."""
+        dropped, as are those of ``delivered``): the covered ones and the failures are done, the
+        others held. The keys of held records done now (their room grew too)."""
         earlier: list[str] = []
         keys = [r.key for r in delivered]
+        self._acked.difference_update([r.id for r in delivered])
+        waiting_ids = self._waiting_ids
+        if waiting_ids:
+            for record in delivered:
+                if record.id in waiting_ids:
+                    self._drop_copies(record)
         if len(covered) == len(delivered) and not self._held:  # a purge that deletes, say
             self._forget(keys)
         else:
@@ -306,6 +324,7 @@ class KeyGate:
     def abandon(self, items: Sequence[DeliveryReport]) -> None:
         """``items`` were answered but their completion failed: they are done without their purge or
         settlement (the caller forces a remark, which publishes them again)."""
+        self._acked.difference_update([r.id for r, err in items if err is None])
         self._forget([r.key for r, err in items if err is None])
         failures = [(r, err) for r, err in items if err is not None]
         self._settle(failures)

@@ -49,6 +49,7 @@ class HarvesterGroup:
             shards=s.shards,
             source=s.source,
             **({"log_messages": True} if s.log_messages else {}),
+            **({"key_release": s.key_release} if s.key_release else {}),
             **(
                 {"layout": "debezium", "event_router": {"route.topic.replacement": "${routedByValue}"}}
                 if s.layout == "debezium"

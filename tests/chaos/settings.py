@@ -37,6 +37,7 @@ class ChaosSettings:
     source: str = "mark_purge"  # HarvesterConfig.source
     log_messages: bool = False  # HarvesterConfig.log_messages: a table-less outbox (source log)
     log_retention: float = 0.0  # HarvesterConfig.log_retention in seconds (source log, a table)
+    key_release: str | None = None  # HarvesterConfig.key_release (None: its default)
     # HarvesterConfig.layout: "debezium" writes Debezium's outbox layout, each row deleted in the
     # transaction that inserted it (source log)
     layout: Literal["goharvest", "debezium"] = "goharvest"
@@ -66,7 +67,9 @@ class ChaosSettings:
 
     @property
     def variant(self) -> str:
-        """The log source's variant, as the summary names it ("" for the others)."""
+        """The source's variant, as the summary names it ("" for the defaults)."""
+        if self.key_release:
+            return f" (keyRelease {self.key_release})"
         if self.log_messages:
             return " (table-less)"
         if self.layout == "debezium":

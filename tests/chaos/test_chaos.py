@@ -30,7 +30,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 # One run per delivery mode the config offers (HarvesterConfig.delivery), the checks differ by mode,
 # unsharded; with 4 shards once, in exactly-once mode, whose fencing of a shard's transactions is the
-# stricter (tests/shards covers at-least-once shards handed over); the log source (unsharded: it
+# stricter (tests/shards covers at-least-once shards handed over); mark-purge/reset with one record
+# of a key in flight (keyRelease: purged) once; the log source (unsharded: it
 # reads one slot); and its two variants that store how far they are done instead of deleting rows as
 # they go, a retention window and a table-less outbox, each with a smaller schedule (no broker
 # restart: it takes 20 s to minutes on a loaded machine, and those runs exercise the same producer as
@@ -50,6 +51,9 @@ SMALL: dict[str, Any] = {
 }
 VARIANTS: dict[str, dict[str, Any]] = {
     "mark_purge": {},
+    # goharvest's barrier: a key's next record only after its previous one's purge (keyRelease:
+    # purged; the default sends it at the acknowledgement, as the log source does).
+    "one-per-key": {"key_release": "purged", **SMALL},
     "log": {"source": "log", "large_every": 10.0},  # the log source gets transactions it streams too
     "retention": {"source": "log", "log_retention": 2.0, **SMALL},
     "table-less": {"source": "log", "log_messages": True, **SMALL},
@@ -82,7 +86,7 @@ def chaos_services() -> Iterator[tuple[PrivatePostgres, PrivateKafka]]:
         for mode in delivery_modes()
         for shards, variant in ((1, "mark_purge"), (1, "log"), (1, "retention"), (1, "table-less"))
     ]
-    + [("exactly_once", 4, "mark_purge"), ("at_least_once", 1, "debezium")],
+    + [("exactly_once", 4, "mark_purge"), ("at_least_once", 1, "one-per-key"), ("at_least_once", 1, "debezium")],
 )
 def test_chaos(chaos_services: tuple[PrivatePostgres, PrivateKafka], delivery: str, shards: int, variant: str) -> None:
     seed = int(os.environ.get("CHAOS_SEED") or random.SystemRandom().randrange(1 << 31))

@@ -85,7 +85,7 @@ def test_each_poison_kind_is_dead_lettered_while_good_records_flow(
     assert wait_drained(services.pg_dsn, outbox, timeout=90) == 0
     letters = dead_letters(services.pg_dsn, outbox)
     assert set(letters) == set(poison)
-    assert all(attempts == 2 for _, attempts in letters.values())
+    assert all(attempts == 2 for _, attempts in letters.values()), letters
     reasons = [letters[i][0] for i in poison]
     assert reasons[0] == "msg_size_too_large" and reasons[3] == "malformed" and reasons[4] == "malformed"
     got = read_messages(services.bootstrap, [good, small], 203)

@@ -108,10 +108,11 @@ class GateMachine(RuleBasedStateMachine):
         """A record waiting is to go out alone (its copy in flight failed with a shared error)."""
         self.solo.add(data.draw(st.sampled_from(sorted(i for fifo in self.fifo.values() for i in fifo))))
 
-    @precondition(lambda self: not self.remark_due and self.flying)
+    @precondition(lambda self: not self.remark_due and self.flying | (self.unpurged - self.held))
     @rule(data=st.data())
     def mark_a_copy(self, data: st.DataObject) -> None:
-        self._offer(self.records[data.draw(st.sampled_from(sorted(self.flying)))])
+        """A remark hands out again a record in flight, or acknowledged and not purged yet."""
+        self._offer(self.records[data.draw(st.sampled_from(sorted(self.flying | (self.unpurged - self.held))))])
 
     @precondition(lambda self: self.flying - self.failing)
     @rule(data=st.data(), failed=st.booleans())
@@ -137,6 +138,8 @@ class GateMachine(RuleBasedStateMachine):
         dead = self._dead(data, failures)
         earlier = self.gate.done(delivered, covered, failures, dead)
         assert sorted(earlier) == sorted(self.records[i].key for i in covered if i in self.held)
+        for r in delivered:  # purged: a copy waiting would publish it twice
+            self.fifo[r.key] = deque(i for i in self.fifo[r.key] if i != r.id)
         self.held |= {r.id for r in delivered} - set(covered)
         self.held -= set(covered)
         self.unpurged -= set(covered)
@@ -220,6 +223,7 @@ class GateMachine(RuleBasedStateMachine):
             assert flying <= policy.flights and flying + unpurged <= policy.run
         assert 0 not in gate._flying.values() and 0 not in gate._failing.values() and 0 not in gate._unpurged.values()
         assert set(gate._in_flight) == self.flying and set(gate._held) == self.held
+        assert gate._acked == self.unpurged - self.held
         assert gate._unpurged_total == len(self.unpurged)
         assert gate.window == len(self.flying) + len(self.unpurged) - len(self.held)
         assert gate.busy() is bool(self.flying or self.unpurged - self.held)
@@ -278,3 +282,21 @@ def test_a_copy_purged_while_its_first_is_held_leaves_no_room_taken() -> None:
     gate.done([], [x.id], [])
     assert not gate.busy() and not gate.holding
     assert gate.window == 0
+
+
+def test_a_copy_of_an_acknowledged_record_waits_for_its_purge_and_is_dropped() -> None:
+    """The remark a key's failure forces hands out again its earlier record, acknowledged and not
+    purged yet: that copy waits at the head of the key's FIFO when the failure is settled and the
+    key opens, and is dropped by the purge (sent, it would publish the record twice)."""
+    gate = KeyGate(release_at_ack(keeps_order=True))
+    c0, c1 = (MarkedRecord(i, CREATED, "t", "c", b"v", []) for i in (1, 2))
+    for record in (c0, c1):
+        assert not gate.hold_back(record, 0.0)
+        gate.sent(record)
+    gate.answered([(c0, None), (c1, RuntimeError("too large"))])
+    gate.discard_waiting()  # the remark
+    assert gate.hold_back(c0, 0.0) and gate.hold_back(c1, 0.0)
+    gate.done([], [], [(c1, RuntimeError("too large"))])  # reset: the key opens
+    assert gate.take(["c"]) == []
+    gate.done([c0], [c0.id], [])
+    assert gate.take(["c"]) == [c1] and gate.queued_records == 0

@@ -13,7 +13,13 @@ pytestmark = pytest.mark.unit
 
 
 @pytest.mark.parametrize(
-    ("setting", "at_ack"), [({}, False), ({"keyRelease": "purged"}, False), ({"keyRelease": "acknowledged"}, True)]
+    ("setting", "at_ack"),
+    [
+        ({}, True),
+        ({"deadLetterPolicy": "hold_key"}, False),
+        ({"keyRelease": "purged"}, False),
+        ({"keyRelease": "acknowledged"}, True),
+    ],
 )
 def test_the_polling_store_releases_a_key_as_set(setting: dict[str, str], at_ack: bool) -> None:
     store = source(HarvesterConfig.model_validate(setting)).store
