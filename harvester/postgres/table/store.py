@@ -74,18 +74,20 @@ class PostgresStore:
         shards: int = 1,
         statement_timeout: float = 0.0,
         session_options: str = "",
-        release_on_ack: bool = False,
+        release_on_ack: bool | None = None,
     ) -> None:
         """``session_options``: server options of every session, after the planner's.
         ``release_on_ack`` (:attr:`harvester.core.protocols.Purger.release_on_ack`): a key's next
         record may go out at its previous one's acknowledgement, several in flight in order, since
         their purges commit in that order and a new term marks in id order what a crash left
-        unpurged: a run of the key's latest records, in order. Without it (goharvest's one record
-        per key), after its purge: a crash repeats only a key's last record."""
+        unpurged: a run of the key's latest records, in order; the default, but with
+        ``hold_dead_letter_keys`` (a key held behind its dead letter must have sent nothing past
+        it). Without it (goharvest's one record per key), after its purge: a crash repeats only a
+        key's last record."""
         if not 0 <= shard < shards:
             raise ValueError(f"shard {shard} is not one of {shards} shards")
         self.table = table
-        self.release_on_ack = release_on_ack
+        self.release_on_ack = not hold_dead_letter_keys if release_on_ack is None else release_on_ack
         # The statements are prepared once and run thousands of times, each with a custom plan and
         # without sorts (see PLANNER_OPTIONS), after the DSN's own options, if it has any.
         options = " ".join(filter(None, [PLANNER_OPTIONS, session_options]))
