@@ -14,7 +14,7 @@ from psycopg import sql
 
 from harvester import Harvester, PostgresStore
 from harvester.postgres.schema.identifiers import TableName
-from harvester.postgres.table.statements import dense_range
+from harvester.postgres.table.statements import dense_range, whole_range
 from tests.engine.workload import insert, wait_until
 from tests.support.harvesters import HarvesterFactory
 from tests.support.services import Services
@@ -71,7 +71,8 @@ def test_a_burst_into_an_idle_outbox_is_drained_by_index_scans(
 
 def test_a_purge_deletes_exactly_its_ids_close_together_or_far_apart(services: Services, outbox: TableName) -> None:
     # Ids close together are deleted by one walk of their range (purge_range), which passes the
-    # rows between them that are still in flight: those must stay.
+    # rows between them that are still in flight: those must stay. Every id of a range is the range
+    # alone (purge_run); an id given twice must not make a range of ids with one missing look whole.
     insert(services.pg_dsn, outbox, [("t", f"k{i}", "v") for i in range(40)])
     store = PostgresStore.open(services.pg_dsn, outbox)
     try:
@@ -79,11 +80,14 @@ def test_a_purge_deletes_exactly_its_ids_close_together_or_far_apart(services: S
         ids = [r.id for r in store.mark(uuid.uuid4(), 40)]
         close = ids[2:12:2]  # every other id: the range holds as many rows not purged
         far = [ids[0], ids[-1]]
+        run = ids[20:30][::-1]  # every id of the range, in any order
+        twice = [ids[31], ids[31], ids[33]]  # as many ids as the range ids[31]..ids[33] has, not its middle one
         assert dense_range(close) is not None and dense_range(far) is None
-        store.purge(close)
-        store.purge(far)
+        assert whole_range(run, ids[20], ids[29]) and not whole_range(twice, ids[31], ids[33])
+        for purged in (close, far, run, twice):
+            store.purge(purged)
         with psycopg.connect(services.pg_dsn) as conn:
             left = [r[0] for r in conn.execute(sql.SQL("SELECT id FROM {} ORDER BY id").format(outbox.ident))]
-        assert left == [i for i in ids if i not in close and i not in far]
+        assert left == [i for i in ids if i not in {*close, *far, *run, *twice}]
     finally:
         store.close()
