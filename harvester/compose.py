@@ -67,7 +67,9 @@ def source(config: HarvesterConfig) -> Source:
     dsn = config.data_source
     match config.source:
         case "mark_purge":
-            table = PostgresStore(dsn, config.table, release_on_ack=config.releases_key_at_ack, **options)
+            # Unset: the store's default (at the acknowledgement, but holding dead-lettered keys).
+            release = None if config.key_release is None else config.key_release == "acknowledged"
+            table = PostgresStore(dsn, config.table, release_on_ack=release, **options)
             return Source(table, HeadGauges(table))
         case "log":
             retention = config.log_retention.total_seconds() if config.log_retention else None

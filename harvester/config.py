@@ -188,13 +188,6 @@ class HarvesterConfig(BaseModel):
             raise ValueError(f"invalid size {value!r}: use forms like '512MiB', '2GB' or a number of bytes") from None
         return size
 
-    @property
-    def releases_key_at_ack(self) -> bool:
-        """``keyRelease`` as set, or its default: ``acknowledged`` but with ``deadLetterPolicy: hold_key``."""
-        if self.key_release is None:
-            return self.dead_letter_policy != "hold_key"
-        return self.key_release == "acknowledged"
-
     @model_validator(mode="after")
     def _log_source(self) -> HarvesterConfig:
         if self.source == "log" and self.shards > 1:
