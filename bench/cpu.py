@@ -30,6 +30,16 @@ def proc_stat(pid: int) -> list[str] | None:
     return text[text.rindex(")") + 2 :].split()  # fields from "state" on; comm may hold spaces
 
 
+def process_age(pid: int) -> float | None:
+    """Seconds since ``pid`` started (None once it is gone)."""
+    fields = proc_stat(pid)
+    if fields is None:
+        return None
+    # starttime, field 22 of stat, is 19 here: clock ticks after boot, as /proc/uptime counts seconds.
+    started = int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    return float(Path("/proc/uptime").read_text().split()[0]) - started
+
+
 def cpu_seconds(fields: list[str], children: bool) -> float:
     """CPU seconds in ``proc_stat`` fields: user + system, and with ``children`` its reaped children's."""
     # utime, stime, cutime, cstime are fields 14-17 of stat, 11-14 here (state is field 3).
@@ -143,7 +153,7 @@ class CpuMeter:
         self._postmaster = int(fields[1])  # the backend's parent
         # The broker the benchmarks talk to, by its listening port: other Kafka brokers on the
         # machine (tests' private ones) come and go, and summing them made negative figures.
-        self._broker = listener(_bootstrap_port())
+        self._broker = listener(bootstrap_port())
 
     def sample(self) -> CpuSample:
         total = walsender = broker = 0.0
@@ -166,7 +176,7 @@ class CpuMeter:
         return CpuSample(own_seconds(), total, walsender, broker)
 
 
-def _bootstrap_port() -> int:
+def bootstrap_port() -> int:
     """The port of the first broker in HARVESTER_TEST_KAFKA (the benchmarks' bootstrap)."""
     first = os.environ.get("HARVESTER_TEST_KAFKA", "127.0.0.1:9092").split(",")[0]
     return int(first.rsplit(":", 1)[1])
