@@ -73,9 +73,9 @@ collection, and committed, from its collection log).
 
 The machine's load average is printed at the start and the end: above about 1 per core the figures
 are noisy (the ratios within one round hold better than the rates). A broker started less than
-two minutes before (``./dev.sh bench`` starts the services) is waited for first: its JVM still
-compiles then: in a run on one the harvester's relays drained 9-17% slower than in the next run
-(the log source 96,139 records/s against 115,194), Debezium's not.
+two minutes before (``./dev.sh bench`` starts the services) is waited for first, as its JVM still
+compiles: in a run on one, the harvester's relays drained 9-17% slower than in the next run (the
+log source 96,139 records/s against 115,194), Debezium not.
 
 ``--json PATH`` writes the run as one JSON object, for a renderer of the README's table:
   - ``version`` (1), ``date`` (UTC, ISO 8601), ``command``, ``seconds`` (the run's length);

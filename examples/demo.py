@@ -36,6 +36,7 @@ TOPIC = "demo.orders"
 
 
 def outbox_count(conn: psycopg.Connection[tuple[int]]) -> int:
+    """The rows in the demo's outbox."""
     row = conn.execute("SELECT count(*) FROM outbox").fetchone()
     return int(row[0]) if row else 0
 
