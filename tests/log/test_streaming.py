@@ -250,8 +250,15 @@ def test_a_stream_broken_while_a_transaction_streams_loses_and_repeats_nothing(
             stash_in(conn, log_outbox, [("t", f"k{i % 3}", f"v:{i}") for i in range(1500)])
             wait_streamed(store, leader, logical_dsn, log_outbox)
             store._finish.advance_to(pgoutput.lsn_value(lsn(logical_dsn)))  # as an idle leader's confirmation may
-            # The walsender takes the confirmation in when it next reads its socket.
-            assert wait_until(lambda: not at_or_after(logical_dsn, began, slot_position(logical_dsn, log_outbox)))
+
+            def confirmed() -> bool:
+                # The walsender takes the confirmation in when it next reads its socket; marks keep the
+                # stream read (nothing goes out: the transaction is open), and a stream that broke
+                # meanwhile is started again, reporting the confirmation as it starts.
+                assert store.mark(leader, 100) == []
+                return not at_or_after(logical_dsn, began, slot_position(logical_dsn, log_outbox))
+
+            assert wait_until(confirmed), (began, slot_position(logical_dsn, log_outbox), store.slot.streaming)
             reader = slot_reader(logical_dsn, log_outbox)
             with psycopg.connect(logical_dsn, autocommit=True) as admin:
                 admin.execute("SELECT pg_terminate_backend(%s, 5000)", (reader,))
