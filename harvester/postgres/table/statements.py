@@ -122,6 +122,11 @@ class Statements:
             own = sql.SQL("{e} >= %s AND {e} < %s AND ").format(e=expression)
             order = sql.SQL("{}, id").format(expression)
             ordered = sql.SQL("")
+
+        def deleting(rows: str) -> sql.Composed:
+            """A purge: the fenced delete of the ``rows`` a condition names."""
+            return sql.SQL(_GUARD + "DELETE FROM {t} WHERE EXISTS (SELECT 1 FROM fence) AND " + rows).format(t=t, f=f)
+
         fail = None
         if columns.tracks_attempts:
             fail = sql.SQL(
@@ -155,15 +160,9 @@ class Statements:
                 " FROM {t} WHERE EXISTS (SELECT 1 FROM fence)"
                 " AND {own}id <> " + _SKIP + "{held} ORDER BY {order} LIMIT %s"
             ).format(t=t, f=f, own=own, held=held, order=order, bad=MALFORMED_SQL, value=sql.SQL(value)),
-            purge=sql.SQL(_GUARD + "DELETE FROM {t} WHERE EXISTS (SELECT 1 FROM fence) AND id = " + _IDS).format(
-                t=t, f=f
-            ),
-            purge_range=sql.SQL(_GUARD + "DELETE FROM {t} WHERE EXISTS (SELECT 1 FROM fence) AND " + _IN_RANGE).format(
-                t=t, f=f
-            ),
-            purge_run=sql.SQL(_GUARD + "DELETE FROM {t} WHERE EXISTS (SELECT 1 FROM fence) AND " + _WHOLE_RANGE).format(
-                t=t, f=f
-            ),
+            purge=deleting("id = " + _IDS),
+            purge_range=deleting(_IN_RANGE),
+            purge_run=deleting(_WHOLE_RANGE),
             fail=fail,
             dead_letter=sql.SQL(
                 _GUARD + ", moved AS (DELETE FROM {t} WHERE EXISTS (SELECT 1 FROM fence)"
