@@ -6,6 +6,10 @@ compare builds of the same modules (pure Python or compiled) on a shared machine
 Each component runs ``--repeat`` times over ``--records`` records and prints the median, minimum and
 maximum of ``time.thread_time`` per record (this thread's CPU, robust to other processes' load):
 
+- ``stream``: ``LogicalStream.read`` of the same rows as one transaction the walsender streams in
+  progress (Stream Start, the Relation, 1,000 inserts with their xid, Stream Stop, ..., Stream
+  Commit), as copy data a stand-in for psycopg's connection hands out as psycopg does (a
+  ``memoryview`` each), with the log store's stream decoder: until the Stream Commit gives them
 - ``receive``: ``Transactions.receive`` of pgoutput messages as the walsender sends a burst (Begin,
   the outbox's Relation, 1,000 inserts of the usual layout, Commit), binary values, 100-byte value
 - ``decode``: ``TableInserts.records`` of the buffered inserts (``outbox_record``, the usual layout)
@@ -51,6 +55,8 @@ from harvester.core.records import MarkedRecord
 from harvester.kafka import frames, process_publisher, producer_process
 from harvester.postgres.log.decoding import TableInserts
 from harvester.postgres.log.records import PUBLISHED
+from harvester.postgres.log.replication import LogicalStream
+from harvester.postgres.log.streamed import StreamedTransactions
 from harvester.postgres.log.transactions import Taken, Transactions
 from harvester.runtime import tune_garbage_collector
 
@@ -88,6 +94,53 @@ def burst(records: int, keys: int) -> list[bytes]:
     return out
 
 
+def streamed_copy_data(messages: list[bytes], xid: int = 700) -> list[bytes]:
+    """``messages`` (Begin, Relation, inserts, Commit, ...) as the copy data of one transaction the
+    walsender streams in progress: each change with the xid after its kind, a block per 1,000."""
+    head = b"w" + bytes(24)  # XLogData: 'w', two LSNs and a time, which the reader skips
+    changes = [m[:1] + struct.pack("!I", xid) + m[1:] for m in messages if m[:1] in (b"R", b"I")]
+    out: list[bytes] = []
+    for start in range(0, len(changes), BATCH):
+        out.append(head + b"S" + struct.pack("!IB", xid, 1 if start == 0 else 0))
+        out += [head + c for c in changes[start : start + BATCH]]
+        out.append(head + b"E")
+    out.append(head + b"c" + struct.pack("!IbQQq", xid, 0, 1 << 33, (1 << 33) + 100, 848_000_000_000_000))
+    return out
+
+
+class _CopyData:
+    """psycopg's libpq connection as the stream reads it, over copy data already received."""
+
+    def __init__(self, items: list[bytes]) -> None:
+        self._items, self._next = items, 0
+
+    def get_copy_data(self, _async: int) -> tuple[int, memoryview | bytes]:
+        if self._next == len(self._items):
+            return 0, b""
+        item = self._items[self._next]
+        self._next += 1
+        return len(item), memoryview(item)
+
+    def consume_input(self) -> None:
+        pass
+
+
+def read_stream(items: list[bytes], records: int) -> None:
+    """What ``LogicalStream.read`` gives of ``items``: a stream made without a server (its state as
+    its constructor leaves it, but the connection), read until it gave the transaction."""
+    stream = LogicalStream.__new__(LogicalStream)
+    stream.server_end, stream._flushed, stream.drained, stream._reported = 0, 0, True, time.monotonic()
+    stream.streamed = StreamedTransactions(lambda: TableInserts().stream_decoder(OID))
+    stream._raw, stream._at = [], 0
+    stream._conn = _CopyData(items)  # type: ignore[assignment]
+    given = 0
+    while given < records:
+        got = stream.read(5000)
+        if not got and stream.drained:
+            raise AssertionError(f"the stream gave {given} of {records} records")
+        given += sum(not isinstance(m, bytes) for m in got)
+
+
 def _cpu(run: Callable[[], None]) -> float:
     start = time.thread_time()
     run()
@@ -98,6 +151,8 @@ def measure(records: int, keys: int) -> dict[str, float]:
     """One repetition: CPU seconds of each component over ``records`` records."""
     out: dict[str, float] = {}
     messages = burst(records, keys)
+    copy_data = streamed_copy_data(messages)
+    out["stream"] = _cpu(lambda: read_stream(copy_data, records))
     txns = Transactions(b"I", OID.to_bytes(4, "big"), 1, OID)
     out["receive"] = _cpu(lambda: txns.receive(messages))
     leader = uuid4()

@@ -20,8 +20,11 @@ from harvester import HarvesterConfig, OutboxRecord, Stasher
 from harvester.compose import log_store
 from harvester.core.records import MarkedRecord
 from harvester.postgres.log import pgoutput
+from harvester.postgres.log.decoding import TableInserts
 from harvester.postgres.log.logical import LogSetup
+from harvester.postgres.log.replication import LogicalStream
 from harvester.postgres.log.store import LogStore
+from harvester.postgres.log.streamed import StreamedTransactions
 from harvester.postgres.schema.identifiers import TableName
 from tests.engine.workload import check, insert, wait_drained, wait_until
 from tests.log.conftest import SINGLE_SERVER, slot_position, stash
@@ -323,3 +326,65 @@ def test_streamed_and_whole_transactions_drain_in_order_in_both_modes(
         assert verdict.duplicates == 0
     assert wait_drained(logical_dsn, log_outbox) == 0
     assert streamed_transactions(logical_dsn, slot_of(log_outbox)) >= 3
+
+
+def test_inserts_taken_natively_from_the_copy_data_are_what_the_python_path_keeps(
+    logical_dsn: str, log_outbox: TableName, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The usual inserts of a streamed transaction are taken straight from the stream's copy data by
+    the C decoder (``StreamedTransactions.take_inserts``), the rest one by one (rows with headers, a
+    subtransaction's first, the Relation): the stream gives what it gives without the C decoder."""
+    rows = [
+        OutboxRecord.of("t", f"k{i % 7}", f"v:{i}" if i % 5 else None, {"h": "1"} if i % 9 == 0 else {})
+        for i in range(900)
+    ]
+    with psycopg.connect(logical_dsn) as conn:
+        Stasher(log_outbox).stash(conn, rows[:300])
+        conn.execute("SAVEPOINT part")
+        Stasher(log_outbox).stash(conn, rows[300:600])
+        conn.execute("RELEASE SAVEPOINT part")
+        Stasher(log_outbox).stash(conn, rows[600:])
+    config = HarvesterConfig(outbox_table=log_outbox.qualified)
+    with psycopg.connect(logical_dsn, autocommit=True) as conn:
+        found = conn.execute("SELECT %s::regclass::oid", (log_outbox.quoted,)).fetchone()
+    assert found is not None
+    oid, position = int(found[0]), pgoutput.lsn_value(slot_position(logical_dsn, log_outbox))
+    natively: list[int] = []
+    take_inserts = StreamedTransactions.take_inserts
+
+    def counted(self: StreamedTransactions, raw: list[bytes | memoryview], start: int, head: int) -> int:
+        end = take_inserts(self, raw, start, head)
+        natively.append(end - start)
+        return end
+
+    monkeypatch.setattr(StreamedTransactions, "take_inserts", counted)
+
+    def given() -> list[object]:
+        """The records and Relation messages a new stream gives (the slot is never confirmed), to the
+        transaction's Commit."""
+        stream = LogicalStream(
+            streaming(logical_dsn),
+            config.slot,
+            config.publication,
+            position,
+            decoder=lambda: TableInserts().stream_decoder(oid),
+        )
+        out: list[object] = []
+
+        def committed() -> bool:
+            out.extend(stream.read(5000))
+            records = sum(isinstance(m, MarkedRecord) for m in out)
+            return records == 900 and isinstance(out[-1], bytes) and out[-1][:1] == b"C"
+
+        try:
+            assert wait_until(committed)
+        finally:
+            stream.close()
+        return [m for m in out if not isinstance(m, bytes) or m[:1] == b"R"]
+
+    native = given()
+    monkeypatch.setenv("HARVESTER_INSERT_DECODER", "python")
+    taken, natively[:] = sum(natively), []
+    python = given()
+    assert sum(natively) == 0 and taken >= 700  # the usual rows of the three parts, but a first of each
+    assert native == python

@@ -13,7 +13,7 @@ import pytest
 
 from harvester.postgres.log import pgoutput
 from harvester.postgres.log.spill import Budget
-from harvester.postgres.log.streamed import SPILLED, Received, StreamedTransactions
+from harvester.postgres.log.streamed import SPILLED, ChangeDecoder, FastInserts, Received, StreamedTransactions
 
 pytestmark = pytest.mark.unit
 
@@ -103,10 +103,22 @@ def test_a_commit_of_a_transaction_whose_changes_were_all_filtered_gives_an_empt
     assert [m[:1] for m in out] == [b"B", b"C"]
 
 
+class Decoding:
+    """A stream decoder of a test: a function, with no native take of inserts."""
+
+    fast: tuple[FastInserts, bytes] | None = None
+
+    def __init__(self, decode: Callable[[bytes], object | None]) -> None:
+        self._decode = decode
+
+    def __call__(self, change: bytes) -> object | None:
+        return self._decode(change)
+
+
 def test_a_decoder_keeps_what_it_returns_instead_of_a_change_one_decoder_per_transaction_and_not_on_errors() -> None:
     made: list[list[bytes]] = []
 
-    def decoder() -> Callable[[bytes], object | None]:
+    def decoder() -> ChangeDecoder:
         seen: list[bytes] = []
         made.append(seen)
 
@@ -116,7 +128,7 @@ def test_a_decoder_keeps_what_it_returns_instead_of_a_change_one_decoder_per_tra
                 raise ValueError("cannot decode")
             return ("decoded", change) if change.endswith(b"!") else None
 
-        return decode
+        return Decoding(decode)
 
     s = StreamedTransactions(decoder)
     feed(s, start(7, True), change(7, "a!"), change(8, "b!"), STOP, start(9, True), change(9, "x!"), STOP)
@@ -128,8 +140,8 @@ def test_a_decoder_keeps_what_it_returns_instead_of_a_change_one_decoder_per_tra
 
 
 def test_changes_past_the_memory_limit_are_spilled_as_they_came_and_given_in_order() -> None:
-    def decoder() -> Callable[[bytes], object | None]:
-        return lambda change: ("decoded", change)
+    def decoder() -> ChangeDecoder:
+        return Decoding(lambda change: ("decoded", change))
 
     # A decoded change counts its size and 500 bytes (spill.py): the second outgrows 1,000, the third
     # and later ones are spilled, as they came.

@@ -104,13 +104,13 @@ def test_the_c_decoder_gives_what_the_python_one_does(
     results = [outcome(functools.partial(outbox_record, message, c)) for c in (native, python, general)]
     assert results[0] == results[1] == results[2]
     if case in ("plain", "a NULL value", "text past ASCII", "a negative id, time before 2000"):
-        assert native.native is not None and native.native(message) == results[1]  # not left to the general path
+        assert native.native is not None and native.native.decode(message) == results[1]  # not left to the general path
 
 
 def test_a_transaction_s_rows_share_their_create_time(monkeypatch: pytest.MonkeyPatch) -> None:
     native, _, _ = decoders(monkeypatch, "text")
     assert native.native is not None
-    first, second, third = (native.native(insert(micros=m)) for m in (5, 5, 6))
+    first, second, third = (native.native.decode(insert(micros=m)) for m in (5, 5, 6))
     assert first is not None and second is not None and third is not None
     assert first.create_time is second.create_time and third.create_time != first.create_time
 
@@ -119,5 +119,55 @@ def test_a_jsonb_value_loses_its_version_byte(monkeypatch: pytest.MonkeyPatch) -
     native, python, _ = decoders(monkeypatch, "jsonb")
     message = insert(value=b'\x01{"a": 1}')
     assert native.native is not None
-    record = native.native(message)
+    record = native.native.decode(message)
     assert record is not None and record.value == b'{"a": 1}' and record == outbox_record(message, python)
+
+
+HEAD = 25  # the XLogData head before a message ('w', two LSNs, a time)
+XID, OTHER_XID, OID = struct.pack("!I", 9), struct.pack("!I", 10), struct.pack("!I", 16384)
+
+
+def copy_data(message: bytes, xid: bytes = XID) -> bytes:
+    """A streamed change as the copy data brings it: the head, then the message with its xid."""
+    return b"w" + bytes(HEAD - 1) + message[:1] + xid + message[1:]
+
+
+def test_the_c_decoder_takes_streamed_inserts_from_the_copy_data_until_it_meets_another(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``take_streamed`` (streamed.py's native take): each usual insert of the xid and the table,
+    decoded as ``decode`` does the message without its xid, costed at its size without the xid; it
+    stops at another subtransaction's, another table's, a row the general path reads, a message
+    that is not an insert and a keepalive, and leaves those to its caller."""
+    native, _, _ = decoders(monkeypatch, "text")
+    assert native.native is not None
+    plain, empty = insert(rid=1), insert(rid=2, value=b"")
+    raw: list[bytes | memoryview] = [copy_data(plain), memoryview(copy_data(empty))]
+    stops = {
+        "another subtransaction's": copy_data(insert(), OTHER_XID),
+        "another table's": copy_data(insert()[:1] + struct.pack("!I", 16385) + insert()[5:]),
+        "a row with headers": copy_data(CASES["headers"]),
+        "a row cut short": copy_data(CASES["cut in the value"]),
+        "a Relation": copy_data(b"R" + OID + b"s\0outbox\0d\0\0"),
+        "a keepalive": b"k" + bytes(17),
+    }
+    for why, stop in stops.items():
+        changes: list[object] = []
+        end, cost = native.native.take_streamed([*raw, stop, *raw], 0, HEAD, XID, OID, changes, 10**6, 500)
+        assert (end, len(changes)) == (2, 2), why
+        assert changes == [native.native.decode(plain), native.native.decode(empty)]
+        assert cost == len(plain) + len(empty) + 2 * 500
+    changes = []
+    assert native.native.take_streamed(raw, 1, HEAD, XID, OID, changes, 10**6, 0) == (2, len(empty))  # from start
+
+
+def test_the_c_decoder_stops_taking_once_past_the_room_it_was_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    native, _, _ = decoders(monkeypatch, "text")
+    assert native.native is not None
+    message = insert()
+    raw: list[bytes | memoryview] = [copy_data(message)] * 5
+    each = len(message) + 100
+    for room, taken in ((-1, 0), (0, 1), (each - 1, 1), (each, 2), (4 * each, 5)):
+        changes: list[object] = []
+        assert native.native.take_streamed(raw, 0, HEAD, XID, OID, changes, room, 100) == (taken, taken * each)
+        assert len(changes) == taken

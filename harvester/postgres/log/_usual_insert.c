@@ -95,17 +95,9 @@ static PyObject *create_time(Decoder *self, int64_t micros) {
     return when;
 }
 
-static PyObject *Decoder_decode(Decoder *self, PyObject *message) {
-    if (self->record == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "the decoder was not initialized");
-        return NULL;
-    }
-    if (!PyBytes_Check(message)) {
-        PyErr_SetString(PyExc_TypeError, "an Insert message is bytes");
-        return NULL;
-    }
-    const unsigned char *data = (const unsigned char *)PyBytes_AS_STRING(message);
-    Py_ssize_t length = PyBytes_GET_SIZE(message);
+/* The record of the usual row in ``data`` (an Insert message's ``length`` bytes, read from the
+ * relation's oid on: what is before it is not looked at), or None for another row; NULL on error. */
+static PyObject *decode_insert(Decoder *self, const unsigned char *data, Py_ssize_t length) {
     if (length < HEAD || data[8] != 'b' || u32(data + 9) != 8 || data[21] != 'b' || u32(data + 22) != 8 ||
         data[34] != 'b')
         Py_RETURN_NONE;
@@ -167,9 +159,88 @@ done:
     return out;
 }
 
+static int initialized(Decoder *self) {
+    if (self->record != NULL)
+        return 1;
+    PyErr_SetString(PyExc_RuntimeError, "the decoder was not initialized");
+    return 0;
+}
+
+static PyObject *Decoder_decode(Decoder *self, PyObject *message) {
+    if (!initialized(self))
+        return NULL;
+    if (!PyBytes_Check(message)) {
+        PyErr_SetString(PyExc_TypeError, "an Insert message is bytes");
+        return NULL;
+    }
+    return decode_insert(self, (const unsigned char *)PyBytes_AS_STRING(message), PyBytes_GET_SIZE(message));
+}
+
+/* take_streamed(raw, start, head, xid, oid, changes, room, cost): streamed.py's take of the usual
+ * inserts, straight from the stream's copy data. From raw[start] on (buffers whose message starts at
+ * ``head``), each Insert of the subtransaction ``xid`` (4 bytes) into the table ``oid`` (4 bytes)
+ * that this decoder reads is appended to ``changes`` as its record; each costs its message's size
+ * without the xid, and ``cost``. It stops at any other item (whoever called it takes that one as
+ * it would any change: a row this decoder leaves to the general path, one it fails on), and after
+ * the change that brings what it took past ``room``. Returns (the index it stopped at, what it took
+ * costs). */
+static PyObject *Decoder_take_streamed(Decoder *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (!initialized(self))
+        return NULL;
+    if (nargs != 8 || !PyList_Check(args[0]) || !PyBytes_Check(args[3]) || PyBytes_GET_SIZE(args[3]) != 4 ||
+        !PyBytes_Check(args[4]) || PyBytes_GET_SIZE(args[4]) != 4 || !PyList_Check(args[5])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "take_streamed(raw: list, start: int, head: int, xid: bytes[4], oid: bytes[4], changes: list,"
+                        " room: int, cost: int)");
+        return NULL;
+    }
+    PyObject *raw = args[0], *changes = args[5];
+    const char *xid = PyBytes_AS_STRING(args[3]), *oid = PyBytes_AS_STRING(args[4]);
+    Py_ssize_t start = PyLong_AsSsize_t(args[1]), head = PyLong_AsSsize_t(args[2]);
+    long long room = PyLong_AsLongLong(args[6]), cost = PyLong_AsLongLong(args[7]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (start < 0 || head < 1) {
+        PyErr_SetString(PyExc_ValueError, "take_streamed: start and head out of range");
+        return NULL;
+    }
+    long long taken = 0;
+    Py_ssize_t i = start;
+    while (i < PyList_GET_SIZE(raw) && taken <= room) {
+        Py_buffer view;
+        if (PyObject_GetBuffer(PyList_GET_ITEM(raw, i), &view, PyBUF_SIMPLE) < 0)
+            return NULL;
+        const unsigned char *data = view.buf;
+        /* 'w', its head, then 'I', the xid, the oid, 'N': the message without its xid starts at its last byte. */
+        Py_ssize_t at = head + 4, length = view.len - at;
+        PyObject *record = NULL;
+        if (length >= 6 && data[0] == 'w' && data[head] == 'I' && memcmp(data + head + 1, xid, 4) == 0 &&
+            memcmp(data + at + 1, oid, 4) == 0 && data[at + 5] == 'N') {
+            record = decode_insert(self, data + at, length);
+            if (record == NULL)
+                PyErr_Clear(); /* taken by the caller, which meets the error where it would */
+            else if (record == Py_None)
+                Py_CLEAR(record);
+        }
+        PyBuffer_Release(&view);
+        if (record == NULL)
+            break;
+        int appended = PyList_Append(changes, record);
+        Py_DECREF(record);
+        if (appended < 0)
+            return NULL;
+        taken += length + cost; /* the message without its xid: as long as what the view holds from at */
+        i++;
+    }
+    return Py_BuildValue("nL", i, taken);
+}
+
 static PyMethodDef Decoder_methods[] = {
     {"decode", (PyCFunction)Decoder_decode, METH_O,
      "decode(message): the record of a usual row's Insert message, or None for another (records.py)."},
+    {"take_streamed", (PyCFunction)(void (*)(void))Decoder_take_streamed, METH_FASTCALL,
+     "take_streamed(raw, start, head, xid, oid, changes, room, cost): the usual inserts of a streamed"
+     " transaction, decoded from the stream's copy data (streamed.py)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -9,3 +9,15 @@ class Decoder:
         self, record: Callable[..., MarkedRecord], no_headers: bytes, jsonb: bool, epoch: datetime
     ) -> None: ...
     def decode(self, message: bytes, /) -> MarkedRecord | None: ...
+    def take_streamed(
+        self,
+        raw: list[bytes | memoryview],
+        start: int,
+        head: int,
+        xid: bytes,
+        oid: bytes,
+        changes: list[object],
+        room: int,
+        cost: int,
+        /,
+    ) -> tuple[int, int]: ...

@@ -1,12 +1,12 @@
 """The outbox table's inserts as records (the layout ``reaper migrate`` and goharvest create): the
 :class:`~harvester.postgres.log.parts.Decoding` of the log source over a table, and the helpers the
-other layouts' decodings share (:func:`decoded`, :func:`stream_decoder`)."""
+other layouts' decodings share (:func:`decoded`, :class:`StreamDecoder`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, TypeVar, cast
+from typing import Any, Generic, TypeVar, cast
 
 import psycopg
 
@@ -14,7 +14,7 @@ from harvester.core.records import MarkedRecord
 from harvester.postgres.log import pgoutput
 from harvester.postgres.log.records import Columns, outbox_record
 from harvester.postgres.log.spill import Budget
-from harvester.postgres.log.streamed import Received
+from harvester.postgres.log.streamed import ChangeDecoder, FastInserts, Received
 from harvester.postgres.log.transactions import Taken, Transactions, messages
 from harvester.postgres.schema import catalog
 from harvester.postgres.schema.catalog import OutboxColumns
@@ -44,13 +44,13 @@ class TableInserts:
                 out.append(decoded(insert))
         return out
 
-    def stream_decoder(self, oid: int) -> Callable[[bytes], MarkedRecord | None]:
+    def stream_decoder(self, oid: int) -> ChangeDecoder:
         """The outbox inserts of a transaction streamed in progress become records as they come,
         with the columns its own Relation message names (the walsender sends it in each streamed
         transaction, before its first change of the table). Decoding so, while the transaction is
         written, takes that work off the drain after its commit. An insert it fails on stays bytes
         (streamed.py): decoded at hand-out, as any other, where the error surfaces."""
-        return stream_decoder(oid, Columns, outbox_record)
+        return StreamDecoder(oid, Columns, outbox_record, lambda columns: columns.native)
 
 
 def decoded(kept: Received) -> MarkedRecord:
@@ -60,26 +60,37 @@ def decoded(kept: Received) -> MarkedRecord:
     return record if record.stamp is None else replace(record, headers=list(record.headers), stamp=None)
 
 
-def stream_decoder(
-    oid: int, columns_of: Callable[[pgoutput.Relation], C], record: Callable[[bytes, C], MarkedRecord]
-) -> Callable[[bytes], MarkedRecord | None]:
+class StreamDecoder(Generic[C]):
     """A streamed transaction's decoder for the table ``oid``: its inserts become ``record``s with the
-    columns ``columns_of`` reads from the transaction's latest Relation message of the table."""
-    match = oid.to_bytes(4, "big")
-    columns: C | None = None
+    columns ``columns_of`` reads from the transaction's latest Relation message of the table; while
+    ``native`` finds a C decoder in those columns, it is the native take of the inserts (``fast``)."""
 
-    def decode(change: bytes) -> MarkedRecord | None:
-        nonlocal columns
+    __slots__ = ("_columns", "_columns_of", "_match", "_native", "_oid", "_record", "fast")
+
+    def __init__(
+        self,
+        oid: int,
+        columns_of: Callable[[pgoutput.Relation], C],
+        record: Callable[[bytes, C], MarkedRecord],
+        native: Callable[[C], FastInserts | None] | None = None,
+    ) -> None:
+        self._oid, self._match = oid, oid.to_bytes(4, "big")
+        self._columns_of, self._record, self._native = columns_of, record, native
+        self._columns: C | None = None
+        self.fast: tuple[FastInserts, bytes] | None = None
+
+    def __call__(self, change: bytes) -> MarkedRecord | None:
         kind = change[0]
         if kind == 0x49:  # Insert
-            if columns is None or not change.startswith(match, 1):
+            columns = self._columns
+            if columns is None or not change.startswith(self._match, 1):
                 return None
-            return record(change, columns)
+            return self._record(change, columns)
         if kind == 0x52:  # Relation
             relation = pgoutput.parse(change)
-            if isinstance(relation, pgoutput.Relation) and relation.oid == oid:
-                columns = None  # until it is read: a layout the store cannot read raises here
-                columns = columns_of(relation)
+            if isinstance(relation, pgoutput.Relation) and relation.oid == self._oid:
+                self._columns = self.fast = None  # until it is read: a layout the store cannot read raises here
+                self._columns = columns = self._columns_of(relation)
+                fast = None if self._native is None else self._native(columns)
+                self.fast = None if fast is None else (fast, self._match)
         return None
-
-    return decode

@@ -12,7 +12,6 @@ with a retention window, deleted in bulk once delivered (:mod:`.retention`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
@@ -22,11 +21,12 @@ from harvester.core.protocols import StoreError
 from harvester.core.records import MarkedRecord
 from harvester.event_router import EventRouter
 from harvester.postgres.log import pgoutput
-from harvester.postgres.log.decoding import stream_decoder
+from harvester.postgres.log.decoding import StreamDecoder
 from harvester.postgres.log.event_router_rows import RouterColumns, roles, router_record, unreadable
 from harvester.postgres.log.messages import BYTES_COLUMNS, EPOCH_2000, stamped
 from harvester.postgres.log.records import Columns
 from harvester.postgres.log.spill import Budget
+from harvester.postgres.log.streamed import ChangeDecoder
 from harvester.postgres.log.transactions import Taken, Transaction, Transactions
 from harvester.postgres.schema.catalog import OutboxColumns
 from harvester.postgres.schema.identifiers import TableName
@@ -73,11 +73,11 @@ class RouterInserts:
     def records(self, taken: Taken) -> list[MarkedRecord]:
         return stamped(taken, _router_record, (None, EPOCH_2000))[0]
 
-    def stream_decoder(self, oid: int) -> Callable[[bytes], MarkedRecord | None]:
+    def stream_decoder(self, oid: int) -> ChangeDecoder:
         """As the table's (:meth:`.decoding.TableInserts.stream_decoder`), with EventRouter's
         columns; the records' ``create_time``, the commit time, is set at hand-out."""
         router = self._router
-        return stream_decoder(oid, lambda relation: RouterColumns(relation, router), router_record)
+        return StreamDecoder(oid, lambda relation: RouterColumns(relation, router), router_record)
 
 
 def _router_record(insert: bytes, txn: Transaction, created: datetime) -> MarkedRecord:

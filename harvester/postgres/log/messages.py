@@ -24,6 +24,7 @@ from harvester.core.records import ColumnLimits, MarkedRecord
 from harvester.postgres.log import pgoutput
 from harvester.postgres.log.decoding import decoded
 from harvester.postgres.log.spill import Budget
+from harvester.postgres.log.streamed import ChangeDecoder, FastInserts
 from harvester.postgres.log.transactions import Taken, Transaction, Transactions, messages
 from harvester.postgres.schema import message_format
 from harvester.postgres.schema.catalog import OutboxColumns
@@ -86,17 +87,10 @@ class LogicalMessages:
         out, self._created = stamped(taken, lambda message, _, created: self._record(message, created), self._created)
         return out
 
-    def stream_decoder(self, oid: int) -> Callable[[bytes], MarkedRecord | None]:
+    def stream_decoder(self, oid: int) -> ChangeDecoder:
         """As the table's (:meth:`.decoding.TableInserts.stream_decoder`), of the outbox's messages;
         their ``create_time``, the transaction's commit time, is set at hand-out."""
-        match = self._prefix + b"\0"
-
-        def decode(change: bytes) -> MarkedRecord | None:
-            if change[0] != 0x4D or not change.startswith(match, 10):  # 'M', after the flags and LSN
-                return None
-            return self._record(change, EPOCH_2000)
-
-        return decode
+        return _MessageDecoder(self._prefix + b"\0", self._record)
 
     def _record(self, data: bytes, created: datetime) -> MarkedRecord:
         rid, payload = pgoutput.logical_message(data, len(self._prefix))
@@ -106,3 +100,18 @@ class LogicalMessages:
             return MarkedRecord(rid, created, "", "", payload, [], malformed=f"payload: {exc}")
         pairs: list[tuple[str, str | bytes | None]] = [(k, v.encode("utf-8")) for k, v in headers]
         return MarkedRecord(rid, created, topic, key, value, pairs)
+
+
+class _MessageDecoder:
+    """The outbox's messages of one transaction streamed in progress (none is decoded natively)."""
+
+    __slots__ = ("_match", "_record")
+    fast: tuple[FastInserts, bytes] | None = None
+
+    def __init__(self, match: bytes, record: Callable[[bytes, datetime], MarkedRecord]) -> None:
+        self._match, self._record = match, record
+
+    def __call__(self, change: bytes) -> MarkedRecord | None:
+        if change[0] != 0x4D or not change.startswith(self._match, 10):  # 'M', after the flags and LSN
+            return None
+        return self._record(change, EPOCH_2000)

@@ -17,7 +17,7 @@ A part calls the store it is bound to (:class:`Ledger`) once per batch, never pe
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Protocol
 from uuid import UUID
 
@@ -29,7 +29,7 @@ from harvester.postgres.connections import Connections
 from harvester.postgres.log.logical import LogSetup
 from harvester.postgres.log.slot import SlotStream
 from harvester.postgres.log.spill import Budget
-from harvester.postgres.log.streamed import Received
+from harvester.postgres.log.streamed import ChangeDecoder, Received
 from harvester.postgres.log.transactions import Taken, Transactions
 from harvester.postgres.schema.catalog import OutboxColumns
 from harvester.postgres.schema.fencing import Fence
@@ -85,7 +85,7 @@ class Decoding(Protocol):
         """The records of a batch taken from the buffer, before the identity headers."""
         ...
 
-    def stream_decoder(self, oid: int) -> Callable[[bytes], MarkedRecord | None]:
+    def stream_decoder(self, oid: int) -> ChangeDecoder:
         """The decoder of one transaction streamed in progress (:mod:`.streamed`)."""
         ...
 

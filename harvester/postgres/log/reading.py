@@ -23,6 +23,12 @@ _READ_AHEAD = 20_000
 _READ_SECONDS = 1.0
 # A transaction still coming hands out what arrived after this long (it may come slowly).
 _TRICKLE_SECONDS = 0.02
+# While a transaction is coming and no record waits to go out, a read that found the stream
+# drained waits this long after more arrived: the walsender sends each change as it decodes it, and
+# taking them in a few at a time cost the relay more per message than decoding them, and the
+# walsender a write per message (replication.py's _RECEIVE_BUFFER; docs/benchmarks.md, "Taking a
+# streamed transaction in bulk").
+_GATHER_SECONDS = 0.005
 # A status update at least this often, whatever else happens, within the walsender's timeout, which
 # the store sets (store.py).
 _STATUS_SECONDS = 10.0
@@ -47,7 +53,8 @@ class Reader:
         records (75,000 while a 300,000-record transaction came in). What came within
         :data:`_TRICKLE_SECONDS` goes out then, whatever its number, and a read that receives
         nothing to hand out (nothing at all, or a transaction streamed in progress that keeps
-        coming) ends after :data:`_READ_SECONDS`."""
+        coming) ends after :data:`_READ_SECONDS`. While nothing waits to go out, it lets a coming
+        transaction's messages gather for :data:`_GATHER_SECONDS` before it takes them in."""
         ledger, slot = self._ledger, self._ledger.slot
         restarted = False
         started = time.monotonic()
@@ -78,6 +85,8 @@ class Reader:
                 left = started + (_TRICKLE_SECONDS if waiting else _READ_SECONDS) - now
                 if not receiving or left <= 0 or not slot.wait(left):
                     return
+                if not waiting:
+                    time.sleep(min(_GATHER_SECONDS, left))
 
     def wait(self, timeout: float) -> bool:
         """Until the stream has something to read. While a received transaction waits to become

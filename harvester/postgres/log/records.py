@@ -6,7 +6,8 @@ Called once per record at full speed. The layout ``reaper migrate`` and goharves
 published columns in their order, a bigint id, non-NULL id, create_time, topic and key, no headers)
 is read by :func:`_usual`: one struct call for the fixed-width head, then the key's and the value's
 lengths; or, when it was built (``deploy/native/build.sh``, run by ``./dev.sh`` and the image), by
-its C twin in ``_usual_insert.c``, which makes no Python object but the record's fields
+its C twin in ``_usual_insert.c``, which makes no Python object but the record's fields, and
+takes a streamed transaction's inserts straight from the stream's copy data (streamed.py)
 (``HARVESTER_INSERT_DECODER=python`` keeps the Python one). Any other row of a supported layout
 takes :func:`_any`, column by column; all give the same record (``tests/log/test_decoding.py``)."""
 
@@ -14,13 +15,16 @@ from __future__ import annotations
 
 import os
 import struct
-from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING
 
 from harvester.core.protocols import StoreError
 from harvester.core.records import MarkedRecord
 from harvester.postgres.log import pgoutput
 from harvester.postgres.table import rows
+
+if TYPE_CHECKING:
+    from harvester.postgres.log._usual_insert import Decoder as NativeDecoder
 
 # The columns a record is made of (the log source publishes and reads no other).
 PUBLISHED = ("id", "create_time", "kafka_topic", "kafka_key", "kafka_value", "kafka_header_keys", "kafka_header_values")
@@ -93,7 +97,7 @@ class Columns:
         self.native = _native(self) if self.usual else None
 
 
-def _native(c: Columns) -> Callable[[bytes], MarkedRecord | None] | None:
+def _native(c: Columns) -> NativeDecoder | None:
     """The C decoder of the usual rows, unless it was not built or ``HARVESTER_INSERT_DECODER`` asks
     for the Python one."""
     if os.environ.get("HARVESTER_INSERT_DECODER", "native") != "native":
@@ -102,7 +106,7 @@ def _native(c: Columns) -> Callable[[bytes], MarkedRecord | None] | None:
         from harvester.postgres.log._usual_insert import Decoder
     except ImportError:
         return None
-    return Decoder(MarkedRecord, c.no_headers, c.jsonb, _EPOCH).decode
+    return Decoder(MarkedRecord, c.no_headers, c.jsonb, _EPOCH)
 
 
 def outbox_record(data: bytes, c: Columns) -> MarkedRecord:
@@ -110,7 +114,7 @@ def outbox_record(data: bytes, c: Columns) -> MarkedRecord:
     if data[5] != 0x4E:  # 'N'
         raise pgoutput.ProtocolError("an insert without its new tuple")
     if c.usual:
-        record = c.native(data) if c.native is not None else _usual(data, c)
+        record = c.native.decode(data) if c.native is not None else _usual(data, c)
         if record is not None:
             return record
     return _any(data, c)

@@ -16,7 +16,9 @@ The stream is not thread-safe: its owner serializes reads and confirmations.
 
 from __future__ import annotations
 
+import os
 import select
+import socket
 import struct
 import time
 from typing import Final
@@ -33,6 +35,12 @@ _KEEPALIVE = struct.Struct("!QQB")  # end of WAL (for a logical walsender: how f
 _STATUS = struct.Struct("!cQQQQB")  # 'r', written, flushed, applied, client time, reply?
 _EPOCH_2000 = 946_684_800  # the protocol's clock starts at 2000-01-01 (in microseconds)
 SLOT_IN_USE: Final = "55006"  # the slot is active for another walsender
+# The stream socket's receive buffer (the kernel's autotuning grows it to megabytes otherwise). The
+# walsender writes each change as it decodes it, in a send() of its own while the socket has room,
+# and what it could not send in one later; a buffer that a reader pausing a few milliseconds
+# (reading.py) fills makes it send a large transaction in fewer, larger writes: 1.5 s less of its
+# CPU per 1,000,000 records (docs/benchmarks.md, "Taking a streamed transaction in bulk").
+_RECEIVE_BUFFER = 256 * 1024
 
 
 class StreamError(StoreError):
@@ -75,6 +83,9 @@ class LogicalStream:
         self.drained = True  # the last read took everything that had arrived
         self._reported = time.monotonic()  # when the last status update went out
         self.streamed = StreamedTransactions(decoder, budget)
+        # Copy data received and not yet taken, from _at on (read).
+        self._raw: list[bytes | memoryview] = []
+        self._at = 0
         # psycopg's connect, not PGconn.connect: that one holds the GIL until the server answers,
         # which froze every thread of the process for up to connect_timeout per host.
         try:
@@ -104,6 +115,8 @@ class LogicalStream:
                     sqlstate.decode() if sqlstate else None,
                 )
             self._conn.nonblocking = 1
+            with socket.socket(fileno=os.dup(self._conn.socket)) as shared:  # the same socket: closing frees the copy
+                shared.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _RECEIVE_BUFFER)
         except BaseException:
             self._connection.close()
             raise
@@ -115,29 +128,40 @@ class LogicalStream:
     def read(self, limit: int) -> list[Received]:
         """Up to ``limit`` pgoutput messages that have arrived (or what the decoder kept of a
         streamed transaction's changes), without waiting, after taking in fewer than ``limit``
-        messages of streamed transactions; keepalives are answered when the server asks."""
+        messages of streamed transactions; keepalives are answered when the server asks.
+
+        The copy data comes from libpq a batch at a time (:meth:`_receive`); a streamed transaction's
+        inserts that its decoder takes natively are taken from the batch at once, each other message
+        one by one. What a committed streamed transaction's messages, given first, leave of the
+        batch waits for the next read."""
         out: list[Received] = []
-        conn, streamed = self._conn, self.streamed
+        streamed, raw = self.streamed, self._raw
         self.drained = False
         taken = 0
+        at = self._at
         try:
-            consumed = False
+            ended = False
             while len(out) + taken < limit:
                 if streamed.ready:  # a committed streamed transaction's messages go first, in order
                     streamed.give(out, limit - len(out) - taken)
                     continue
-                size, data = conn.get_copy_data(1)
-                if size == 0:
-                    if consumed:
+                if at == len(raw):
+                    if ended:
                         self.drained = True
                         break
-                    conn.consume_input()
-                    consumed = True
+                    raw.clear()
+                    at = 0
+                    ended = self._receive(raw, limit - len(out) - taken)
                     continue
-                if size < 0:
-                    why, sqlstate = self._result_error()
-                    raise StreamError(f"the replication stream ended: {why}", sqlstate)
+                data = raw[at]
                 kind = data[0]
+                if kind == 0x77 and streamed.active and data[_XLOG_HEAD] == 0x49:  # an Insert in a stream block
+                    upto = streamed.take_inserts(raw, at, _XLOG_HEAD)
+                    if upto > at:
+                        taken += upto - at
+                        at = upto
+                        continue
+                at += 1
                 if kind == 0x77:  # 'w'
                     message = bytes(data[_XLOG_HEAD:])
                     if streamed.active or message[0] in STREAM_KINDS:
@@ -150,9 +174,32 @@ class LogicalStream:
                     self.server_end = max(self.server_end, end)
                     if reply:
                         self._report()
+        finally:
+            self._at = at
+        return out
+
+    def _receive(self, raw: list[bytes | memoryview], limit: int) -> bool:
+        """Up to ``limit`` copy data messages that have arrived, into ``raw``; whether that was all:
+        libpq reads the socket again while a read brought more (each read takes what its buffer holds)."""
+        conn = self._conn
+        consumed = False
+        try:
+            while len(raw) < limit:
+                size, data = conn.get_copy_data(1)
+                if size > 0:
+                    raw.append(data)
+                    consumed = False
+                elif size == 0:
+                    if consumed:
+                        return True
+                    conn.consume_input()
+                    consumed = True
+                else:
+                    why, sqlstate = self._result_error()
+                    raise StreamError(f"the replication stream ended: {why}", sqlstate)
         except psycopg.OperationalError as exc:
             raise StreamError(f"the replication stream broke: {str(exc).strip()}") from exc
-        return out
+        return False
 
     def _result_error(self) -> tuple[str, str | None]:
         """Why the server ended the stream, and its SQLSTATE when it said."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 from uuid import UUID
 
@@ -35,7 +35,7 @@ from harvester.postgres.log.reading import Reader
 from harvester.postgres.log.recovery import LostSlot, SlotLostError
 from harvester.postgres.log.slot import SlotStream
 from harvester.postgres.log.spill import Budget
-from harvester.postgres.log.streamed import Received
+from harvester.postgres.log.streamed import ChangeDecoder, Received
 from harvester.postgres.log.transactions import Taken, Transaction, Transactions, reached
 from harvester.postgres.log.visibility import visible
 from harvester.postgres.schema.catalog import OutboxColumns
@@ -257,7 +257,7 @@ class LogStore(PostgresStore):
             self._rows.handed_out(out)
         return out
 
-    def _stream_decoder(self) -> Callable[[bytes], MarkedRecord | None]:
+    def _stream_decoder(self) -> ChangeDecoder:
         """The decoder of one transaction streamed in progress (streamed.py)."""
         return self._decoding.stream_decoder(self._outbox_oid)
 

@@ -23,7 +23,9 @@ they come (until they spill) and returns what to keep instead of a change, or
 None to keep the change; a change it fails on is kept as it came (whoever reads it later meets the
 error there). The log source decodes its inserts so, while the transaction is still being written,
 rather than after its commit, when the drain waits for them (docs/benchmarks.md, "Decoding a
-streamed transaction as it comes").
+streamed transaction as it comes"). A decoder with a native twin (:class:`ChangeDecoder`'s ``fast``:
+the C decoder of the usual layout) takes a block's run of inserts straight from the stream's copy
+data (:meth:`StreamedTransactions.take_inserts`), with no Python object per message but the record.
 Reference: PostgreSQL's "Logical Replication Message Formats" (Stream Start, Stream Stop, Stream
 Commit, Stream Abort).
 """
@@ -32,7 +34,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable
-from typing import Final
+from typing import Final, Protocol
 
 from harvester.postgres.log import pgoutput
 from harvester.postgres.log.spill import DECODED_COST, MESSAGE_COST, Budget, Spill
@@ -51,9 +53,39 @@ Received = bytes | object
 # Given between a committed transaction's changes kept in memory and those that were spilled: its
 # receiver spills from there too (transactions.py), so that what is decoded stays in memory.
 SPILLED: Final = b"\xffspilled"
-# Makes the decoder of one in-progress transaction: given each of its changes (without its xid),
-# what to keep instead, or None to keep the change itself.
-Decoder = Callable[[], Callable[[bytes], object | None]]
+
+
+class FastInserts(Protocol):
+    """A native decoder's :meth:`StreamedTransactions.take` of one table's inserts, straight from
+    the stream's copy data (``_usual_insert.c``'s ``take_streamed``)."""
+
+    def take_streamed(
+        self,
+        raw: list[bytes | memoryview],
+        start: int,
+        head: int,
+        xid: bytes,
+        oid: bytes,
+        changes: list[object],
+        room: int,
+        cost: int,
+        /,
+    ) -> tuple[int, int]: ...
+
+
+class ChangeDecoder(Protocol):
+    """The decoder of one in-progress transaction: given each of its changes (without its xid),
+    what to keep instead, or None to keep the change itself."""
+
+    # The native take of its table's inserts and the table's oid (4 bytes), while the transaction's
+    # latest Relation of the table is one that decoder reads; else None.
+    fast: tuple[FastInserts, bytes] | None
+
+    def __call__(self, change: bytes, /) -> object | None: ...
+
+
+# Makes the decoder of one in-progress transaction.
+Decoder = Callable[[], ChangeDecoder]
 
 
 class _Streamed:
@@ -62,7 +94,7 @@ class _Streamed:
 
     __slots__ = ("changes", "decode", "firsts", "in_memory", "last", "spill")
 
-    def __init__(self, decode: Callable[[bytes], object | None] | None) -> None:
+    def __init__(self, decode: ChangeDecoder | None) -> None:
         self.changes: list[Received] = []
         self.decode = decode
         self.firsts: dict[bytes, int] = {}  # by the xid's 4 bytes
@@ -186,6 +218,27 @@ class StreamedTransactions:
         elif kind == 0x41:  # 'A'
             xid, sub = _ABORT.unpack_from(message, 1)
             self._abort(xid, sub)
+
+    def take_inserts(self, raw: list[bytes | memoryview], start: int, head: int) -> int:
+        """Take, from ``raw[start]`` on (copy data whose message starts at ``head``), what the
+        current block's decoder takes natively (:class:`ChangeDecoder`'s ``fast``): inserts of its
+        table by the subtransaction of the latest change, as :meth:`take` would, without a Python
+        object per message but the record. The index of the first not taken (``start`` when none)."""
+        current = self._current
+        if current is None or current.spill is not None or current.decode is None or not current.last:
+            return start
+        fast = current.decode.fast
+        if fast is None:
+            return start
+        native, oid = fast
+        room = self._spill_at - current.in_memory
+        end, cost = native.take_streamed(raw, start, head, current.last, oid, current.changes, room, DECODED_COST)
+        if end > start:
+            current.in_memory += cost
+            self._budget.streamed += cost
+            if current.in_memory > self._spill_at:
+                current.spill = self._budget.spill()
+        return end
 
     def _abort(self, xid: int, sub: int) -> None:
         if sub == xid:
