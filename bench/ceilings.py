@@ -2,9 +2,9 @@
 
 - the decode ceiling: PostgreSQL's WAL sender decoding the committed burst through ``pgoutput`` with
   the log source's options (protocol 2, streaming, binary values, its publication of the outbox's
-  inserts) into ``pg_recvlogical``, which writes it to /dev/null: the slot is made before the COPY,
-  ``pg_recvlogical`` starts at the commit and exits at the commit's end (``--endpos``); timed from
-  the commit, as the relays are;
+  inserts; its session's ``logical_decoding_work_mem``) into ``pg_recvlogical``, which writes it to
+  /dev/null: the slot is made before the COPY, ``pg_recvlogical`` starts at the commit and exits at
+  the commit's end (``--endpos``); timed from the commit, as the relays are;
 - the produce-only ceiling: one librdkafka producer with the harvester's producer settings
   (``producer_config``, the bench's compression) sending the same records (keys, 100-byte values,
   partitions, the three identity headers a reaper adds), a delivery callback per record (as the
@@ -42,8 +42,10 @@ from workload import VALUE, fresh_outbox, fresh_topic
 from harvester import TableName
 from harvester.core.identity import IdentityHeaders, Stamp
 from harvester.kafka.publisher import producer_config
+from harvester.postgres.connections import dsn_options
 from harvester.postgres.log import logical
 from harvester.postgres.log.logical import LogSetup
+from harvester.postgres.log.store import DECODING_OPTIONS
 from harvester.postgres.schema import migrations
 
 # How the burst is written (peer_bursts.copy_burst): (commit wall time, the writing backend's CPU s).
@@ -88,7 +90,7 @@ def decode_ceiling(conn: psycopg.Connection[Any], dsn: str, records: int, keys: 
     command = [
         pg_recvlogical(),
         "--dbname",
-        dsn,
+        psycopg.conninfo.make_conninfo(dsn, options=f"{DECODING_OPTIONS} {dsn_options(dsn)}".strip()),
         "--slot",
         setup.slot,
         "--start",

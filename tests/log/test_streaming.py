@@ -15,6 +15,7 @@ from uuid import UUID, uuid4
 import psycopg
 import pytest
 from psycopg import sql
+from psycopg.conninfo import make_conninfo
 
 from harvester import HarvesterConfig, OutboxRecord, Stasher
 from harvester.compose import log_store
@@ -388,3 +389,27 @@ def test_inserts_taken_natively_from_the_copy_data_are_what_the_python_path_keep
     python = given()
     assert sum(natively) == 0 and taken >= 700  # the usual rows of the three parts, but a first of each
     assert native == python
+
+
+@pytest.mark.parametrize(("options", "streamed"), [("", True), ("-c logical_decoding_work_mem=64MB", False)])
+def test_the_stream_decodes_in_1_mb_steps_unless_the_dsn_chooses(
+    logical_dsn: str, log_outbox: TableName, options: str, streamed: bool
+) -> None:
+    """The stream's session has the server stream a transaction of more than 1 MB of changes while it
+    is in progress (``store.DECODING_OPTIONS``); options of the DSN's own choose otherwise."""
+    dsn = make_conninfo(logical_dsn, options=options) if options else logical_dsn
+    config = HarvesterConfig(outbox_table=log_outbox.qualified)
+    store = log_store(dsn, LogSetup(log_outbox, config.slot, config.publication))
+    try:
+        store.prepare()
+        leader = uuid4()
+        store.acquire(leader)
+        before = streamed_transactions(logical_dsn, config.slot)
+        insert(logical_dsn, log_outbox, [("t", f"k{i % 10}", f"{i}:" + "x" * 400) for i in range(5000)])  # ~2.5 MB
+        assert len(mark_all(store, leader, 5000)) == 5000
+        if streamed:
+            assert wait_until(lambda: streamed_transactions(logical_dsn, config.slot) > before, timeout=10)
+        else:
+            assert streamed_transactions(logical_dsn, config.slot) == before
+    finally:
+        store.close()

@@ -45,6 +45,13 @@ from harvester.postgres.table.store import PostgresStore
 # The walsender's timeout the stream sets (PostgreSQL 12+; the default is 60 s), above the reader's
 # status interval (reading.py).
 _SENDER_TIMEOUT = "30s"
+# How much of its transactions' changes the walsender holds before it streams the largest (protocol
+# 2, streaming: a transaction in progress), set on the stream's session before the DSN's options
+# (which may choose another). With the server's default, 64 MB, up to 64 MB of a large transaction
+# that the walsender had decoded were still to send at its commit; in 1 MB steps what it decoded has
+# reached the harvester by then, its CPU per record falls a little and it holds 1 MB per stream
+# instead of 64 (docs/benchmarks.md, "Decoded in 1 MB steps, purged by a bitmap").
+DECODING_OPTIONS = "-c logical_decoding_work_mem=1MB"
 # The encoding the decoding session sends text in (values come in their binary forms, whose text
 # is in the client's encoding): fixed, whatever the server's default is.
 _SESSION = "-c client_encoding=UTF8"
@@ -124,6 +131,8 @@ class LogStore(PostgresStore):
                 # database shuts down) lets its walsender go, so the shutdown can finish; the stream
                 # starts again on the next read.
                 options = f"{self.db.options} -c wal_sender_timeout={_SENDER_TIMEOUT}"
+                if version >= 140000:  # streaming
+                    options = f"{DECODING_OPTIONS} {options}"
                 self.slot.conninfo = psycopg.conninfo.make_conninfo(self.slot.conninfo, options=options)
             self._takeover = logical.takeover(fence_table(self.table), version)
         self._rows.prepared(self._setup)
