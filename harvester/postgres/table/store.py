@@ -38,7 +38,14 @@ from harvester.postgres.table.frontier import WRITERS, Frontier, ordered_ids
 from harvester.postgres.table.marks import HandedOut
 from harvester.postgres.table.rows import Pending
 from harvester.postgres.table.rows import malformed as rows_malformed
-from harvester.postgres.table.statements import PLANNER_OPTIONS, Statements, dense_range, id_array, whole_range
+from harvester.postgres.table.statements import (
+    PLANNER_OPTIONS,
+    Statements,
+    dense_range,
+    id_array,
+    id_bitmap,
+    whole_range,
+)
 from harvester.postgres.table.vacuum import Vacuumer
 
 __all__ = ["FencedError", "OutboxMissingError", "PostgresStore", "ShardCountError", "StoreError"]
@@ -314,7 +321,8 @@ class PostgresStore:
         if dense is not None and whole_range(ids, *dense):
             cur = self.db.execute(statements.purge_run, (*guard, *dense))
         elif dense is not None:
-            cur = self.db.execute(statements.purge_range, (*guard, *dense, id_array(ids)))
+            low, high = dense
+            cur = self.db.execute(statements.purge_range, (*guard, low, high, id_bitmap(ids, low, high), low))
         else:
             cur = self.db.execute(statements.purge, (*guard, id_array(ids)))
         if cur.rowcount < len(ids):
