@@ -2,7 +2,8 @@
 against a real PostgreSQL and Kafka: they go out whole, at their commit, in commit order; what a
 rolled-back savepoint or an aborted transaction wrote never goes out; a stream that breaks in the
 middle of one loses and repeats nothing. The stream's session sets ``logical_decoding_work_mem`` to
-its least, 64 kB, so that transactions of a few hundred rows are streamed."""
+its least, 64 kB, so that transactions of a few hundred rows are streamed; the last test checks the
+harvester's own setting, 1 MB, instead."""
 
 from __future__ import annotations
 

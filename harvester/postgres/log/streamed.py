@@ -1,7 +1,7 @@
 """Transactions the walsender streams while they are still in progress (pgoutput protocol version 2,
 ``streaming 'on'``), put back together as whole ones at their commit.
 
-Once a transaction's decoded changes outgrow the server's ``logical_decoding_work_mem``, the
+Once a transaction's decoded changes outgrow the session's ``logical_decoding_work_mem`` (1 MB, store.py), the
 walsender sends them as they are decoded, in blocks (Stream Start … Stream Stop) between other
 transactions, instead of spilling them to disk and sending them all after the commit. A burst
 written in one large transaction then reaches the harvester while it is being written, and the
