@@ -45,14 +45,17 @@ def slot_of(table: TableName) -> str:
 
 
 def leading_store(
-    dsn: str, table: TableName, memory: int = 1 << 30, spill_directory: str | None = None
+    dsn: str, table: TableName, memory: int = 1 << 30, spill_directory: str | None = None, *, small: bool = True
 ) -> tuple[LogStore, UUID]:
-    """A log store over ``table`` whose stream streams (see :func:`tests.support.postgres.streaming`), leading a
-    term; past ``memory`` (its transactions' records together), a large one's further records are
-    spilled (in ``spill_directory``)."""
+    """A log store over ``table`` whose stream streams transactions of a few hundred rows (see
+    :func:`tests.support.postgres.streaming`; with ``small`` false, as its own setting has it),
+    leading a term; past ``memory`` (its transactions' records together), a large one's further
+    records are spilled (in ``spill_directory``)."""
     config = HarvesterConfig(outbox_table=table.qualified)
     setup = LogSetup(table, config.slot, config.publication)
-    store = log_store(streaming(dsn), setup, transaction_memory=memory, spill_directory=spill_directory)
+    store = log_store(
+        streaming(dsn) if small else dsn, setup, transaction_memory=memory, spill_directory=spill_directory
+    )
     store.prepare()
     leader = uuid4()
     store.acquire(leader)
@@ -399,18 +402,15 @@ def test_the_stream_decodes_in_1_mb_steps_unless_the_dsn_chooses(
     """The stream's session has the server stream a transaction of more than 1 MB of changes while it
     is in progress (``store.DECODING_OPTIONS``); options of the DSN's own choose otherwise."""
     dsn = make_conninfo(logical_dsn, options=options) if options else logical_dsn
-    config = HarvesterConfig(outbox_table=log_outbox.qualified)
-    store = log_store(dsn, LogSetup(log_outbox, config.slot, config.publication))
+    store, leader = leading_store(dsn, log_outbox, small=False)
+    slot = slot_of(log_outbox)
     try:
-        store.prepare()
-        leader = uuid4()
-        store.acquire(leader)
-        before = streamed_transactions(logical_dsn, config.slot)
+        before = streamed_transactions(logical_dsn, slot)
         insert(logical_dsn, log_outbox, [("t", f"k{i % 10}", f"{i}:" + "x" * 400) for i in range(5000)])  # ~2.5 MB
         assert len(mark_all(store, leader, 5000)) == 5000
         if streamed:
-            assert wait_until(lambda: streamed_transactions(logical_dsn, config.slot) > before, timeout=10)
+            assert wait_until(lambda: streamed_transactions(logical_dsn, slot) > before, timeout=10)
         else:
-            assert streamed_transactions(logical_dsn, config.slot) == before
+            assert streamed_transactions(logical_dsn, slot) == before
     finally:
         store.close()
