@@ -12,6 +12,7 @@ import contextlib
 import gc
 import os
 import time
+from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -155,6 +156,22 @@ class CpuMeter:
         # machine (tests' private ones) come and go, and summing them made negative figures.
         self._broker = listener(bootstrap_port())
 
+    @property
+    def postmaster(self) -> int:
+        return self._postmaster
+
+    def processes(self) -> dict[int, float]:
+        """CPU seconds so far of the postmaster (with its exited children's) and of each live child."""
+        seconds = {}
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit() and (fields := proc_stat(int(entry.name))) is not None:
+                pid = int(entry.name)
+                if pid == self._postmaster:
+                    seconds[pid] = cpu_seconds(fields, children=True)
+                elif int(fields[1]) == self._postmaster:
+                    seconds[pid] = cpu_seconds(fields, children=False)
+        return seconds
+
     def sample(self) -> CpuSample:
         total = walsender = broker = 0.0
         for entry in Path("/proc").iterdir():
@@ -174,6 +191,41 @@ class CpuMeter:
             elif pid == self._broker or (self._broker is None and b"\0kafka.Kafka\0" in _command(pid)):
                 broker += cpu_seconds(fields, children=False)
         return CpuSample(own_seconds(), total, walsender, broker)
+
+
+# What a server process is, by a word of its process title ("postgres: walsender ...", "postgres:
+# checkpointer", "postgres: autovacuum worker ..."); any other child of the postmaster is a session.
+_KINDS = (b"walsender", b"checkpointer", b"walwriter", b"background writer", b"autovacuum", b"logical replication")
+
+
+def postgres_kind(command: bytes) -> str:
+    """The kind of the PostgreSQL server process whose command line is ``command``: one of the
+    words of ``_KINDS``, else ``backend`` (a client's session)."""
+    return next((k.decode() for k in _KINDS if k in command), "backend")
+
+
+Processes = dict[int, tuple[str, float]]
+
+
+def processes(meter: CpuMeter) -> Processes:
+    """Each process of ``meter``'s server: its kind (:func:`postgres_kind`; ``exited`` for the
+    postmaster, whose time includes its exited children's) and its CPU seconds so far."""
+    return {
+        pid: ("exited" if pid == meter.postmaster else postgres_kind(_command(pid).replace(b"\0", b" ")), seconds)
+        for pid, seconds in meter.processes().items()
+    }
+
+
+def by_kind(before: Processes, after: Processes) -> dict[str, float]:
+    """CPU seconds per kind of server process from ``before`` to ``after``: a process that exited
+    in between is in ``exited`` with what it spent after ``before``."""
+    kinds: defaultdict[str, float] = defaultdict(float)
+    for pid, (kind, seconds) in after.items():
+        kinds[kind] += seconds - before.get(pid, (kind, 0.0))[1]
+    for pid, (_, seconds) in before.items():
+        if pid not in after:  # its time so far is in the postmaster's now
+            kinds["exited"] -= seconds
+    return dict(kinds)
 
 
 def bootstrap_port() -> int:

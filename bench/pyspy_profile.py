@@ -21,6 +21,12 @@ idle instead; on a loaded machine py-spy's idle test also counts threads waiting
 blocking reads showed as busy here, so waits are in those figures. The producer process's stacks
 are among the relay's (py-spy labels them with the relay's process). Sampling pauses the relay:
 read shares, not rates. The raw collapsed stacks go to ``--out`` (flamegraph.pl reads them).
+
+It also prints PostgreSQL's CPU per 1,000 records by kind of server process (``walsender``,
+``backend``: the sessions, the harvester's deletes among them, ``checkpointer``, ``autovacuum``, …;
+``exited``: processes that ended meanwhile) from the start of the COPY to the outbox emptied, the
+COPYing session's own time left out, as bench/peers.py counts PostgreSQL's (py-spy's pauses slow
+the relay, not the server's work per record).
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ from pathlib import Path
 import psycopg
 import workload
 from confluent_kafka import Consumer
-from cpu import librdkafka_seconds, proc_stat, process_seconds
+from cpu import CpuMeter, by_kind, librdkafka_seconds, proc_stat, process_seconds, processes
 from peer_bursts import LOG, MARK_PURGE, copy_burst, wait_published
 from peer_relays import harvester_relay
 from peer_services import BOOTSTRAP
@@ -159,13 +165,18 @@ def main() -> None:
         consumer = Consumer({"bootstrap.servers": BOOTSTRAP, "group.id": "profile_count", "enable.auto.commit": False})
         with psycopg.connect(workload.DSN, autocommit=True) as conn:
             started = None if args.drain_only else sample()
-            committed, _ = copy_burst(conn, table, topic, args.records, args.keys)
+            meter = CpuMeter(conn)
+            server_before = processes(meter)
+            committed, copy_cpu = copy_burst(conn, table, topic, args.records, args.keys)
             sampler, cpu_before = started or sample()
             published = wait_published(consumer, topic, args.records)
             if args.source == MARK_PURGE:
                 workload.wait_empty(conn, table)
             done = time.time()
             cpu_after = relay_cpu(child.pid)
+            workload.wait_empty(conn, table)  # PostgreSQL's figure to the last delete, the log source's too
+            server = by_kind(server_before, processes(meter))
+            server["backend"] -= copy_cpu
         consumer.close()
         sampler.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
         _, errors = sampler.communicate(timeout=60)
@@ -182,6 +193,13 @@ def main() -> None:
     print(
         f"relay CPU (both processes, py-spy's pauses included): {cpu:.1f} us per record, of which librdkafka's"
         f" threads {native:.1f} us ({100 * native / cpu:.0f}%); the rest is what the samples below share"
+    )
+    kinds = sorted(server.items(), key=lambda kv: -kv[1])
+    print(
+        "PostgreSQL CPU s per 1,000 records, from the COPY to the outbox emptied (the COPYing session's own"
+        " time left out): "
+        + ", ".join(f"{kind} {1000 * seconds / args.records:.5f}" for kind, seconds in kinds)
+        + f"; total {1000 * sum(server.values()) / args.records:.5f}"
     )
     own, cumulative, total = tally(out)
     for title, counts in (("self", own), ("cumulative", cumulative)):
