@@ -142,6 +142,21 @@ def _command(pid: int) -> bytes:
         return b""
 
 
+# What a server process is, by a word of its process title ("postgres: walsender ...", "postgres:
+# checkpointer", "postgres: autovacuum worker ..."); any other child of the postmaster is a session.
+_KINDS = (b"walsender", b"checkpointer", b"walwriter", b"background writer", b"autovacuum", b"logical replication")
+
+
+def postgres_kind(command: bytes) -> str:
+    """The kind of the PostgreSQL server process whose command line is ``command``: one of the
+    words of ``_KINDS``, else ``backend`` (a client's session)."""
+    title = b" " + command.replace(b"\0", b" ") + b" "
+    return next((k.decode() for k in _KINDS if b" " + k + b" " in title), "backend")
+
+
+Processes = dict[int, tuple[str, float]]  # a server process's kind and CPU seconds, by pid
+
+
 class CpuMeter:
     """Samples CPU time of this process (with its children), of the PostgreSQL server ``conn`` is
     connected to, of its WAL senders, and of the Kafka broker (the one listening on the port of
@@ -156,64 +171,32 @@ class CpuMeter:
         # machine (tests' private ones) come and go, and summing them made negative figures.
         self._broker = listener(bootstrap_port())
 
-    @property
-    def postmaster(self) -> int:
-        return self._postmaster
-
-    def processes(self) -> dict[int, float]:
-        """CPU seconds so far of the postmaster (with its exited children's) and of each live child."""
-        seconds = {}
+    def processes(self) -> Processes:
+        """Each process of the server: its kind (:func:`postgres_kind`; ``exited`` for the
+        postmaster, whose time includes its exited children's) and its CPU seconds so far."""
+        server: Processes = {}
         for entry in Path("/proc").iterdir():
             if entry.name.isdigit() and (fields := proc_stat(int(entry.name))) is not None:
                 pid = int(entry.name)
                 if pid == self._postmaster:
-                    seconds[pid] = cpu_seconds(fields, children=True)
+                    server[pid] = ("exited", cpu_seconds(fields, children=True))
                 elif int(fields[1]) == self._postmaster:
-                    seconds[pid] = cpu_seconds(fields, children=False)
-        return seconds
+                    server[pid] = (postgres_kind(_command(pid)), cpu_seconds(fields, children=False))
+        return server
 
     def sample(self) -> CpuSample:
-        total = walsender = broker = 0.0
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            pid = int(entry.name)
-            fields = proc_stat(pid)
-            if fields is None:
-                continue
-            if pid == self._postmaster:
-                total += cpu_seconds(fields, children=True)
-            elif int(fields[1]) == self._postmaster:
-                seconds = cpu_seconds(fields, children=False)
-                total += seconds
-                if b" walsender " in _command(pid):  # "postgres: [cluster name: ]walsender user ..."
-                    walsender += seconds
-            elif pid == self._broker or (self._broker is None and b"\0kafka.Kafka\0" in _command(pid)):
-                broker += cpu_seconds(fields, children=False)
-        return CpuSample(own_seconds(), total, walsender, broker)
+        server = self.processes().values()
+        walsender = sum(seconds for kind, seconds in server if kind == "walsender")
+        return CpuSample(own_seconds(), sum(seconds for _, seconds in server), walsender, self._broker_seconds())
 
-
-# What a server process is, by a word of its process title ("postgres: walsender ...", "postgres:
-# checkpointer", "postgres: autovacuum worker ..."); any other child of the postmaster is a session.
-_KINDS = (b"walsender", b"checkpointer", b"walwriter", b"background writer", b"autovacuum", b"logical replication")
-
-
-def postgres_kind(command: bytes) -> str:
-    """The kind of the PostgreSQL server process whose command line is ``command``: one of the
-    words of ``_KINDS``, else ``backend`` (a client's session)."""
-    return next((k.decode() for k in _KINDS if k in command), "backend")
-
-
-Processes = dict[int, tuple[str, float]]
-
-
-def processes(meter: CpuMeter) -> Processes:
-    """Each process of ``meter``'s server: its kind (:func:`postgres_kind`; ``exited`` for the
-    postmaster, whose time includes its exited children's) and its CPU seconds so far."""
-    return {
-        pid: ("exited" if pid == meter.postmaster else postgres_kind(_command(pid).replace(b"\0", b" ")), seconds)
-        for pid, seconds in meter.processes().items()
-    }
+    def _broker_seconds(self) -> float:
+        if self._broker is not None:
+            return process_seconds(self._broker)
+        return sum(
+            process_seconds(int(entry.name))
+            for entry in Path("/proc").iterdir()
+            if entry.name.isdigit() and b"\0kafka.Kafka\0" in _command(int(entry.name))
+        )
 
 
 def by_kind(before: Processes, after: Processes) -> dict[str, float]:

@@ -45,7 +45,7 @@ from pathlib import Path
 import psycopg
 import workload
 from confluent_kafka import Consumer
-from cpu import CpuMeter, by_kind, librdkafka_seconds, proc_stat, process_seconds, processes
+from cpu import CpuMeter, by_kind, librdkafka_seconds, proc_stat, process_seconds
 from peer_bursts import LOG, MARK_PURGE, copy_burst, wait_published
 from peer_relays import harvester_relay
 from peer_services import BOOTSTRAP
@@ -166,7 +166,7 @@ def main() -> None:
         with psycopg.connect(workload.DSN, autocommit=True) as conn:
             started = None if args.drain_only else sample()
             meter = CpuMeter(conn)
-            server_before = processes(meter)
+            server_before = meter.processes()
             committed, copy_cpu = copy_burst(conn, table, topic, args.records, args.keys)
             sampler, cpu_before = started or sample()
             published = wait_published(consumer, topic, args.records)
@@ -175,7 +175,7 @@ def main() -> None:
             done = time.time()
             cpu_after = relay_cpu(child.pid)
             workload.wait_empty(conn, table)  # PostgreSQL's figure to the last delete, the log source's too
-            server = by_kind(server_before, processes(meter))
+            server = by_kind(server_before, meter.processes())
             server["backend"] -= copy_cpu
         consumer.close()
         sampler.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
