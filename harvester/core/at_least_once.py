@@ -151,6 +151,8 @@ class AtLeastOnceDispatcher:
             sent: list[MarkedRecord] = []  # counted as sent, published at once before any wait
             # Counted here: what the completion thread publishes during a wait, it counts itself.
             published = 0
+            # The window's room, counted down here: under the lock only this loop's sends fill it.
+            room = bound - gate.window
             try:
                 for record in batch:
                     # state.current(), inlined: per record, identity first (UUID's == is Python code).
@@ -159,8 +161,8 @@ class AtLeastOnceDispatcher:
                         return  # the rest is re-marked after the refresh
                     if record.id in purged or gate.hold_back(record, now):
                         continue
-                    alone = bool(solo) and record.id in solo
-                    if gate.window >= bound or self._solo is not None or (alone and gate.in_flight_records):
+                    alone = record.id in solo if solo else False
+                    if room <= 0 or self._solo is not None or (alone and gate.in_flight_records):
                         published += self._publish(sent)  # the window frees as they are answered
                         sent = []
                         while (
@@ -169,7 +171,9 @@ class AtLeastOnceDispatcher:
                             state.cond.wait(0.05)
                         if not state.current(leader_id):
                             return
+                        room = bound - gate.window
                     gate.sent(record)
+                    room -= 1
                     sent.append(record)
                     if alone:
                         self._solo = record.id
@@ -211,6 +215,8 @@ class AtLeastOnceDispatcher:
         """Send the records waiting behind ``keys`` while their keys have room (caller holds the
         lock); not after a failure or a lost leadership: the remark marks them again."""
         state, solo = self._state, self._ctx.settler.solo
+        if not self._gate.queued_records:  # nothing waits behind any key (the usual case): nothing to take
+            return
         if may_send and state.leader_id is not None and not state.force_remark and self._solo is None:
             taken = self._gate.take([*keys, *self._gate.parked], solo)
             if taken and taken[-1].id in solo:
@@ -219,8 +225,8 @@ class AtLeastOnceDispatcher:
 
     def _answered(self, items: Sequence[DeliveryReport]) -> list[str]:
         """Keys to look for records to send after ``items`` were answered: theirs, and every key
-        waiting when they end a record's time alone (caller holds the lock)."""
-        keys = _keys(items)
+        waiting when they end a record's time alone (caller holds the lock); none while nothing waits."""
+        keys = _keys(items) if self._gate.queued_records else []
         if self._solo is not None and any(record.id == self._solo for record, _ in items):
             self._solo = None
             keys += self._gate.waiting_keys
@@ -311,7 +317,7 @@ class AtLeastOnceDispatcher:
                 self._purged_during_mark.update(dead)
             if answered:
                 earlier = gate.done(delivered, covered, failures, dead)
-                keys = _keys(items)
+                keys = _keys(items) if gate.queued_records else []
             else:
                 earlier = gate.completed(items, covered, failures, dead)
                 keys = self._answered(items)

@@ -58,12 +58,12 @@ def test_records_go_out_before_the_commit_and_settle_after_it() -> None:
     taken = txns.take(leader, 10)
     txn = taken[0][0]
     assert txn.end_lsn == 0 and not reached([txn], 10**9)
-    assert all(txns.handed_out(t, i, rid) for (t, i), rid in zip(taken, (1, 2), strict=True))
+    assert txns.handed_out(taken, [1, 2]) == set()
     txns.completed([1, 2], 0)
     assert not txn.settled and txns.settled(0) == 0  # all done, but more may come
     txns.receive([insert(3), commit(100, 120)])
     assert not txns.receiving and txns.waiting == 1 and txn.end_lsn == 120
-    assert txns.handed_out(txn, 2, 3)
+    assert txns.handed_out([(txn, 2)], [3]) == set()
     txns.completed([3], 0)
     assert reached([txn], 120) and txns.settled(0) == 120
 
@@ -125,13 +125,25 @@ def test_a_half_received_transaction_the_stream_skips_holds_the_slot() -> None:
     txns.receive([begin(130), insert(2), commit(130, 150)])
     half, whole = txns.kept
     assert half.end_lsn == 0 and whole.end_lsn == 150
-    assert all(txns.handed_out(t, i, rid) for (t, i), rid in zip(txns.take(leader, 10), (1, 2), strict=True))
+    assert txns.handed_out(txns.take(leader, 10), [1, 2]) == set()
     assert txns.completed([1, 2], 0) == 0  # the slot stays before the half-received one
+
+
+def test_a_batch_goes_out_but_its_records_recovered_or_gone() -> None:
+    """A record completed before this term handed it out (recovered) and one whose row is gone are
+    done at hand-out: their ids come back, and only the others are in flight."""
+    txns, leader = outbox(), uuid4()
+    txns.start_pass(leader)
+    txns.receive([begin(100), relation(), *(insert(rid) for rid in range(1, 6)), commit(100, 110)])
+    assert txns.completed([2], 0) == 0  # not handed out yet: recovered
+    assert txns.handed_out(txns.take(leader, 5), range(1, 6), gone={4}) == {2, 4}
+    assert txns.in_flight() == {1, 3, 5}
+    assert txns.completed([1, 3, 5], 0) == 110
 
 
 def hand_out(txns: Transactions, leader: UUID, rids: list[int]) -> None:
     taken = txns.take(leader, len(rids))
-    assert all(txns.handed_out(t, i, rid) for (t, i), rid in zip(taken, rids, strict=True))
+    assert txns.handed_out(taken, rids) == set()
 
 
 def test_the_done_prefix_stops_at_the_first_record_not_done() -> None:
@@ -189,12 +201,12 @@ def test_inserts_past_the_memory_limit_are_spilled_and_read_back_by_every_pass()
     taken = txns.take(first, 100)
     assert [i for _, i in taken] == list(range(10))
     assert messages(taken) == [insert(rid) for rid in range(1, 11)]  # the spilled ones in one read
-    assert all(txns.handed_out(t, i, i + 1) for t, i in taken)
+    assert txns.handed_out(taken, [i + 1 for _, i in taken]) == set()
     txns.completed([2, 8], 0)  # one in memory, one spilled
     txns.start_pass(second)  # a new pass hands out what is not done, from memory and the spill
     again = txns.take(second, 100)
     assert [i for _, i in again] == [0, 2, 3, 4, 5, 6, 8, 9]
-    assert all(txns.handed_out(t, i, i + 1) for t, i in again)
+    assert txns.handed_out(again, [i + 1 for _, i in again]) == set()
     assert txns.completed([i + 1 for _, i in again], 0) == 110 and not txns.kept and budget.received == 0
     with pytest.raises(ValueError, match="closed file"):  # settled: its spill is removed
         spill.read(0, 1)
@@ -252,7 +264,7 @@ def test_the_received_transactions_share_one_budget_and_a_small_one_never_spills
     assert budget.received == 6 * 166
     taken = txns.take(leader, 100)
     assert messages(taken) == [insert(rid) for rid in range(1, 9)]
-    assert all(txns.handed_out(t, i, rid) for (t, i), rid in zip(taken, range(1, 9), strict=True))
+    assert txns.handed_out(taken, range(1, 9)) == set()
     assert txns.completed([1, 2, 3], 0) == 110 and budget.received == 3 * 166
     budget.handed = 1000
     txns.receive([begin(100), insert(1), commit(100, 110)])  # received before: skipped

@@ -253,16 +253,11 @@ class LogStore(PostgresStore):
         stamp = self.stamp()
         records = self._decoding.records(taken)
         gone = self._rows.gone(taken, records, self._term_lsn)
-        out: list[MarkedRecord] = []
         with self.state:
-            handed_out = self.txns.handed_out
-            for (txn, index), record in zip(taken, records, strict=True):
-                rid = record.id
-                if rid in gone:
-                    txn.done.add(index)
-                if handed_out(txn, index, rid):
-                    record.stamp = stamp
-                    out.append(record)
+            skipped = self.txns.handed_out(taken, [record.id for record in records], gone)
+            out = [record for record in records if record.id not in skipped] if skipped else records
+            for record in out:
+                record.stamp = stamp
             self._rows.handed_out(out)
         return out
 

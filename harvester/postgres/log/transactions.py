@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from heapq import heappop, heappush
 from uuid import UUID
@@ -221,16 +221,20 @@ class Transactions:
         if self._pass == leader_id:
             self._buffer.extendleft(reversed(taken))
 
-    def handed_out(self, txn: Transaction, index: int, rid: int) -> bool:
-        """Whether record ``rid``, ``txn``'s ``index``-th, goes out: not when it is done already (in
-        an earlier pass, or recovered); else it is remembered as in flight."""
-        if rid in self._recovered:
-            self._recovered.discard(rid)
-            txn.done.add(index)
-        if index in txn.done:
-            return False
-        self._of_id[rid] = (txn, index)
-        return True
+    def handed_out(self, taken: Taken, ids: Sequence[int], gone: Collection[int] = frozenset()) -> set[int]:
+        """``taken``'s records, whose ids are ``ids``, go out but those done already (in an earlier
+        pass, recovered, or in ``gone``: their rows are gone), whose ids it returns (usually none);
+        the others are remembered as in flight. One call per batch: it runs per record."""
+        recovered, of_id, skipped = self._recovered, self._of_id, set()
+        for (txn, index), rid in zip(taken, ids, strict=True):
+            if (gone and rid in gone) or (recovered and rid in recovered):
+                recovered.discard(rid)
+                txn.done.add(index)
+            if index in txn.done:
+                skipped.add(rid)
+            else:
+                of_id[rid] = (txn, index)
+        return skipped
 
     def in_flight(self) -> set[int]:
         """The ids of the records handed out and not done yet."""
