@@ -9,7 +9,7 @@
  * harvester runs.
  *
  * Threads: produce runs on the main thread, poll on the relay's poll thread (the GIL released while
- * librdkafka polls or waits), and librdkafka's own threads may log. The callbacks never touch Python:
+ * librdkafka produces, polls or waits), and librdkafka's own threads may log. The callbacks never touch Python:
  * they append to the reports (_rdkafka_reports.c), and take() turns them into Python lists. */
 #include "_rdkafka_reports.h"
 
@@ -196,19 +196,18 @@ static rd_kafka_headers_t *headers_of(PyObject *own, StampView *stamp, long long
     return headers;
 }
 
-/* While librdkafka's queue is full: the poll thread empties it; a harvester that died is not
- * waited for (its end of the pipe is not read now). */
-static void wait_while_full(Loop *self) {
-    Py_BEGIN_ALLOW_THREADS
-    usleep(5000);
-    Py_END_ALLOW_THREADS
-    if (getppid() != self->parent)
-        _exit(0);
-}
+/* One record's arguments to rd_kafka_produceva, built holding the GIL (they point into the
+ * frame's objects, which the frame's lists keep alive and nothing else sees while produce runs). */
+typedef struct {
+    rd_kafka_vu_t vus[8];
+    size_t count;
+    rd_kafka_headers_t *headers; /* NULL for none; librdkafka's once produced */
+    int64_t seq;
+} Args;
 
-/* Produces one record numbered seq; 0, or -1 with a Python error set (a malformed frame). */
-static int produce_one(Loop *self, int64_t seq, PyObject *topic, PyObject *key, PyObject *value, PyObject *own,
-                       PyObject *record_id, StampView *stamp, PyObject *place) {
+/* Fills ``args`` for record seq; 0, or -1 with a Python error set (a malformed frame). */
+static int args_of(Args *args, int64_t seq, PyObject *topic, PyObject *key, PyObject *value, PyObject *own,
+                   PyObject *record_id, StampView *stamp, PyObject *place) {
     const char *topic_name, *key_data, *value_data;
     Py_ssize_t topic_size, key_size, value_size;
     if (!PyUnicode_Check(topic)) {
@@ -229,7 +228,7 @@ static int produce_one(Loop *self, int64_t seq, PyObject *topic, PyObject *key, 
     rd_kafka_headers_t *headers = headers_of(own, stamp, id);
     if (headers == NULL && PyErr_Occurred())
         return -1;
-    rd_kafka_vu_t vus[8];
+    rd_kafka_vu_t *vus = args->vus;
     size_t n = 0;
     vus[n].vtype = RD_KAFKA_VTYPE_TOPIC;
     vus[n++].u.cstr = topic_name;
@@ -253,21 +252,32 @@ static int produce_one(Loop *self, int64_t seq, PyObject *topic, PyObject *key, 
         vus[n].vtype = RD_KAFKA_VTYPE_HEADERS;
         vus[n++].u.headers = headers;
     }
+    args->count = n;
+    args->headers = headers;
+    args->seq = seq;
+    return 0;
+}
+
+/* Produces one record, without the GIL; while librdkafka's queue is full, the poll thread empties
+ * it, and a harvester that died is not waited for (its end of the pipe is not read now). */
+static void produce_one(Loop *self, Args *args) {
     for (;;) {
-        rd_kafka_error_t *error = rd_kafka_produceva(self->rk, vus, n);
+        rd_kafka_error_t *error = rd_kafka_produceva(self->rk, args->vus, args->count);
         if (error == NULL)
-            return 0; /* librdkafka owns the headers now */
+            return; /* librdkafka owns the headers now */
         rd_kafka_resp_err_t code = rd_kafka_error_code(error);
         rd_kafka_error_destroy(error);
         if (code != RD_KAFKA_RESP_ERR__QUEUE_FULL) {
             char reason[512];
             snprintf(reason, sizeof reason, "Unable to produce message: %s", rd_kafka_err2str(code));
-            if (headers != NULL)
-                rd_kafka_headers_destroy(headers);
-            reports_fail(&self->reports, seq, code, reason);
-            return 0;
+            if (args->headers != NULL)
+                rd_kafka_headers_destroy(args->headers);
+            reports_fail(&self->reports, args->seq, code, reason);
+            return;
         }
-        wait_while_full(self);
+        usleep(5000);
+        if (getppid() != self->parent)
+            _exit(0);
     }
 }
 
@@ -297,17 +307,31 @@ static PyObject *Loop_produce(Loop *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "placements is None or a list as long as the columns");
         return NULL;
     }
+    /* The records' arguments first, holding the GIL; then librdkafka's produce without it, so that
+     * the poll thread (and, in the harvester, its other threads) runs meanwhile. */
+    Args *all = PyMem_Malloc(sizeof(Args) * (size_t)(count > 0 ? count : 1));
+    if (all == NULL)
+        return PyErr_NoMemory();
     StampView view = {NULL};
     for (Py_ssize_t i = 0; i < count; i++) {
         PyObject *stamp = PyList_GET_ITEM(stamps, i);
-        if (stamp != Py_None && view_stamp(&view, stamp) != 0)
-            return NULL;
         PyObject *place = placements == Py_None ? Py_None : PyList_GET_ITEM(placements, i);
-        if (produce_one(self, first + i, PyList_GET_ITEM(topics, i), PyList_GET_ITEM(keys, i),
-                        PyList_GET_ITEM(values, i), PyList_GET_ITEM(headers, i), PyList_GET_ITEM(ids, i),
-                        stamp == Py_None ? NULL : &view, place) != 0)
+        if ((stamp != Py_None && view_stamp(&view, stamp) != 0) ||
+            args_of(&all[i], first + i, PyList_GET_ITEM(topics, i), PyList_GET_ITEM(keys, i),
+                    PyList_GET_ITEM(values, i), PyList_GET_ITEM(headers, i), PyList_GET_ITEM(ids, i),
+                    stamp == Py_None ? NULL : &view, place) != 0) {
+            for (Py_ssize_t j = 0; j < i; j++)
+                if (all[j].headers != NULL)
+                    rd_kafka_headers_destroy(all[j].headers);
+            PyMem_Free(all);
             return NULL;
+        }
     }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < count; i++)
+        produce_one(self, &all[i]);
+    Py_END_ALLOW_THREADS
+    PyMem_Free(all);
     Py_RETURN_NONE;
 }
 
