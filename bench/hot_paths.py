@@ -53,6 +53,7 @@ from harvester.core.gate import KeyGate, release_at_ack
 from harvester.core.identity import IdentityHeaders, Stamp
 from harvester.core.records import MarkedRecord
 from harvester.kafka import frames, process_publisher, producer_process
+from harvester.kafka.numbered import columns
 from harvester.postgres.log.decoding import TableInserts
 from harvester.postgres.log.records import PUBLISHED
 from harvester.postgres.log.replication import LogicalStream
@@ -207,7 +208,7 @@ def idle_publisher(on_delivery: Callable[[Any], None]) -> process_publisher.Proc
     (A compiled class's ``__new__`` runs ``__init__``, so it is built whole.)"""
     pub = process_publisher.ProcessPublisher({"bootstrap.servers": "127.0.0.1:9", "log_level": 0}, on_delivery)
     pub.close(5.0)
-    pub._outgoing, pub._pending, pub._wake = [], {}, threading.Event()
+    pub._outgoing, pub._numbered.pending, pub._wake = [], {}, threading.Event()
     return pub
 
 
@@ -217,7 +218,7 @@ def publish(records: list[MarkedRecord], sent: list[bytes]) -> None:
         for start in range(0, len(records), BATCH):
             pub.publish(records[start : start + BATCH])
             batch, pub._outgoing = pub._outgoing, []
-            frame = pub._frame(pub._next - len(batch), batch)
+            frame = columns(pub._numbered.next - len(batch), batch, placing=False)
             frames.send(sink, frame)
             sent.append(frames_bytes(frame))
 
@@ -284,7 +285,7 @@ def child(sent: list[bytes], report_frames: list[bytes]) -> tuple[float, float]:
 def reports(records: list[MarkedRecord], report_frames: list[bytes]) -> None:
     acks: queue.SimpleQueue[Any] = queue.SimpleQueue()
     pub = idle_publisher(acks.put_nowait)
-    pub._pending = dict(enumerate(records))
+    pub._numbered.pending = dict(enumerate(records))
     reader = io.BytesIO(b"".join(report_frames))
     pub._receive(process_publisher._Child(None, io.BytesIO(), reader, 0))  # type: ignore[arg-type]
 

@@ -10,6 +10,7 @@ core's protocols (docs/architecture.md, "Building a harvester").
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -29,6 +30,7 @@ from harvester.core.meter import HeadGauges
 from harvester.core.metrics import HarvesterMetrics
 from harvester.core.protocols import BatchScope, DeliveryCallback, Elector, Publisher, SourceGauges
 from harvester.event_router import EventRouter
+from harvester.kafka.native_publisher import NativePublisher, PlacingNativePublisher, native_built
 from harvester.kafka.process_publisher import PlacingProcessPublisher, ProcessPublisher, runs_in_child
 from harvester.kafka.publisher import KafkaPublisher, PlacingPublisher, producer_config
 from harvester.kafka.topics import ensure_checkpoints
@@ -181,7 +183,7 @@ def dispatcher(config: HarvesterConfig, store: PostgresStore, shard: int) -> Dis
                     kafka,
                     callback,
                     in_order=store.release_on_ack,
-                    in_child=config.producer_process,
+                    producer_process=config.producer_process,
                     placing=places(config),
                 )
 
@@ -193,14 +195,20 @@ def publisher(
     callback: DeliveryCallback,
     *,
     in_order: bool,
-    in_child: bool = True,
+    producer_process: bool | None = None,
     placing: bool = False,
 ) -> Publisher:
     """The at-least-once publisher: one that keeps order where the store releases a key at its
-    acknowledgement (``keyRelease: acknowledged``), and then, with ``in_child``, its producer in a
-    child process, so that a second core produces while the harvester's reads the slot or the table.
-    With ``placing``, one that gives records their own timestamps and partitions (:func:`places`)."""
-    if in_order and in_child and runs_in_child(kafka):
+    acknowledgement (``keyRelease: acknowledged``), and then its producer's work per record off the
+    harvester's interpreter, so that a second core produces while the harvester's reads the slot or
+    the table: by default (``producer_process`` None) in the native loop in this process where it
+    was built (``HARVESTER_PRODUCER_LOOP=python`` asks for the Python one), else in a child process;
+    in a child process with ``producer_process`` True; in this process through confluent-kafka with
+    False. With ``placing``, one that gives records their own timestamps and partitions (:func:`places`)."""
+    if in_order and producer_process is not False and runs_in_child(kafka):
+        native = os.environ.get("HARVESTER_PRODUCER_LOOP", "native") == "native" and native_built()
+        if producer_process is None and native:
+            return (PlacingNativePublisher if placing else NativePublisher)(kafka, callback, in_order=True)
         return (PlacingProcessPublisher if placing else ProcessPublisher)(kafka, callback, in_order=True)
     return (PlacingPublisher if placing else KafkaPublisher)(kafka, callback, in_order=in_order)
 

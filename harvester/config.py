@@ -145,11 +145,14 @@ class HarvesterConfig(BaseModel):
         default=None,
         description="The table-less outbox's message prefix; default 'harvester:<schema>.<table>'.",
     )
-    producer_process: bool = Field(
-        default=True,
+    producer_process: bool | None = Field(
+        default=None,
         description="With at_least_once and a key released at its acknowledgement (keyRelease acknowledged, the "
-        "default): run the Kafka producer in a child process, so that a second core publishes while the "
-        "harvester's reads the slot or the table (false: in the harvester's process).",
+        "default), where the Kafka producer's work per record runs, off the harvester's interpreter so that a "
+        "second core publishes while the harvester's reads the slot or the table: unset, in the native loop in "
+        "the harvester's process where it was built (./dev.sh, the image), else in a child process; true, in a "
+        "child process (the native loop there, or its Python one); false, in the harvester's process through "
+        "confluent-kafka.",
     )
     key_release: Literal["acknowledged", "purged"] | None = Field(
         default=None,

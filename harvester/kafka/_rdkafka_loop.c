@@ -21,7 +21,7 @@ typedef struct {
     PyObject_HEAD
     rd_kafka_t *rk;
     Reports reports; /* librdkafka's opaque */
-    pid_t parent;
+    pid_t parent; /* the producer process's harvester, whose death ends it; 0 in the harvester itself */
 } Loop;
 
 static PyObject *SettingsError; /* raised when the producer cannot be made: args (code, reason) */
@@ -46,12 +46,12 @@ static PyObject *Loop_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) 
 }
 
 static int Loop_init(Loop *self, PyObject *args, PyObject *kwargs) {
-    static char *keywords[] = {"settings", "forward_logs", "forward_errors", NULL};
+    static char *keywords[] = {"settings", "forward_logs", "forward_errors", "exit_when_orphaned", NULL};
     PyObject *settings;
-    int forward_logs, forward_errors;
+    int forward_logs, forward_errors, exit_when_orphaned = 1;
     char reason[512];
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!pp", keywords, &PyList_Type, &settings, &forward_logs,
-                                     &forward_errors))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!pp|p", keywords, &PyList_Type, &settings, &forward_logs,
+                                     &forward_errors, &exit_when_orphaned))
         return -1;
     if (self->rk != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "the loop has its producer already");
@@ -84,7 +84,7 @@ static int Loop_init(Loop *self, PyObject *args, PyObject *kwargs) {
         refuse(rd_kafka_last_error(), refusal);
         return -1;
     }
-    self->parent = getppid();
+    self->parent = exit_when_orphaned ? getppid() : 0;
     return 0;
 }
 
@@ -259,7 +259,7 @@ static int args_of(Args *args, int64_t seq, PyObject *topic, PyObject *key, PyOb
 }
 
 /* Produces one record, without the GIL; while librdkafka's queue is full, the poll thread empties
- * it, and a harvester that died is not waited for (its end of the pipe is not read now). */
+ * it, and a producer process whose harvester died is not waited for (its pipe is not read now). */
 static void produce_one(Loop *self, Args *args) {
     for (;;) {
         rd_kafka_error_t *error = rd_kafka_produceva(self->rk, args->vus, args->count);
@@ -276,7 +276,7 @@ static void produce_one(Loop *self, Args *args) {
             return;
         }
         usleep(5000);
-        if (getppid() != self->parent)
+        if (self->parent != 0 && getppid() != self->parent)
             _exit(0);
     }
 }
@@ -393,7 +393,7 @@ static PyTypeObject LoopType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "harvester.kafka._rdkafka_loop.Loop",
     .tp_basicsize = sizeof(Loop),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Loop(settings, forward_logs, forward_errors): a librdkafka producer fed columns.",
+    .tp_doc = "Loop(settings, forward_logs, forward_errors, exit_when_orphaned=True): a librdkafka producer fed columns.",
     .tp_new = Loop_new,
     .tp_init = (initproc)Loop_init,
     .tp_dealloc = (destructor)Loop_dealloc,

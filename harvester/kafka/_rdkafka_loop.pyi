@@ -2,12 +2,18 @@
 from typing import Any
 
 from harvester.core.identity import Stamp
-from harvester.kafka.producer_process import Report
+from harvester.kafka.loop import Report
 
 class SettingsError(Exception): ...
 
 class Loop:
-    def __init__(self, settings: list[tuple[str, str | None]], forward_logs: bool, forward_errors: bool) -> None: ...
+    def __init__(
+        self,
+        settings: list[tuple[str, str | None]],
+        forward_logs: bool,
+        forward_errors: bool,
+        exit_when_orphaned: bool = True,
+    ) -> None: ...
     def produce(
         self,
         first: int,

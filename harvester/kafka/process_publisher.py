@@ -40,10 +40,11 @@ from typing import Any, BinaryIO
 import structlog
 from confluent_kafka import KafkaError, KafkaException
 
-from harvester.core.protocols import DeliveryCallback, RefusedError
-from harvester.core.records import MarkedRecord, placement
+from harvester.core.protocols import DeliveryCallback
+from harvester.core.records import MarkedRecord
 from harvester.kafka.frames import receive, send
-from harvester.kafka.publisher import DeliveryError, delivery_settings, refusal
+from harvester.kafka.numbered import Numbered, columns
+from harvester.kafka.publisher import DeliveryError, delivery_settings
 
 log = structlog.get_logger("harvester.kafka")
 
@@ -86,15 +87,13 @@ class ProcessPublisher:
         self._error_cb: Callable[[KafkaError], None] | None = settings.pop("error_cb", None)
         self._settings, self.keeps_order = delivery_settings(settings, in_order)
         self._on_delivery = on_delivery
+        self._numbered = Numbered(on_delivery, self._logger, self._error_cb)
         self._lock = threading.Lock()  # guards the fields below
-        self._pending: dict[int, MarkedRecord] = {}  # sent or about to be, by number
-        self._outgoing: list[MarkedRecord] = []  # numbered from _next - len(_outgoing) on
-        self._next = 0
+        self._outgoing: list[MarkedRecord] = []  # numbered from next - len(_outgoing) on
         self._generation = 0  # the current child's; bumped when a child exits unasked
         # Per key with records failed by a lost child, the first of their ids (see the module's doc).
         self._blocked: dict[str, int] = {}
         self._closing: float | None = None  # the close's timeout, once closing
-        self._refused: RefusedError | None = None  # the child's producer's fatal error, once it had one
         self._wake = threading.Event()
         self._child = self._spawn(0)
         self._sender = threading.Thread(target=self._send_loop, name="harvester-produce", daemon=True)
@@ -113,16 +112,12 @@ class ProcessPublisher:
     def publish(self, records: Sequence[MarkedRecord]) -> None:
         """Queue ``records`` for the child; their reports reach the callback from the receiving
         thread. Raises :class:`RefusedError` once the child's producer failed for good."""
-        if self._refused is not None:
-            raise self._refused
+        if self._numbered.refused is not None:
+            raise self._numbered.refused
         with self._lock:
             if self._blocked:
                 records = [record for record in records if not self._blocks(record)]
-            seq, pending = self._next, self._pending
-            for record in records:
-                pending[seq] = record
-                seq += 1
-            self._next = seq
+            self._numbered.number(records)
             if not self._outgoing:
                 self._wake.set()
             self._outgoing.extend(records)
@@ -206,7 +201,7 @@ class ProcessPublisher:
             self._wake.wait()
             with self._lock:
                 batch, self._outgoing = self._outgoing, []
-                first = self._next - len(batch)
+                first = self._numbered.next - len(batch)
                 generation, closing = self._generation, self._closing
                 self._wake.clear()
             try:
@@ -230,25 +225,11 @@ class ProcessPublisher:
                 log.error("producer_process_start_failed", error=str(exc))
                 self._lose(generation, str(exc))  # the batch's records, and all published since
                 return
-        frame = self._frame(first, batch)
+        frame = columns(first, batch, self._placing)
         # A child that exited fails the batch with everything else pending (its receiver does, and
         # closes the pipe: ValueError then).
         with contextlib.suppress(OSError, ValueError):
             send(self._child.writer, frame)
-
-    def _frame(self, first: int, batch: list[MarkedRecord]) -> tuple[object, ...]:
-        """The frame of ``batch``, numbered from ``first`` on, as the child reads it
-        (:mod:`harvester.kafka.producer_process`)."""
-        return (
-            first,
-            [r.topic for r in batch],
-            [r.key for r in batch],
-            [r.value for r in batch],
-            [r.headers for r in batch],
-            [r.id for r in batch],
-            [r.stamp for r in batch],
-            [placement(r) for r in batch] if self._placing else None,
-        )
 
     def _stop_child(self, timeout: float) -> None:
         with contextlib.suppress(OSError, ValueError):  # exited already: its receiver reports what it left
@@ -265,35 +246,20 @@ class ProcessPublisher:
             code = child.process.wait()
             _close(child)
             if self._closing is None:
-                log.error("producer_process_exited", exit_code=code, records=len(self._pending))
+                log.error("producer_process_exited", exit_code=code, records=len(self._numbered.pending))
             self._lose(child.generation, _EXITED)
 
     def _receive(self, child: _Child) -> None:
-        report, pending = self._on_delivery, self._pending
+        apply = self._numbered.apply
         while (frame := receive(child.reader)) is not None:
-            acked, failed, logs, errors, for_good = frame
-            if for_good and self._refused is None:  # before the records it failed: they report it
-                self._refused = refusal(KafkaError(for_good[0][0], for_good[0][1], fatal=True))
-            for seq in acked:
-                record = pending.pop(seq, None)
-                if record is not None:
-                    report((record, None))
-            for seq, code, reason in failed:
-                record = pending.pop(seq, None)
-                if record is not None:
-                    report((record, self._refused or DeliveryError(KafkaError(code, reason), record.topic)))
-            if self._logger is not None:
-                for level, text in logs:
-                    self._logger.log(level, "%s", text)
-            if self._error_cb is not None:
-                for code, reason, fatal in errors:
-                    self._error_cb(KafkaError(code, reason, fatal=fatal))
+            apply(frame)
 
     def _lose(self, generation: int, reason: str) -> None:
         """The child of ``generation`` is gone (or never came): every record not reported fails, its
         key failing at once until it is retried, and the next batch starts another child."""
         with self._lock:
-            left = [self._pending.pop(seq) for seq in list(self._pending)]
+            pending = self._numbered.pending
+            left = [pending.pop(seq) for seq in list(pending)]
             self._outgoing.clear()
             self._generation = max(self._generation, generation + 1)
             for record in left:

@@ -19,12 +19,12 @@ of confluent-kafka's wheel: no Python object per record but the number acknowled
 ``HARVESTER_PRODUCER_LOOP=python``; both read the same frames and send the same reports.
 
 It imports nothing but confluent-kafka, its native loop, :mod:`harvester.kafka.frames`,
-:mod:`harvester.kafka.enqueue` and :mod:`harvester.core.identity` (and :mod:`harvester.runtime`'s
-collector settings), so it starts in a tenth of a second. It ignores SIGINT and SIGTERM, which a
-terminal or a service manager sends the whole group: the harvester decides when it stops, flushing
-first. It exits at once when the harvester's end of the pipe closes without a "close", or it finds
-its parent gone (the harvester died): what it had not delivered stays in the outbox for the next
-leader.
+:mod:`harvester.kafka.loop`, :mod:`harvester.kafka.enqueue` and :mod:`harvester.core.identity` (and
+:mod:`harvester.runtime`'s collector settings), so it starts in a tenth of a second. It ignores
+SIGINT and SIGTERM, which a terminal or a service manager sends the whole group: the harvester
+decides when it stops, flushing first. It exits at once when the harvester's end of the pipe closes
+without a "close", or it finds its parent gone (the harvester died): what it had not delivered stays
+in the outbox for the next leader.
 """
 
 from __future__ import annotations
@@ -36,51 +36,15 @@ import sys
 import threading
 import traceback
 from itertools import count, repeat
-from typing import Any, BinaryIO, Protocol
+from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
 from harvester.core.identity import Stamp
 from harvester.kafka.enqueue import Placing, enqueue
 from harvester.kafka.frames import receive, send
+from harvester.kafka.loop import Loop, Relay, Report, SettingsError, native_loop
 from harvester.runtime import tune_garbage_collector
-
-# A report frame: (acked seqs, [(seq, code, reason)], [(level, text)], [(code, reason, fatal)], [(code, reason)]).
-Report = tuple[
-    list[int], list[tuple[int, int, str]], list[tuple[int, str]], list[tuple[int, str, bool]], list[tuple[int, str]]
-]
-
-
-class Loop(Protocol):
-    """A producer fed the frames' columns, its reports taken in bulk: the native loop
-    (:mod:`harvester.kafka._rdkafka_loop`) or :class:`_PythonLoop`."""
-
-    def produce(
-        self,
-        first: int,
-        topics: list[str],
-        keys: list[str],
-        values: list[bytes | None],
-        headers: list[Any],
-        ids: list[int],
-        stamps: list[Stamp | None],
-        placements: list[tuple[int, int]] | None,
-        /,
-    ) -> None:
-        """Produce a batch, in order, the records numbered from ``first`` on; a record refused at
-        once is reported failed."""
-
-    def poll(self, timeout: float, /) -> None:
-        """Serve librdkafka's callbacks for up to ``timeout`` seconds."""
-
-    def take(self) -> Report | None:
-        """What was reported since the last call, as a report frame; None for nothing."""
-
-    def flush(self, timeout: float, /) -> int:
-        """Wait up to ``timeout`` seconds for the queue to empty; how many records are left."""
-
-    def purge(self) -> None:
-        """Drop what is queued or in flight: it comes back failed at the next poll or flush."""
 
 
 class _PythonLoop:
@@ -191,78 +155,24 @@ class _PythonLoop:
         self._producer.purge()
 
 
-class SettingsError(Exception):
-    """librdkafka refused the producer's settings: ``args`` are its code and reason."""
-
-
-def _texts(settings: dict[str, Any]) -> list[tuple[str, str | None]]:
-    """The settings as confluent-kafka hands them to librdkafka: each value's ``str`` (librdkafka
-    reads "True" as true), None for the setting's default, and a ``default.topic.config`` dict's own
-    settings among the others."""
-    out: list[tuple[str, str | None]] = []
-    for name, value in settings.items():
-        if name == "default.topic.config" and isinstance(value, dict):
-            out.extend(_texts(value))
-        else:
-            out.append((name, None if value is None else str(value)))
-    return out
-
-
 def _make_loop(settings: dict[str, Any], forward_logs: bool, forward_errors: bool) -> tuple[Loop, str]:
     """The loop ``HARVESTER_PRODUCER_LOOP`` names (``native``, the default, when it was built), and
     its name; raises :class:`SettingsError` when librdkafka refuses the settings."""
     if os.environ.get("HARVESTER_PRODUCER_LOOP", "native") == "native":
-        try:
-            from harvester.kafka import _rdkafka_loop
-        except ImportError:
-            pass
-        else:
-            try:
-                return _rdkafka_loop.Loop(_texts(settings), forward_logs, forward_errors), "native"
-            except _rdkafka_loop.SettingsError as exc:
-                raise SettingsError(*exc.args) from None
+        loop = native_loop(settings, forward_logs, forward_errors)
+        if loop is not None:
+            return loop, "native"
     try:
         return _PythonLoop(settings, forward_logs, forward_errors), "python"
     except KafkaException as exc:
         raise SettingsError(exc.args[0].code(), exc.args[0].str()) from None
 
 
-class _Relay:
-    """A loop's reports sent back while it runs: a poll thread, and the close."""
-
-    def __init__(self, out: BinaryIO, loop: Loop) -> None:
-        self._out = out
-        self.loop = loop
-        self._stopping = threading.Event()
-        self._poller = threading.Thread(target=self._poll, name="producer-poll", daemon=True)
-
-    def start(self) -> None:
-        self._poller.start()
-
-    def _poll(self) -> None:
-        try:
-            while not self._stopping.is_set():
-                self.loop.poll(0.05)
-                self.report()
-        except BaseException:
-            # Nothing would report any more: the harvester sees the pipe close and fails the rest.
-            traceback.print_exc()
-            os._exit(1)
-
-    def report(self) -> None:
-        """Send what was reported since the last call, if anything."""
-        frame = self.loop.take()
-        if frame is not None:
-            send(self._out, frame)
-
-    def close(self, timeout: float) -> None:
-        """Flush (bounded), fail what is left, and send the last reports."""
-        self._stopping.set()
-        self._poller.join()
-        if self.loop.flush(timeout):
-            self.loop.purge()
-            self.loop.flush(0)
-        self.report()
+def _exit_at(error: BaseException) -> None:
+    """The poll thread failed: nothing would report any more, so the child ends; the harvester sees
+    the pipe close and fails the rest."""
+    traceback.print_exception(error)
+    os._exit(1)
 
 
 def main(argv: list[str]) -> None:
@@ -276,7 +186,7 @@ def main(argv: list[str]) -> None:
     except SettingsError as exc:
         send(out, exc.args)
         return
-    relay = _Relay(out, loop)
+    relay = Relay(loop, lambda frame: send(out, frame), _exit_at)
     # The Python loop's delivery callback per record in flight, tens of thousands of them: the default
     # collector thresholds cost a fifth of its time collecting them, reference counting frees them.
     tune_garbage_collector()

@@ -27,6 +27,7 @@ from confluent_kafka import KafkaError, KafkaException
 from harvester.core.identity import IdentityHeaders, Stamp
 from harvester.core.protocols import DeliveryReport
 from harvester.core.records import MarkedRecord, PlacedRecord
+from harvester.kafka.native_publisher import NativePublisher
 from harvester.kafka.process_publisher import PlacingProcessPublisher, ProcessPublisher, runs_in_child
 from harvester.kafka.publisher import DeliveryError, KafkaPublisher, producer_config
 from tests.support.kafka import read_messages, text
@@ -53,11 +54,13 @@ def _collect(reports: Reports, count: int, timeout: float = 60) -> list[Delivery
 
 @pytest.fixture
 def started(services: Services, loop: str) -> Iterator[Callable[..., tuple[ProcessPublisher, Reports]]]:
+    """Starts a producer process, with ``placing`` one whose frames carry placements."""
     made: list[ProcessPublisher] = []
 
-    def start(**producer: Any) -> tuple[ProcessPublisher, Reports]:
+    def start(placing: bool = False, **producer: Any) -> tuple[ProcessPublisher, Reports]:
         reports: Reports = queue.SimpleQueue()
-        publisher = ProcessPublisher(producer_config(services.kafka(), producer), reports.put_nowait, in_order=True)
+        kind = PlacingProcessPublisher if placing else ProcessPublisher
+        publisher = kind(producer_config(services.kafka(), producer), reports.put_nowait, in_order=True)
         assert publisher.loop == loop, "the native loop was not built: see ./dev.sh, .local/native.log"
         made.append(publisher)
         return publisher, reports
@@ -86,20 +89,17 @@ def test_records_land_in_publish_order_with_one_report_each(
     assert sum(len(ids) for ids in seen.values()) == 3000
 
 
-@pytest.mark.parametrize("in_child", [True, False], ids=["producer process", "in process"])
+@pytest.mark.parametrize(
+    "kind", [ProcessPublisher, NativePublisher, KafkaPublisher], ids=["producer process", "native", "in process"]
+)
 def test_a_stamped_record_carries_its_identity_headers_after_its_own(
-    services: Services, topics: Callable[..., str], in_child: bool
+    services: Services, topics: Callable[..., str], kind: type[ProcessPublisher | NativePublisher | KafkaPublisher]
 ) -> None:
-    """The stores stamp records instead of appending the identity headers; either publisher joins
-    them, the producer process on its side of the pipe."""
+    """The stores stamp records instead of appending the identity headers; every publisher joins
+    them, the producer process on its side of the pipe, the native loop in C."""
     topic = topics(1)
     reports: Reports = queue.SimpleQueue()
-    config = producer_config(services.kafka(), {})
-    publisher: ProcessPublisher | KafkaPublisher = (
-        ProcessPublisher(config, reports.put_nowait, in_order=True)
-        if in_child
-        else KafkaPublisher(config, reports.put_nowait, in_order=True)
-    )
+    publisher = kind(producer_config(services.kafka(), {}), reports.put_nowait, in_order=True)
     stamp = Stamp.of(IdentityHeaders("x-"), 7, b"p")
     try:
         records = [_record(n, topic) for n in (41, 42)]
@@ -114,13 +114,10 @@ def test_a_stamped_record_carries_its_identity_headers_after_its_own(
 
 
 def test_placed_records_tombstones_and_null_header_values_land_as_given_and_a_too_large_record_fails_alone(
-    services: Services, topics: Callable[..., str], loop: str
+    started: Callable[..., tuple[ProcessPublisher, Reports]], services: Services, topics: Callable[..., str]
 ) -> None:
     topic = topics(3)
-    reports: Reports = queue.SimpleQueue()
-    config = producer_config(services.kafka(), {"message.max.bytes": 10_000})
-    publisher = PlacingProcessPublisher(config, reports.put_nowait, in_order=True)
-    assert publisher.loop == loop
+    publisher, reports = started(placing=True, **{"message.max.bytes": 10_000})
     when = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
     stamp = Stamp.of(IdentityHeaders(), 3, b"p")
     records: list[MarkedRecord] = [
@@ -132,11 +129,8 @@ def test_placed_records_tombstones_and_null_header_values_land_as_given_and_a_to
         PlacedRecord(4, when, topic, "", b"four", [], partition=1),
     ]
     records[3].stamp = stamp
-    try:
-        publisher.publish(records)
-        done = {r.id: err for r, err in _collect(reports, 4)}
-    finally:
-        publisher.close(5)
+    publisher.publish(records)
+    done = {r.id: err for r, err in _collect(reports, 4)}
     assert [done[n] for n in (1, 2, 4)] == [None, None, None]
     error = done[3]
     assert isinstance(error, DeliveryError)
@@ -180,7 +174,10 @@ def test_only_forwarded_callables_run_in_the_child() -> None:
     assert not runs_in_child({"bootstrap.servers": "x", "stats_cb": print})
 
 
-def test_librdkafka_logs_and_errors_reach_the_configured_logger_and_callback(services: Services) -> None:
+@pytest.mark.parametrize("kind", [ProcessPublisher, NativePublisher], ids=["producer process", "native"])
+def test_librdkafka_logs_and_errors_reach_the_configured_logger_and_callback(
+    services: Services, kind: type[ProcessPublisher | NativePublisher]
+) -> None:
     lines: list[str] = []
     errors: queue.SimpleQueue[KafkaError] = queue.SimpleQueue()
 
@@ -193,7 +190,7 @@ def test_librdkafka_logs_and_errors_reach_the_configured_logger_and_callback(ser
     logger.setLevel(logging.DEBUG)
     # Nothing listens on port 9: the client logs the refused connection and reports an error.
     config = {"bootstrap.servers": "127.0.0.1:9", "logger": logger, "error_cb": errors.put_nowait}
-    publisher = ProcessPublisher(producer_config(config, {}), lambda _: None, in_order=True)
+    publisher = kind(producer_config(config, {}), lambda _: None, in_order=True)
     try:
         error = errors.get(timeout=30)
         assert error.code() in (KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN)

@@ -164,9 +164,9 @@ def test_a_refused_output_topic_is_named_in_the_dead_letters(box: s.Outbox, tmp_
 def test_a_producer_refused_a_producer_id_ends_run_with_one_line(box: s.Outbox, tmp_path: Path, source: str) -> None:
     """A producer principal (``producerKafkaConfig``) that may WRITE no topic is refused a producer id
     (Kafka's fatal ``Cluster authorization failed``): run stops with one line naming the ACL (exit 1)
-    instead of a dead delivery thread (in process; the polling source) or a child that dies and is
-    started again batch after batch (``producerProcess``; the log source's default), with the records
-    in the outbox."""
+    instead of a dead delivery thread or a child that dies and is started again batch after batch,
+    with the records in the outbox: the producer in the reaper's process (the polling source here,
+    the default native loop) or in a child (``producerProcess: true``, the log source here)."""
     harvest: dict[str, Any] = {"source": "log", "producerProcess": True} if source == "log" else {}
     if source == "log":
         box = s.outbox(tmp_path, harvest)
