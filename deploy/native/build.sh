@@ -3,13 +3,13 @@
 # installed, into that Python's harvester package:
 #   deploy/native/build.sh PYTHON [CACHE_DIR]
 # First the log source's decoder of the usual layout's inserts (harvester/postgres/log/_usual_insert.c,
-# Python's headers only), then the producer process's native loop (harvester/kafka/_rdkafka_*.c).
+# Python's headers only), then the producer's native loop (harvester/kafka/_rdkafka_*.c).
 # The loop links the librdkafka inside confluent-kafka's wheel (the one the rest of the harvester runs)
 # and compiles against librdkafka's headers: /usr/include/librdkafka when installed, else those of
 # Debian's librdkafka-dev package, fetched once into CACHE_DIR (default $HARVESTER_NATIVE_CACHE, else
 # .local/native). librdkafka keeps its ABI across 2.x, so older headers serve the wheel's newer
 # library. Without a C compiler, or without librdkafka's headers for the loop, it fails, and what it
-# did not build runs in Python: the decoder's twin, the producer process's loop (docs/log-source.md).
+# did not build runs in Python: the decoder's twin, the producer's loop in a child (docs/log-source.md).
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 root=$(dirname "$(dirname "$here")")

@@ -1,16 +1,17 @@
-/* The producer process's loop over librdkafka, in C: a batch of columns in, delivery reports out in
- * bulk, no Python object per record but the number acknowledged (docs/log-source.md, "The producer
- * process"). harvester/kafka/producer_process.py uses it when it was built
- * (deploy/native/build.sh), and confluent-kafka's producer otherwise; both take the same frames and
- * give the same reports.
+/* The producer's loop over librdkafka, in C: a batch of columns in, delivery reports out in bulk, no
+ * Python object per record but the number acknowledged (docs/log-source.md, "The producer process").
+ * Where it was built (deploy/native/build.sh), harvester/kafka/native_publisher.py drives it in the
+ * harvester's process and harvester/kafka/producer_process.py in a child; the child's Python loop
+ * over confluent-kafka's producer takes the same columns and gives the same reports.
  *
  * It links the librdkafka that confluent-kafka's wheel carries, which that package has loaded by the
  * time this module is imported: one librdkafka in the process, of the version the rest of the
  * harvester runs.
  *
- * Threads: produce runs on the main thread, poll on the relay's poll thread (the GIL released while
- * librdkafka produces, polls or waits), and librdkafka's own threads may log. The callbacks never touch Python:
- * they append to the reports (_rdkafka_reports.c), and take() turns them into Python lists. */
+ * Threads: produce runs on one thread (a child's main thread, the native publisher's sender), poll
+ * on the relay's poll thread (the GIL released while librdkafka produces, polls or waits), and
+ * librdkafka's own threads may log. The callbacks never touch Python: they append to the reports
+ * (_rdkafka_reports.c), and take() turns them into Python lists. */
 #include "_rdkafka_reports.h"
 
 #include <stdio.h>
@@ -403,7 +404,7 @@ static PyTypeObject LoopType = {
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "_rdkafka_loop",
-    .m_doc = "The producer process's loop over librdkafka.",
+    .m_doc = "The producer's loop over librdkafka, fed batches as columns.",
     .m_size = -1,
 };
 
