@@ -98,7 +98,7 @@ class NativePublisher:
                 self._wake.clear()
             if batch:
                 try:
-                    produce(*columns(first, batch, self._placing))  # type: ignore[arg-type]
+                    produce(*columns(first, batch, self._placing))
                 except Exception as exc:
                     # A record librdkafka cannot take (a header of another type, say): the loop
                     # produced none of the batch, which fails (never left unreported).
@@ -116,7 +116,7 @@ class NativePublisher:
         with self._lock:
             self._fail(list(self._numbered.pending), f"the producer's poll thread failed: {error!r}")
 
-    def _fail(self, numbers: Sequence[int] | range, reason: str) -> None:
+    def _fail(self, numbers: Sequence[int], reason: str) -> None:
         pending = self._numbered.pending
         for seq in numbers:
             record = pending.pop(seq, None)

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from confluent_kafka import KafkaError
 
+from harvester.core.identity import Stamp
 from harvester.core.protocols import DeliveryCallback, RefusedError
 from harvester.core.records import MarkedRecord, placement
 from harvester.kafka.loop import Report
@@ -63,7 +65,20 @@ class Numbered:
                 self._error_cb(KafkaError(code, reason, fatal=fatal))
 
 
-def columns(first: int, batch: Sequence[MarkedRecord], placing: bool) -> tuple[object, ...]:
+# What Loop.produce takes: the first number, then topics, keys, values, headers, ids, stamps, placements.
+Columns = tuple[
+    int,
+    list[str],
+    list[str],
+    list[bytes | None],
+    list[Any],
+    list[int],
+    list[Stamp | None],
+    list[tuple[int, int]] | None,
+]
+
+
+def columns(first: int, batch: Sequence[MarkedRecord], placing: bool) -> Columns:
     """The arguments of :meth:`~harvester.kafka.loop.Loop.produce` for ``batch``, numbered from
     ``first`` on; with ``placing``, each record's placement (:func:`~harvester.core.records.placement`)."""
     return (
