@@ -13,7 +13,7 @@ import gc
 import os
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -126,14 +126,6 @@ def backend_pid(conn: psycopg.Connection[Any]) -> int:
     return int(str(row[0]))
 
 
-@dataclass(frozen=True, slots=True)
-class CpuSample:
-    own: float
-    postgres: float
-    walsender: float = 0.0  # the live WAL senders' share of ``postgres``
-    broker: float = 0.0  # the Kafka broker's (a ``kafka.Kafka`` process on this machine)
-
-
 def _command(pid: int) -> bytes:
     """The command line of ``pid`` (a PostgreSQL backend's is its process title); empty once gone."""
     try:
@@ -155,6 +147,15 @@ def postgres_kind(command: bytes) -> str:
 
 
 Processes = dict[int, tuple[str, float]]  # a server process's kind and CPU seconds, by pid
+
+
+@dataclass(frozen=True, slots=True)
+class CpuSample:
+    own: float
+    postgres: float
+    walsender: float = 0.0  # the live WAL senders' share of ``postgres``
+    broker: float = 0.0  # the Kafka broker's (a ``kafka.Kafka`` process on this machine)
+    server: Processes = field(default_factory=dict)  # ``postgres`` process by process
 
 
 class CpuMeter:
@@ -185,9 +186,10 @@ class CpuMeter:
         return server
 
     def sample(self) -> CpuSample:
-        server = self.processes().values()
-        walsender = sum(seconds for kind, seconds in server if kind == "walsender")
-        return CpuSample(own_seconds(), sum(seconds for _, seconds in server), walsender, self._broker_seconds())
+        server = self.processes()
+        walsender = sum(seconds for kind, seconds in server.values() if kind == "walsender")
+        total = sum(seconds for _, seconds in server.values())
+        return CpuSample(own_seconds(), total, walsender, self._broker_seconds(), server)
 
     def _broker_seconds(self) -> float:
         if self._broker is not None:
@@ -209,6 +211,16 @@ def by_kind(before: Processes, after: Processes) -> dict[str, float]:
         if pid not in after:  # its time so far is in the postmaster's now
             kinds["exited"] -= seconds
     return dict(kinds)
+
+
+def kinds_per_thousand(before: CpuSample, after: CpuSample, records: int, copy_cpu: float = 0.0) -> dict[str, float]:
+    """PostgreSQL's CPU seconds per 1,000 records from ``before`` to ``after`` by kind of server
+    process (:func:`by_kind`), without ``copy_cpu``, what the backend that wrote the records spent:
+    which process a costly round's PostgreSQL figure came from."""
+    kinds = by_kind(before.server, after.server)
+    kinds["backend"] = kinds.get("backend", 0.0) - copy_cpu
+    scale = 1000 / max(1, records)
+    return {kind: round(seconds * scale, 5) for kind, seconds in sorted(kinds.items()) if round(seconds * scale, 5)}
 
 
 def bootstrap_port() -> int:

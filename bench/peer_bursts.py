@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
@@ -59,6 +59,8 @@ class Burst:
     rss_peak: float = 0.0
     rss_exact: bool = True
     jvm_heap: JvmHeap | None = None  # Debezium: its JVM's heap over the same span
+    # cpu_postgres by kind of server process (cpu.kinds_per_thousand): walsender, backend, autovacuum...
+    cpu_postgres_kinds: dict[str, float] = field(default_factory=dict)
 
 
 GOHARVEST_DDL = """CREATE TABLE {} (

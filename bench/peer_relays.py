@@ -14,7 +14,7 @@ from typing import Any
 import psycopg
 import workload
 from confluent_kafka import Consumer, TopicPartition
-from cpu import CollectorTime, CpuMeter, own_seconds
+from cpu import CollectorTime, CpuMeter, kinds_per_thousand, own_seconds
 from debezium_connect import (
     ConnectWorker,
     assert_running,
@@ -129,6 +129,7 @@ def debezium_burst(
         rss_peak=rss_peak,
         rss_exact=rss.exact,
         jvm_heap=heap,
+        cpu_postgres_kinds=kinds_per_thousand(before, after, records, copy_cpu),
     )
 
 
@@ -245,6 +246,7 @@ def harvester_burst(
         rss_start=rss.resident,
         rss_peak=rss_peak,
         rss_exact=rss.exact,
+        cpu_postgres_kinds=kinds_per_thousand(before, after, records, copy_cpu),
     )
 
 

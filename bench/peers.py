@@ -93,7 +93,8 @@ log source 96,139 records/s against 115,194), Debezium not.
     ``cpu_walsender``, ``cpu_broker``; ``rate_empty``, ``extra``, ``cpu_postgres_swept``,
     ``rate_swept``, ``autovacuums``, ``gc_seconds``, ``gc_collections``; ``rss_start``, ``rss_peak``
     (MiB), ``rss_exact``; ``jvm_heap`` (Debezium: ``collections``, ``peak_used``, ``committed``, MiB;
-    else null);
+    else null); ``cpu_postgres_kinds`` (``cpu_postgres`` by kind of server process: ``walsender``,
+    ``backend``, ``autovacuum``, ``checkpointer``, ...; ``exited``: processes that exited meanwhile);
   - ``summary``: per relay name, the medians over the rounds: ``rate``, ``cpu_relay``,
     ``cpu_postgres``, ``cpu_walsender``, ``cpu_broker``; ``vs_debezium`` (``median``, ``min``,
     ``max`` of the rounds' rate ratios); ``cpu_relay_vs_debezium``, ``cpu_postgres_vs_debezium``;
@@ -238,6 +239,15 @@ class Options:
     json: Path | None = None
 
 
+def _server(figure: Burst | Ceiling) -> str:
+    """A relay's round: its PostgreSQL CPU per 1,000 records and by which kind of server process
+    (a costly round says where its cost came from)."""
+    if not isinstance(figure, Burst):
+        return ""
+    kinds = ", ".join(f"{kind} {seconds:.4f}" for kind, seconds in figure.cpu_postgres_kinds.items())
+    return f"; PostgreSQL {figure.cpu_postgres:.4f} s/1000 ({kinds})"
+
+
 def run(o: Options) -> None:
     resolve_jars()
     warm_broker()
@@ -296,7 +306,7 @@ def run(o: Options) -> None:
                         ceilings[name].append(figure)
                     else:
                         results[name].append(figure)
-                    print(f"  round {r + 1}: {label:<42} {figure.rate:9.0f} records/s", flush=True)
+                    print(f"  round {r + 1}: {label:<42} {figure.rate:9.0f} records/s{_server(figure)}", flush=True)
         labelled = {RELAYS[name][0]: bursts for name, bursts in results.items()}
         report(labelled, o.records)
         report_ceilings(ceilings, o.records)
