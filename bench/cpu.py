@@ -164,10 +164,14 @@ class CpuMeter:
     ``HARVESTER_TEST_KAFKA``; every ``kafka.Kafka`` process when that one is not found): on two
     shared cores, what one relay makes the server or the broker spend is taken from the others."""
 
-    def __init__(self, conn: psycopg.Connection[Any]) -> None:
-        fields = proc_stat(backend_pid(conn))
+    def __init__(self, conn: psycopg.Connection[Any], *, without_own: bool = False) -> None:
+        """With ``without_own``, the server's figures leave out the backend of ``conn``: the
+        benchmark's own session (its COPY, its probes), not a relay's work."""
+        pid = backend_pid(conn)
+        fields = proc_stat(pid)
         assert fields is not None, "PostgreSQL must run on this machine for its CPU to be measured"
         self._postmaster = int(fields[1])  # the backend's parent
+        self._left_out = pid if without_own else None
         # The broker the benchmarks talk to, by its listening port: other Kafka brokers on the
         # machine (tests' private ones) come and go, and summing them made negative figures.
         self._broker = listener(bootstrap_port())
@@ -181,7 +185,7 @@ class CpuMeter:
                 pid = int(entry.name)
                 if pid == self._postmaster:
                     server[pid] = ("exited", cpu_seconds(fields, children=True))
-                elif int(fields[1]) == self._postmaster:
+                elif int(fields[1]) == self._postmaster and pid != self._left_out:
                     server[pid] = (postgres_kind(_command(pid)), cpu_seconds(fields, children=False))
         return server
 
@@ -213,12 +217,10 @@ def by_kind(before: Processes, after: Processes) -> dict[str, float]:
     return dict(kinds)
 
 
-def kinds_per_thousand(before: CpuSample, after: CpuSample, records: int, copy_cpu: float = 0.0) -> dict[str, float]:
+def kinds_per_thousand(before: CpuSample, after: CpuSample, records: int) -> dict[str, float]:
     """PostgreSQL's CPU seconds per 1,000 records from ``before`` to ``after`` by kind of server
-    process (:func:`by_kind`), without ``copy_cpu``, what the backend that wrote the records spent:
-    which process a costly round's PostgreSQL figure came from."""
+    process (:func:`by_kind`): which process a costly round's PostgreSQL figure came from."""
     kinds = by_kind(before.server, after.server)
-    kinds["backend"] = kinds.get("backend", 0.0) - copy_cpu
     scale = 1000 / max(1, records)
     return {kind: round(seconds * scale, 5) for kind, seconds in sorted(kinds.items()) if round(seconds * scale, 5)}
 

@@ -97,11 +97,11 @@ def debezium_burst(
             {"bootstrap.servers": BOOTSTRAP, "group.id": f"{relay.topic}_count", "enable.auto.commit": False}
         )
         try:
-            meter = CpuMeter(conn)
+            meter = CpuMeter(conn, without_own=True)
             before, relay_before = meter.sample(), connect.cpu()
             pid = connect.proc.pid if connect.proc else 0
             rss, heap_mark = PeakRss(lambda: [pid]), connect.heap_mark()
-            committed, copy_cpu = copy_burst(conn, relay.table, relay.topic, records, keys, spread)
+            committed, _ = copy_burst(conn, relay.table, relay.topic, records, keys, spread)
             schema = relay.table.schema
             assert schema is not None  # fresh_outbox's
             elapsed = (
@@ -120,7 +120,7 @@ def debezium_burst(
     return Burst(
         records / elapsed,
         (relay_after - relay_before) * scale,
-        (after.postgres - before.postgres - copy_cpu) * scale,
+        (after.postgres - before.postgres) * scale,
         (after.walsender - before.walsender) * scale,
         (after.broker - before.broker) * scale,
         extra=extra,
@@ -129,7 +129,7 @@ def debezium_burst(
         rss_peak=rss_peak,
         rss_exact=rss.exact,
         jvm_heap=heap,
-        cpu_postgres_kinds=kinds_per_thousand(before, after, records, copy_cpu),
+        cpu_postgres_kinds=kinds_per_thousand(before, after, records),
     )
 
 
@@ -203,13 +203,13 @@ def harvester_burst(
 ) -> Burst:
     consumer = Consumer({"bootstrap.servers": BOOTSTRAP, "group.id": "harvester_count", "enable.auto.commit": False})
     with harvester_relay(conn, limits, source) as relay, contextlib.closing(consumer):
-        meter = CpuMeter(conn)
+        meter = CpuMeter(conn, without_own=True)
         before = meter.sample()
         rss = PeakRss(own_pids)
         if relay.prefix is None:
-            committed, copy_cpu = copy_burst(conn, relay.table, relay.topic, records, keys, spread)
+            committed, _ = copy_burst(conn, relay.table, relay.topic, records, keys, spread)
         else:
-            committed, copy_cpu = emit_burst(conn, relay.prefix, relay.topic, records, keys)
+            committed, _ = emit_burst(conn, relay.prefix, relay.topic, records, keys)
         own_after_copy = own_seconds()
         with CollectorTime() as collector:
             published = wait_published(consumer, relay.topic, records)
@@ -227,14 +227,14 @@ def harvester_burst(
         if relay.keeps:  # and until the window's bulk delete emptied the outbox
             wait_empty(conn, relay.table)
             rate_swept = records / (time.time() - committed)
-            cpu_swept = (meter.sample().postgres - before.postgres - copy_cpu) * 1000 / records
+            cpu_swept = (meter.sample().postgres - before.postgres) * 1000 / records
         vacuums = autovacuums(conn, relay.table)
     scale = 1000 / records
     # The relay's CPU: this process after the commit (the COPY's client side ran before it).
     return Burst(
         records / (published - committed),
         (after.own - own_after_copy) * scale,
-        (after.postgres - before.postgres - copy_cpu) * scale,
+        (after.postgres - before.postgres) * scale,
         (after.walsender - before.walsender) * scale,
         (after.broker - before.broker) * scale,
         rate_empty=records / empty,
@@ -246,7 +246,7 @@ def harvester_burst(
         rss_start=rss.resident,
         rss_peak=rss_peak,
         rss_exact=rss.exact,
-        cpu_postgres_kinds=kinds_per_thousand(before, after, records, copy_cpu),
+        cpu_postgres_kinds=kinds_per_thousand(before, after, records),
     )
 
 

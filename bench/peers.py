@@ -47,11 +47,12 @@ and CPU per record. Relays alternate their order each round; the burst table pri
 records/s, the ratio to Debezium's rate, the median of the ratios round by round (each round's
 relays run back to back, so the machine's drift from round to round cancels out) with their range,
 and CPU seconds per 1,000 records of the relay process (the Connect JVM; this Python process and
-its producer process for the harvester) and of the PostgreSQL server (every backend of
-the private postmaster, Debezium's WAL sender included, minus the COPYing backend's own time during
-the COPY), its WAL senders' part of it (the harvester's default log source deletes what it
-delivered, and its WAL sender decodes those deletes too), and that CPU's ratio to Debezium's, and
-of the Kafka broker (the local one: both relays' producers cost it, on the same two cores).
+its producer process for the harvester) and of the PostgreSQL server (every backend of the
+private postmaster, Debezium's WAL sender included, but the benchmark's own session: its COPY, and
+its probes of whether the outbox is empty yet), its WAL senders' part of it (the harvester's default
+log source deletes what it delivered, and its WAL sender decodes those deletes too), and that CPU's
+ratio to Debezium's, and of the Kafka broker (the local one: both relays' producers cost it, on
+the same two cores).
 Autovacuum is counted the same way for every relay: a run within the measurement is in
 PostgreSQL's CPU (the notes say how many ran), the vacuum of the dead rows left at its end is not
 (the mark-purge store's own vacuums during the drain are). In the steady phase, the retention
