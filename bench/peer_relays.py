@@ -209,7 +209,7 @@ def harvester_burst(
         if relay.prefix is None:
             committed, _ = copy_burst(conn, relay.table, relay.topic, records, keys, spread)
         else:
-            committed, _ = emit_burst(conn, relay.prefix, relay.topic, records, keys)
+            committed = emit_burst(conn, relay.prefix, relay.topic, records, keys)
         own_after_copy = own_seconds()
         with CollectorTime() as collector:
             published = wait_published(consumer, relay.topic, records)
