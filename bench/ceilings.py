@@ -48,8 +48,8 @@ from harvester.postgres.log.logical import LogSetup
 from harvester.postgres.log.store import DECODING_OPTIONS
 from harvester.postgres.schema import migrations
 
-# How the burst is written (peer_bursts.copy_burst): (commit wall time, the writing backend's CPU s).
-CopyBurst = Callable[[psycopg.Connection[Any], TableName, str, int, int], tuple[float, float]]
+# How the burst is written (peer_bursts.copy_burst): it returns the commit's wall time.
+CopyBurst = Callable[[psycopg.Connection[Any], TableName, str, int, int], float]
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +81,8 @@ def pg_recvlogical() -> str:
 def decode_ceiling(conn: psycopg.Connection[Any], dsn: str, records: int, keys: int, copy: CopyBurst) -> Ceiling:
     """The decode ceiling over a fresh outbox set up as the log source's (its publication and slot
     made before the COPY); ``copy(conn, table, topic, records, keys)`` writes the burst and returns
-    (commit wall time, the writing backend's CPU s), as peer_bursts.copy_burst."""
+    the commit's wall time, as peer_bursts.copy_burst. PostgreSQL's CPU leaves out ``conn``'s
+    backend, which writes the burst."""
     table = fresh_outbox(conn)
     assert table.schema is not None  # fresh_outbox's
     setup = LogSetup(table, f"{table.schema}_slot", f"{table.schema}_pub", None)
@@ -107,9 +108,9 @@ def decode_ceiling(conn: psycopg.Connection[Any], dsn: str, records: int, keys: 
         "binary=true",
     ]
     try:
-        meter = CpuMeter(conn)
+        meter = CpuMeter(conn, without_own=True)
         before = meter.sample()
-        committed, copy_cpu = copy(conn, table, "decode_ceiling", records, keys)
+        committed = copy(conn, table, "decode_ceiling", records, keys)
         row = conn.execute("SELECT pg_current_wal_insert_lsn()::text").fetchone()
         assert row is not None
         client_before = _children_seconds()
@@ -130,7 +131,7 @@ def decode_ceiling(conn: psycopg.Connection[Any], dsn: str, records: int, keys: 
     return Ceiling(
         records / (finished - committed),
         client * scale,
-        (after.postgres - before.postgres - copy_cpu) * scale,
+        (after.postgres - before.postgres) * scale,
         None,
         (after.broker - before.broker) * scale,
     )

@@ -13,7 +13,6 @@ from typing import Any
 import psycopg
 import workload
 from confluent_kafka import Consumer, TopicPartition
-from cpu import backend_pid, process_seconds
 from debezium_connect import JvmHeap
 from peer_services import PARTITIONS
 from workload import VALUE
@@ -75,10 +74,6 @@ GOHARVEST_DDL = """CREATE TABLE {} (
 )"""
 
 
-def _backend_cpu(conn: psycopg.Connection[Any]) -> float:
-    return process_seconds(backend_pid(conn))
-
-
 def autovacuums(conn: psycopg.Connection[Any], table: TableName) -> int:
     """Autovacuum and autoanalyze runs on ``table`` so far (a fresh table: those within the round).
     The meter counts every backend of the server, so an autovacuum that runs within a relay's
@@ -93,11 +88,9 @@ def autovacuums(conn: psycopg.Connection[Any], table: TableName) -> int:
 
 def copy_burst(
     conn: psycopg.Connection[Any], table: TableName, topic: str, records: int, keys: int, spread: float = 0.0
-) -> tuple[float, float]:
+) -> float:
     """COPY the burst in one transaction (pausing ``spread`` seconds in all between its parts: a
-    writer the walsender's decoding keeps up with); return (commit wall time, CPU s of the COPYing
-    backend)."""
-    cpu_before = _backend_cpu(conn)
+    writer the walsender's decoding keeps up with); return the commit's wall time."""
     if spread:
         with conn.transaction():
             part = -(-records // SPREAD_PARTS)
@@ -106,8 +99,7 @@ def copy_burst(
                 time.sleep(spread / SPREAD_PARTS)
     else:
         workload.copy_rows(conn, table, topic, records, keys)
-    committed = time.time()
-    return committed, _backend_cpu(conn) - cpu_before
+    return time.time()
 
 
 def emit_burst(conn: psycopg.Connection[Any], prefix: str, topic: str, records: int, keys: int) -> float:

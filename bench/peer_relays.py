@@ -101,7 +101,7 @@ def debezium_burst(
             before, relay_before = meter.sample(), connect.cpu()
             pid = connect.proc.pid if connect.proc else 0
             rss, heap_mark = PeakRss(lambda: [pid]), connect.heap_mark()
-            committed, _ = copy_burst(conn, relay.table, relay.topic, records, keys, spread)
+            committed = copy_burst(conn, relay.table, relay.topic, records, keys, spread)
             schema = relay.table.schema
             assert schema is not None  # fresh_outbox's
             elapsed = (
@@ -207,7 +207,7 @@ def harvester_burst(
         before = meter.sample()
         rss = PeakRss(own_pids)
         if relay.prefix is None:
-            committed, _ = copy_burst(conn, relay.table, relay.topic, records, keys, spread)
+            committed = copy_burst(conn, relay.table, relay.topic, records, keys, spread)
         else:
             committed = emit_burst(conn, relay.prefix, relay.topic, records, keys)
         own_after_copy = own_seconds()

@@ -25,8 +25,8 @@ read shares, not rates. The raw collapsed stacks go to ``--out`` (flamegraph.pl 
 It also prints PostgreSQL's CPU per 1,000 records by kind of server process (``walsender``,
 ``backend``: the sessions, the harvester's deletes among them, ``checkpointer``, ``autovacuum``, …;
 ``exited``: processes that ended meanwhile) from the start of the COPY to the outbox emptied, the
-COPYing session's own time left out, as bench/peers.py counts PostgreSQL's (py-spy's pauses slow
-the relay, not the server's work per record).
+benchmark's own session (its COPY, its probes) left out, as bench/peers.py counts PostgreSQL's
+(py-spy's pauses slow the relay, not the server's work per record).
 """
 
 from __future__ import annotations
@@ -165,9 +165,9 @@ def main() -> None:
         consumer = Consumer({"bootstrap.servers": BOOTSTRAP, "group.id": "profile_count", "enable.auto.commit": False})
         with psycopg.connect(workload.DSN, autocommit=True) as conn:
             started = None if args.drain_only else sample()
-            meter = CpuMeter(conn)
+            meter = CpuMeter(conn, without_own=True)  # the COPY and the probes are not the relay's
             server_before = meter.processes()
-            committed, copy_cpu = copy_burst(conn, table, topic, args.records, args.keys)
+            committed = copy_burst(conn, table, topic, args.records, args.keys)
             sampler, cpu_before = started or sample()
             published = wait_published(consumer, topic, args.records)
             if args.source == MARK_PURGE:
@@ -176,7 +176,6 @@ def main() -> None:
             cpu_after = relay_cpu(child.pid)
             workload.wait_empty(conn, table)  # PostgreSQL's figure to the last delete, the log source's too
             server = by_kind(server_before, meter.processes())
-            server["backend"] -= copy_cpu
         consumer.close()
         sampler.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
         _, errors = sampler.communicate(timeout=60)
@@ -196,8 +195,8 @@ def main() -> None:
     )
     kinds = sorted(server.items(), key=lambda kv: -kv[1])
     print(
-        "PostgreSQL CPU s per 1,000 records, from the COPY to the outbox emptied (the COPYing session's own"
-        " time left out): "
+        "PostgreSQL CPU s per 1,000 records, from the COPY to the outbox emptied (the benchmark's own"
+        " session left out): "
         + ", ".join(f"{kind} {1000 * seconds / args.records:.5f}" for kind, seconds in kinds)
         + f"; total {1000 * sum(server.values()) / args.records:.5f}"
     )
