@@ -208,10 +208,13 @@ def test_a_leader_fenced_between_commit_and_purge_publishes_nothing_twice(
         assert a.wait_for("LeaderAcquired"), a.log
         b = HarvesterProcess(spec("standby-b"))
         assert b.wait_for("started")
+        # The term's start bumps the fence row after LeaderAcquired: the share lock taken before it
+        # would hold the leader's term back, not its purges.
+        assert wait_until(lambda: any("fence_acquired" in line for line in a.log)), a.log
         fence = sql.SQL("SELECT 1 FROM {} WHERE outbox_table = %s FOR SHARE").format(fence_table(outbox).ident)
         held.execute(fence, (outbox.qualified,))
         insert(services.pg_dsn, outbox, [(topic, f"k{i % 20}", f"k{i % 20}:{i // 20}") for i in range(200)])
-        assert wait_committed(services.bootstrap, topic, 60)  # three batches of 20
+        assert wait_committed(services.bootstrap, topic, 60), a.log[-30:]  # three batches of 20
         assert wait_until(lambda: blocked_statement(services.pg_dsn, "stopped-a") is not None), a.log
         os.kill(a.proc.pid, signal.SIGSTOP)
         stopped = epoch(services.pg_dsn, outbox)
