@@ -365,7 +365,11 @@ static PyObject *Loop_purge(Loop *self, PyObject *unused) {
     (void)unused;
     if (made(self) != 0)
         return NULL;
+    /* It waits for each broker thread to purge its queues: without the GIL, as flush, so that a
+     * slow broker thread holds back this thread only, not every thread of the harvester. */
+    Py_BEGIN_ALLOW_THREADS
     rd_kafka_purge(self->rk, RD_KAFKA_PURGE_F_QUEUE | RD_KAFKA_PURGE_F_INFLIGHT);
+    Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 
