@@ -222,7 +222,8 @@ def kinds_per_thousand(before: CpuSample, after: CpuSample, records: int) -> dic
     process (:func:`by_kind`): which process a costly round's PostgreSQL figure came from."""
     kinds = by_kind(before.server, after.server)
     scale = 1000 / max(1, records)
-    return {kind: round(seconds * scale, 5) for kind, seconds in sorted(kinds.items()) if round(seconds * scale, 5)}
+    rounded = {kind: round(seconds * scale, 5) for kind, seconds in sorted(kinds.items())}
+    return {kind: figure for kind, figure in rounded.items() if figure}
 
 
 def bootstrap_port() -> int:

@@ -81,7 +81,10 @@ def main() -> None:
         emit({"event": "start_refused", "error": str(exc)})
         os._exit(START_REFUSED)  # no clean stop: whatever the failed start left running ends with the process
     emit({"event": "started", "name": config.name})
-    done.wait()
+    # A timed wait, as the reaper's own: a SIGTERM the kernel hands to another thread only flags the
+    # main thread, and an untimed wait would never return to the interpreter to run the handler.
+    while not done.wait(0.5):
+        pass
     h.stop(timeout=10)
     shards = h.shard_metrics
     emit(
