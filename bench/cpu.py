@@ -13,7 +13,7 @@ import gc
 import os
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -152,10 +152,17 @@ Processes = dict[int, tuple[str, float]]  # a server process's kind and CPU seco
 @dataclass(frozen=True, slots=True)
 class CpuSample:
     own: float
-    postgres: float
-    walsender: float = 0.0  # the live WAL senders' share of ``postgres``
-    broker: float = 0.0  # the Kafka broker's (a ``kafka.Kafka`` process on this machine)
-    server: Processes = field(default_factory=dict)  # ``postgres`` process by process
+    broker: float  # the Kafka broker's (a ``kafka.Kafka`` process on this machine)
+    server: Processes  # PostgreSQL's, process by process
+
+    @property
+    def postgres(self) -> float:
+        return sum(seconds for _, seconds in self.server.values())
+
+    @property
+    def walsender(self) -> float:
+        """The live WAL senders' share of :attr:`postgres`."""
+        return sum(seconds for kind, seconds in self.server.values() if kind == "walsender")
 
 
 class CpuMeter:
@@ -190,10 +197,7 @@ class CpuMeter:
         return server
 
     def sample(self) -> CpuSample:
-        server = self.processes()
-        walsender = sum(seconds for kind, seconds in server.values() if kind == "walsender")
-        total = sum(seconds for _, seconds in server.values())
-        return CpuSample(own_seconds(), total, walsender, self._broker_seconds(), server)
+        return CpuSample(own_seconds(), self._broker_seconds(), self.processes())
 
     def _broker_seconds(self) -> float:
         if self._broker is not None:
